@@ -1,0 +1,168 @@
+"""The Paddle streaming dataset over caption-image shards, and the stream state the training loop keeps.
+
+`CaptionImageStream` batches inside each (rank, worker) slot and attaches the slot's state after
+each batch. Paddle's DataLoader takes batches from its workers in strict round-robin order, so the
+loop's `StreamState` (last consumed state per slot + number of batches consumed) is enough to
+restart every worker exactly where the consumer left it: on restore, worker w takes the role of
+slot (w + batches) mod workers, so the next batch comes from the slot that was next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from paddle.io import DataLoader, IterableDataset, get_worker_info
+
+from ldm.data.filelist import Shard
+from ldm.data.record import ImageTransform, parse_record, sample_rng
+from ldm.data.shard import ShardError, iter_lines
+from ldm.data.stream import Record, SlotStream
+
+logger = logging.getLogger("ldm.data")
+
+
+def count_records(shards: list[Shard]) -> int:
+    total = 0
+    for shard in shards:
+        try:
+            total += sum(1 for _ in iter_lines(shard.path))
+        except ShardError:
+            pass
+    return total
+
+
+def check_enough_records(shards: list[Shard], num_slots: int) -> None:
+    """Every slot needs at least one record: checked (cheaply) only when shards are fewer than slots."""
+    if len(shards) >= num_slots:
+        return
+    records = count_records(shards)
+    if records < num_slots:
+        raise ValueError(
+            f"the file list holds {records} record(s) in {len(shards)} shard(s), fewer than the "
+            f"{num_slots} (rank, dataloader worker) slots that read it; use fewer workers or more data"
+        )
+
+
+def to_pixel_values(images: list[np.ndarray]) -> np.ndarray:
+    """uint8 HWC crops -> float32 [B, 3, R, R] in [-1, 1]."""
+    batch = np.stack(images).transpose(0, 3, 1, 2).astype(np.float32)
+    batch *= 2.0 / 255.0
+    batch -= 1.0
+    return batch
+
+
+class CaptionImageStream(IterableDataset):
+    def __init__(
+        self,
+        shards: list[Shard],
+        *,
+        tokenize,
+        transform: ImageTransform,
+        batch_size: int,
+        caption_dropout_prob: float = 0.1,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        shuffle_buffer: int = 256,
+        state: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.shards, self.tokenize, self.transform = shards, tokenize, transform
+        self.batch_size, self.caption_dropout_prob, self.seed = batch_size, caption_dropout_prob, seed
+        self.rank, self.world_size = rank, world_size
+        self.workers = max(1, num_workers)
+        self.shuffle_buffer = shuffle_buffer
+        check_enough_records(shards, world_size * self.workers)
+        self.slot_states: dict[int, dict] = {}
+        self.first_role = 0
+        self.start_pass = 0
+        if state:
+            self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        slots = {int(k): v for k, v in state["slots"].items()}
+        same_layout = state["num_workers"] == self.workers and all(
+            s["num_slots"] == self.world_size * self.workers for s in slots.values()
+        )
+        if same_layout:
+            self.slot_states = slots
+            self.first_role = state["batches"] % self.workers
+        else:
+            # Exact resume needs the same (ranks x workers) layout; otherwise start a fresh pass.
+            self.start_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
+            logger.warning(
+                "data stream state was saved with another rank/worker layout; starting pass %d instead "
+                "of resuming exactly", self.start_pass,
+            )
+
+    def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
+        caption, image_bytes = parse_record(record.line)
+        rng = sample_rng(self.seed, record.pass_index, record.shard, record.line_number, record.copy)
+        if rng.random() < self.caption_dropout_prob:
+            caption = ""
+        return self.transform(image_bytes, rng), self.tokenize(caption)
+
+    def slot_stream(self, role: int) -> SlotStream:
+        slot = self.rank * self.workers + role
+        stream = SlotStream(
+            self.shards, slot, self.world_size * self.workers, self.seed, self.shuffle_buffer,
+            state=self.slot_states.get(slot),
+        )
+        if slot not in self.slot_states:
+            stream.pass_index = self.start_pass
+        return stream
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        stream = self.slot_stream((worker + self.first_role) % self.workers)
+        images, ids = [], []
+        for image, input_ids in stream.samples(self.make_sample):
+            images.append(image)
+            ids.append(input_ids)
+            if len(images) == self.batch_size:
+                yield {
+                    "pixel_values": to_pixel_values(images),
+                    "input_ids": np.stack(ids),
+                    "stream_state": json.dumps(stream.state_dict()),
+                }
+                images, ids = [], []
+
+
+class StreamState:
+    """The training loop's record of the data stream: what it consumed, per slot."""
+
+    def __init__(self, num_workers: int):
+        self.num_workers = max(1, num_workers)
+        self.slots: dict[int, dict] = {}
+        self.batches = 0
+
+    def update(self, batch: dict) -> dict:
+        """Record the batch's slot state; returns the batch without it."""
+        batch = dict(batch)
+        state = json.loads(batch.pop("stream_state"))
+        self.slots[state["slot"]] = state
+        self.batches += 1
+        return batch
+
+    def counts(self) -> Counter:
+        total: Counter = Counter()
+        for state in self.slots.values():
+            total.update(state["counts"])
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_workers": self.num_workers, "batches": self.batches, "slots": dict(self.slots)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.slots = {int(k): v for k, v in state["slots"].items()}
+        self.batches = state["batches"]
+
+
+def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader:
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, use_shared_memory=False)

@@ -1,0 +1,136 @@
+"""Turning one shard line into a caption and an image crop.
+
+Every way a record can be unusable raises `SkipRecord` with a short reason; the stream counts
+the reasons. Image decoding follows PERFORMANCE.md: JPEG `draft` (DCT-domain downscaling) and
+one `resize(..., box=crop)` call instead of resize-then-crop.
+"""
+
+from __future__ import annotations
+
+import binascii
+import io
+import random
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pybase64
+from PIL import Image
+
+REASONS = (
+    "missing_columns",
+    "bad_caption",
+    "empty_image",
+    "bad_base64",
+    "bad_image",
+    "too_large",
+    "too_small",
+)
+
+
+class SkipRecord(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def parse_record(line: bytes) -> tuple[str, bytes]:
+    """`caption \\t <ignored> \\t base64(image)[\\t ...]` -> (caption, image bytes)."""
+    fields = line.split(b"\t", 3)
+    if len(fields) < 3:
+        raise SkipRecord("missing_columns", f"{len(fields)} column(s)")
+    try:
+        caption = fields[0].decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise SkipRecord("bad_caption", str(e)) from None
+    payload = fields[2].strip()
+    if not payload:
+        raise SkipRecord("empty_image")
+    try:
+        image_bytes = pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise SkipRecord("bad_base64", str(e)) from None
+    if not image_bytes:
+        raise SkipRecord("empty_image")
+    return caption, image_bytes
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any Pillow mode to RGB: transparency over white, 16-bit scaled, not clipped."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        # Pillow's convert("L") clips 16-bit values at 255; scale the full range instead.
+        values = np.asarray(image, dtype=np.uint32)
+        return Image.fromarray((np.minimum(values, 65535) // 257).astype(np.uint8), "L").convert("RGB")
+    if mode == "F":
+        values = np.asarray(image, dtype=np.float32)
+        return Image.fromarray(np.clip(values, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """Shorter side to `resolution / resize_ratio`, crop `resolution` (random or center), optional flip.
+
+    Returns uint8 HWC; the crop position and flip come from the record's own generator, so a
+    record's sample depends only on (seed, pass, record), never on reading order.
+    """
+
+    resolution: int = 256
+    resize_ratio: float = 0.9
+    center_crop: bool = False
+    random_flip: bool = False
+    min_image_size: int = 0
+    max_image_pixels: int = 89_478_485
+
+    def __call__(self, image_bytes: bytes, rng: random.Random) -> np.ndarray:
+        size = self.resolution
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(image_bytes))
+            width, height = image.size
+            if width * height > self.max_image_pixels:
+                raise SkipRecord("too_large", f"{width}x{height}")
+            if min(width, height) < self.min_image_size:
+                raise SkipRecord("too_small", f"{width}x{height}")
+            if width < 1 or height < 1:
+                raise SkipRecord("bad_image", f"{width}x{height}")
+            scale = size / self.resize_ratio / min(width, height)
+            resized_w = max(size, round(width * scale))
+            resized_h = max(size, round(height * scale))
+            if self.center_crop:
+                left, top = (resized_w - size) // 2, (resized_h - size) // 2
+            else:
+                left, top = rng.randint(0, resized_w - size), rng.randint(0, resized_h - size)
+            sx, sy = width / resized_w, height / resized_h
+            box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+            if image.format == "JPEG":
+                image.draft("RGB", (resized_w, resized_h))
+                dx, dy = image.size[0] / width, image.size[1] / height
+                box = (box[0] * dx, box[1] * dy, box[2] * dx, box[3] * dy)
+            image = to_rgb(image)
+            crop = image.resize((size, size), Image.Resampling.BICUBIC, box=box)
+        except SkipRecord:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise SkipRecord("too_large", str(e)) from None
+        except (OSError, SyntaxError, ValueError, TypeError, IndexError, EOFError,
+                Image.UnidentifiedImageError) as e:
+            raise SkipRecord("bad_image", f"{type(e).__name__}: {e}") from None
+        array = np.asarray(crop)
+        if self.random_flip and rng.random() < 0.5:
+            array = array[:, ::-1]
+        return array
+
+
+def sample_rng(seed: int, pass_index: int, shard: str, line_number: int, copy: int = 0) -> random.Random:
+    """The generator of one record's augmentations and caption dropout (string seeds hash with SHA-512)."""
+    return random.Random(f"{seed}/{pass_index}/{copy}/{shard}:{line_number}")

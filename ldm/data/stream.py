@@ -1,0 +1,179 @@
+"""The records of one (rank, worker) slot, shuffled, with a position that can be saved and restored.
+
+The state is small and explicit: pass number, unit index, last line read in that unit, number of
+shuffle draws, and the shuffle buffer as (unit, line) pointers. Restoring re-reads only the
+buffered lines (a few shards at most), never replays the pass. Shuffle draws use a generator
+seeded by (seed, pass, slot, draw), and each record's augmentations one seeded by the record
+itself, so the stream after a restore is exactly the stream an uninterrupted run would read.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from ldm.data.filelist import Shard
+from ldm.data.plan import Unit, slot_units
+from ldm.data.record import SkipRecord
+from ldm.data.shard import LineTooLong, ShardError, ShardTruncated, iter_lines
+
+logger = logging.getLogger("ldm.data")
+
+LOGGED_PER_REASON = 5
+MAX_EMPTY_PASSES = 1000
+
+
+class NoUsableData(RuntimeError):
+    """A slot went through a whole pass without one usable record."""
+
+
+class Record(NamedTuple):
+    shard: str
+    line_number: int
+    copy: int
+    pass_index: int
+    line: bytes
+
+
+def shard_error_reason(error: ShardError) -> str:
+    if isinstance(error, ShardTruncated):
+        return "truncated_shard"
+    if isinstance(error, LineTooLong):
+        return "line_too_long"
+    return "unreadable_shard"
+
+
+class SlotStream:
+    def __init__(
+        self,
+        shards: list[Shard],
+        slot: int = 0,
+        num_slots: int = 1,
+        seed: int = 0,
+        shuffle_buffer: int = 256,
+        state: dict[str, Any] | None = None,
+    ):
+        if not 0 <= slot < num_slots:
+            raise ValueError(f"slot {slot} out of range for {num_slots} slots")
+        self.shards, self.slot, self.num_slots = shards, slot, num_slots
+        self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
+        self.pass_index = self.unit_pos = self.line_pos = self.pops = self.pass_ok = 0
+        self.buffer: list[tuple[int, int, bytes]] = []
+        self.counts: Counter[str] = Counter()
+        self._logged: Counter[str] = Counter()
+        self._to_reload: list[tuple[int, int]] = []
+        if state is not None:
+            self.load_state_dict(state)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "num_slots": self.num_slots,
+            "pass": self.pass_index,
+            "unit": self.unit_pos,
+            "line": self.line_pos,
+            "pops": self.pops,
+            "pass_ok": self.pass_ok,
+            "buffer": [[u, n] for u, n, _ in self.buffer] + [list(p) for p in self._to_reload],
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["slot"], state["num_slots"]) != (self.slot, self.num_slots):
+            raise ValueError(
+                f"stream state is for slot {state['slot']} of {state['num_slots']}, "
+                f"not slot {self.slot} of {self.num_slots}"
+            )
+        self.pass_index, self.unit_pos, self.line_pos = state["pass"], state["unit"], state["line"]
+        self.pops, self.pass_ok = state["pops"], state["pass_ok"]
+        self.counts = Counter(state["counts"])
+        self.buffer = []
+        self._to_reload = [(u, n) for u, n in state["buffer"]]
+
+    # -- reading ---------------------------------------------------------------------------
+    def _count(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        if self._logged[reason] < LOGGED_PER_REASON:
+            self._logged[reason] += 1
+            suffix = " (further ones are counted, not logged)" if self._logged[reason] == LOGGED_PER_REASON else ""
+            logger.warning("skipped %s: %s %s%s", where, reason, detail, suffix)
+
+    def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes]]:
+        path = self.shards[unit.shard].path
+        number = 0
+        try:
+            for number, line in enumerate(iter_lines(path), 1):
+                if until is not None and number > until:
+                    return
+                if number > after and unit.owns(number):
+                    yield number, line
+        except ShardError as e:
+            self._count(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
+
+    def _reload_buffer(self, units: list[Unit]) -> None:
+        wanted: dict[int, set[int]] = {}
+        for u, n in self._to_reload:
+            wanted.setdefault(u, set()).add(n)
+        found: dict[tuple[int, int], bytes] = {}
+        for u, numbers in wanted.items():
+            for n, line in self._unit_lines(units[u], after=min(numbers) - 1, until=max(numbers)):
+                if n in numbers:
+                    found[(u, n)] = line
+        for u, n in self._to_reload:
+            if (u, n) in found:
+                self.buffer.append((u, n, found[(u, n)]))
+            else:
+                logger.warning("shard %s changed since the checkpoint: line %d is gone", self.shards[units[u].shard].path, n)
+        self._to_reload = []
+
+    def _pop(self, units: list[Unit]) -> Record:
+        draw = random.Random(f"{self.seed}/shuffle/{self.pass_index}/{self.slot}/{self.pops}")
+        i = draw.randrange(len(self.buffer))
+        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
+        unit_pos, number, line = self.buffer.pop()
+        self.pops += 1
+        unit = units[unit_pos]
+        return Record(self.shards[unit.shard].path, number, unit.copy, self.pass_index, line)
+
+    def records(self) -> Iterator[Record]:
+        """Records forever, pass after pass; the state after a yield is the state to resume from."""
+        empty_passes = 0
+        while True:
+            units = slot_units(self.shards, self.slot, self.num_slots, self.seed, self.pass_index)
+            if self._to_reload:
+                self._reload_buffer(units)
+            while self.unit_pos < len(units):
+                for number, line in self._unit_lines(units[self.unit_pos], after=self.line_pos):
+                    self.line_pos = number
+                    self.buffer.append((self.unit_pos, number, line))
+                    if len(self.buffer) >= self.shuffle_buffer:
+                        yield self._pop(units)
+                self.unit_pos, self.line_pos = self.unit_pos + 1, 0
+            while self.buffer:
+                yield self._pop(units)
+            if units and not self.pass_ok:
+                raise NoUsableData(
+                    f"slot {self.slot} of {self.num_slots} read no usable record in pass {self.pass_index} "
+                    f"of its {len(units)} shard unit(s); problems counted: {dict(self.counts) or 'none'}. "
+                    "Check the file list and the shards (python -m ldm.data stats --file_list ...)."
+                )
+            empty_passes = 0 if units else empty_passes + 1
+            if empty_passes > MAX_EMPTY_PASSES:
+                raise NoUsableData(f"{MAX_EMPTY_PASSES} passes in a row drew no shard: weights too small?")
+            self.pass_index, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.pass_index + 1, 0, 0, 0, 0
+
+    def samples(self, make_sample: Callable[[Record], Any]) -> Iterator[Any]:
+        """`make_sample(record)` for every record, skipping and counting those it rejects."""
+        for record in self.records():
+            try:
+                sample = make_sample(record)
+            except SkipRecord as e:
+                self._count(e.reason, f"{record.shard}:{record.line_number}", e.detail)
+                continue
+            self.pass_ok += 1
+            self.counts["ok"] += 1
+            yield sample
