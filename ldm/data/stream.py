@@ -139,32 +139,41 @@ class SlotStream:
         unit = units[unit_pos]
         return Record(self.shards[unit.shard].path, number, unit.copy, self.pass_index, line)
 
+    def pass_records(self) -> Iterator[Record]:
+        """The rest of the current pass; the state after a yield is the state to resume from."""
+        units = slot_units(self.shards, self.slot, self.num_slots, self.seed, self.pass_index)
+        if self._to_reload:
+            self._reload_buffer(units)
+        while self.unit_pos < len(units):
+            for number, line in self._unit_lines(units[self.unit_pos], after=self.line_pos):
+                self.line_pos = number
+                self.buffer.append((self.unit_pos, number, line))
+                if len(self.buffer) >= self.shuffle_buffer:
+                    yield self._pop(units)
+            self.unit_pos, self.line_pos = self.unit_pos + 1, 0
+        while self.buffer:
+            yield self._pop(units)
+        self._units_in_pass = len(units)
+
+    def next_pass(self) -> None:
+        self.pass_index, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.pass_index + 1, 0, 0, 0, 0
+
     def records(self) -> Iterator[Record]:
-        """Records forever, pass after pass; the state after a yield is the state to resume from."""
+        """Records forever, pass after pass; stops with NoUsableData rather than spin on bad input."""
         empty_passes = 0
         while True:
-            units = slot_units(self.shards, self.slot, self.num_slots, self.seed, self.pass_index)
-            if self._to_reload:
-                self._reload_buffer(units)
-            while self.unit_pos < len(units):
-                for number, line in self._unit_lines(units[self.unit_pos], after=self.line_pos):
-                    self.line_pos = number
-                    self.buffer.append((self.unit_pos, number, line))
-                    if len(self.buffer) >= self.shuffle_buffer:
-                        yield self._pop(units)
-                self.unit_pos, self.line_pos = self.unit_pos + 1, 0
-            while self.buffer:
-                yield self._pop(units)
+            yield from self.pass_records()
+            units = self._units_in_pass
             if units and not self.pass_ok:
                 raise NoUsableData(
                     f"slot {self.slot} of {self.num_slots} read no usable record in pass {self.pass_index} "
-                    f"of its {len(units)} shard unit(s); problems counted: {dict(self.counts) or 'none'}. "
+                    f"from its {units} shard unit(s); problems counted: {dict(self.counts) or 'none'}. "
                     "Check the file list and the shards (python -m ldm.data stats --file_list ...)."
                 )
             empty_passes = 0 if units else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:
                 raise NoUsableData(f"{MAX_EMPTY_PASSES} passes in a row drew no shard: weights too small?")
-            self.pass_index, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.pass_index + 1, 0, 0, 0, 0
+            self.next_pass()
 
     def samples(self, make_sample: Callable[[Record], Any]) -> Iterator[Any]:
         """`make_sample(record)` for every record, skipping and counting those it rejects."""

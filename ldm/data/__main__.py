@@ -1,0 +1,5 @@
+import sys
+
+from ldm.data.tools import main
+
+sys.exit(main())

@@ -1,0 +1,306 @@
+"""`python -m ldm.data`: inspect, plan, benchmark and build caption-image shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tarfile
+import time
+from collections import Counter
+from itertools import islice
+
+from tqdm import tqdm
+
+from ldm.data.filelist import FileListError, read_file_list
+from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
+from ldm.data.shard import ShardError, iter_lines
+from ldm.data.stream import SlotStream, shard_error_reason
+from ldm.data.write import ShardWriter, record_line
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class UserError(Exception):
+    pass
+
+
+# -- stats ---------------------------------------------------------------------------------------
+def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = True) -> dict:
+    shards = read_file_list(file_list)
+    bad: Counter = Counter()
+    shard_errors: Counter = Counter()
+    missing, records, ok = [], 0, 0
+    for shard in tqdm(shards, desc="shards", unit="shard", disable=not progress):
+        if not os.path.exists(shard.path):
+            missing.append(shard.path)
+            continue
+        try:
+            for number, line in enumerate(iter_lines(shard.path), 1):
+                records += 1
+                try:
+                    _, image_bytes = parse_record(line)
+                    transform(image_bytes, sample_rng(0, 0, shard.path, number))
+                    ok += 1
+                except SkipRecord as e:
+                    bad[e.reason] += 1
+        except ShardError as e:
+            shard_errors[shard_error_reason(e)] += 1
+    return {
+        "shards": len(shards),
+        "missing_shards": len(missing),
+        "records": records,
+        "ok": ok,
+        "bad": dict(sorted(bad.items())),
+        "shard_errors": dict(sorted(shard_errors.items())),
+        "missing": missing[:20],
+    }
+
+
+def cmd_stats(args) -> None:
+    stats = corpus_stats(args.file_list, ImageTransform(args.resolution, center_crop=True,
+                                                        min_image_size=args.min_image_size),
+                         progress=not args.json)
+    if args.json:
+        print(json.dumps(stats))
+        return
+    print(f"shards          {stats['shards']} ({stats['missing_shards']} missing)")
+    print(f"records         {stats['records']}")
+    print(f"usable          {stats['ok']}")
+    for reason, count in stats["bad"].items():
+        print(f"  skipped {reason:<16} {count}")
+    for reason, count in stats["shard_errors"].items():
+        print(f"  shards {reason:<17} {count}")
+    for path in stats["missing"]:
+        print(f"  missing {path}")
+
+
+# -- plan ----------------------------------------------------------------------------------------
+def slot_plan(file_list: str, world_size: int, num_workers: int, seed: int, pass_index: int,
+              shuffle_buffer: int):
+    """(rank, worker, shard, line) in the order each slot reads its records in one pass."""
+    shards = read_file_list(file_list)
+    workers = max(1, num_workers)
+    for rank in range(world_size):
+        for worker in range(workers):
+            stream = SlotStream(shards, rank * workers + worker, world_size * workers, seed, shuffle_buffer)
+            stream.pass_index = pass_index
+            for record in stream.pass_records():
+                yield rank, worker, record.shard, record.line_number
+
+
+def cmd_plan(args) -> None:
+    out = sys.stdout
+    for rank, worker, shard, line in slot_plan(args.file_list, args.world_size, args.num_workers, args.seed,
+                                               args.pass_index, args.shuffle_buffer):
+        out.write(f"{rank} {worker} {shard} {line}\n")
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def pin_one_core() -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+
+
+def _rate(samples, n: int) -> float:
+    start = time.perf_counter()
+    got = sum(1 for _ in islice(samples, n))
+    elapsed = time.perf_counter() - start
+    if got < n:
+        raise UserError(f"the file list holds only {got} usable records; pass --num_samples {got} or fewer")
+    return n / elapsed
+
+
+def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) -> tuple[float, float]:
+    """Median images/s of the real data path and of the naive reference, interleaved, one core."""
+    import numpy as np
+
+    from ldm.data.dataset import to_pixel_values
+    from ldm.data.naive import naive_samples
+
+    shards = read_file_list(file_list)
+    transform = ImageTransform(resolution)
+
+    def real():
+        stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
+
+        def make(record):
+            _, image_bytes = parse_record(record.line)
+            rng = sample_rng(0, record.pass_index, record.shard, record.line_number)
+            return to_pixel_values([transform(image_bytes, rng)])
+
+        return stream.samples(make)
+
+    pin_one_core()
+    fast, slow = [], []
+    for _ in range(rounds):
+        slow.append(_rate(naive_samples([s.path for s in shards], resolution), num_samples))
+        fast.append(_rate(real(), num_samples))
+    return float(np.median(fast)), float(np.median(slow))
+
+
+def cmd_bench(args) -> None:
+    fast, slow = bench(args.file_list, args.num_samples, args.resolution, args.rounds)
+    print(f"naive reference  {slow:8.1f} images/s (one core)")
+    print(f"ldm data path    {fast:8.1f} images/s (one core)")
+    print(f"ratio            {fast / slow:8.2f}x")
+
+
+# -- convert -------------------------------------------------------------------------------------
+def _caption_from_json(data: bytes) -> str:
+    meta = json.loads(data.decode("utf-8"))
+    for key in ("caption", "text", "TEXT", "prompt"):
+        if isinstance(meta.get(key), str):
+            return meta[key]
+    raise KeyError("no caption/text field")
+
+
+def folder_records(folder: str):
+    for root, _, names in sorted(os.walk(folder)):
+        for name in sorted(names):
+            stem, ext = os.path.splitext(name)
+            if ext.lower() not in IMAGE_EXTENSIONS:
+                continue
+            caption_path = os.path.join(root, stem + ".txt")
+            if not os.path.exists(caption_path):
+                yield None, None, f"{os.path.join(root, name)}: no {stem}.txt beside it"
+                continue
+            with open(caption_path, encoding="utf-8") as f:
+                caption = f.read().strip()
+            with open(os.path.join(root, name), "rb") as f:
+                yield stem, (caption, f.read()), None
+
+
+def tar_records(path: str):
+    """webdataset: members grouped by key (the path up to the first dot of the file name)."""
+    with tarfile.open(path) as tar:
+        groups: dict[str, dict[str, bytes]] = {}
+        order: list[str] = []
+        for member in tar:
+            if not member.isfile():
+                continue
+            folder, name = os.path.split(member.name)
+            key, _, ext = name.partition(".")
+            key = os.path.join(folder, key)
+            if key not in groups:
+                groups[key] = {}
+                order.append(key)
+            groups[key][ext.lower()] = tar.extractfile(member).read()
+        for key in order:
+            files = groups.pop(key)
+            image = next((files[e] for e in ("jpg", "jpeg", "png", "webp") if e in files), None)
+            try:
+                caption = files["txt"].decode("utf-8").strip() if "txt" in files else _caption_from_json(files["json"])
+            except (KeyError, ValueError, UnicodeDecodeError):
+                caption = None
+            if image is None or caption is None:
+                yield None, None, f"{path}:{key}: needs an image and a .txt or .json caption"
+            else:
+                yield key, (caption, image), None
+
+
+def parquet_records(path: str):
+    """img2dataset parquet output: image bytes in `jpg` (or `png`/`webp`/`image`), text in `caption`."""
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path)
+    columns = table.schema_arrow.names
+    image_column = next((c for c in ("jpg", "png", "webp", "image") if c in columns), None)
+    caption_column = next((c for c in ("caption", "text", "TEXT") if c in columns), None)
+    if image_column is None or caption_column is None:
+        raise UserError(f"{path}: parquet needs an image column (jpg/png/webp/image) and a caption column; has {columns}")
+    key_column = "key" if "key" in columns else None
+    for batch in table.iter_batches(columns=[c for c in (image_column, caption_column, key_column) if c]):
+        data = batch.to_pydict()
+        for i, (image, caption) in enumerate(zip(data[image_column], data[caption_column], strict=True)):
+            key = str(data[key_column][i]) if key_column else f"{os.path.basename(path)}:{i}"
+            if not image or caption is None:
+                yield None, None, f"{path}: row {key} has no image or caption"
+            else:
+                yield key, (caption, image), None
+
+
+def convert(inputs: list[str], output_dir: str, records_per_shard: int, name: str = "train") -> tuple[str, int, int]:
+    written = skipped = 0
+    with ShardWriter(output_dir, name, records_per_shard) as writer:
+        for path in inputs:
+            if os.path.isdir(path):
+                source = folder_records(path)
+            elif path.endswith(".tar"):
+                source = tar_records(path)
+            elif path.endswith(".parquet"):
+                source = parquet_records(path)
+            elif not os.path.exists(path):
+                raise UserError(f"input not found: {path}")
+            else:
+                raise UserError(f"{path}: expected an image folder, a webdataset .tar or an img2dataset .parquet")
+            for key, record, problem in tqdm(source, desc=os.path.basename(path.rstrip("/")), unit="rec"):
+                if problem:
+                    skipped += 1
+                    if skipped <= 5:
+                        print(f"skipped {problem}", file=sys.stderr)
+                    continue
+                caption, image = record
+                writer.write(record_line(caption, image, key))
+                written += 1
+    return writer.close(), written, skipped
+
+
+def cmd_convert(args) -> None:
+    listing, written, skipped = convert(args.inputs, args.output_dir, args.records_per_shard, args.name)
+    print(f"wrote {written} records ({skipped} skipped); use --file_list {listing}")
+
+
+# -- entry ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ldm.data", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("stats", help="read every record and count usable and unusable ones by reason")
+    p.add_argument("--file_list", required=True)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--resolution", type=int, default=256)
+    p.add_argument("--min_image_size", type=int, default=0)
+    p.set_defaults(run=cmd_stats)
+
+    p = sub.add_parser("plan", help="print 'rank worker shard line' for every record each slot reads in a pass")
+    p.add_argument("--file_list", required=True)
+    p.add_argument("--world_size", type=int, required=True)
+    p.add_argument("--num_workers", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pass", dest="pass_index", type=int, default=0)
+    p.add_argument("--shuffle_buffer", type=int, default=1,
+                   help="1 (default) prints reading order; the training value prints the order samples are drawn")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("bench", help="images/s of the data path vs a naive reference, one core")
+    p.add_argument("--file_list", required=True)
+    p.add_argument("--num_samples", type=int, default=300)
+    p.add_argument("--resolution", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("convert", help="build shards from image folders, webdataset .tar or img2dataset .parquet")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--records_per_shard", type=int, default=10000)
+    p.add_argument("--name", default="train")
+    p.set_defaults(run=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name} must be at least 1")
+    try:
+        args.run(args)
+    except (UserError, FileListError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        pass
+    return 0

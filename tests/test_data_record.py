@@ -1,0 +1,71 @@
+import random
+
+import numpy as np
+import pytest
+from corpus import GOOD_KINDS, bad_lines, decode, image_bytes, photo
+from PIL import Image
+
+from ldm.data.record import ImageTransform, SkipRecord, parse_record, to_rgb
+from ldm.data.write import encode_image, record_line
+
+
+@pytest.mark.parametrize("kind", GOOD_KINDS)
+def test_every_image_mode_becomes_a_crop_close_to_the_rgb_original(kind):
+    transform = ImageTransform(64, center_crop=True)
+    got = transform(image_bytes(kind), random.Random(0)).astype(np.float32)
+    assert got.shape == (64, 64, 3) and got.dtype == np.float32
+    reference = transform(image_bytes("png"), random.Random(0)).astype(np.float32)
+    if kind in ("gray", "gray16"):
+        reference = np.repeat(reference.mean(-1, keepdims=True), 3, -1)
+    if kind == "rgba":  # half-transparent over white
+        reference = reference / 2 + 127.5
+    assert np.abs(got - reference).mean() < 12, kind
+
+
+def test_sixteen_bit_is_scaled_not_clipped():
+    values = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    rgb = np.asarray(to_rgb(decode(encode_image(Image.fromarray(values), "PNG"))))
+    assert rgb[..., 0].max() == 255 and 120 < rgb[..., 0].mean() < 135  # a ramp, not all-white
+
+
+def test_palette_transparency_is_composited_over_white():
+    im = Image.new("P", (8, 8), 0)
+    im.putpalette([0, 0, 0] * 256)
+    im.info["transparency"] = 0
+    assert np.asarray(to_rgb(decode(encode_image(im, "PNG")))).min() == 255
+
+
+def test_draft_decoding_matches_a_full_decode():
+    """The JPEG fast path (DCT downscale + one resize call) ~ full decode, resize, crop."""
+    data = encode_image(photo(1024, 768, seed=3), "JPEG", quality=95)
+    fast = ImageTransform(256, center_crop=True)(data, random.Random(0)).astype(np.float32)
+    full = decode(data).convert("RGB")
+    scale = (256 / 0.9) / 768
+    resized = full.resize((round(1024 * scale), round(768 * scale)), Image.Resampling.BICUBIC)
+    left, top = (resized.size[0] - 256) // 2, (resized.size[1] - 256) // 2
+    slow = np.asarray(resized.crop((left, top, left + 256, top + 256)), dtype=np.float32)
+    assert np.abs(fast - slow).mean() < 6
+
+
+def test_random_crop_and_flip_follow_the_record_generator():
+    transform = ImageTransform(64, random_flip=True)
+    data = image_bytes("jpeg", size=(200, 90))
+    a = transform(data, random.Random("k"))
+    assert np.array_equal(a, transform(data, random.Random("k")))
+    crops = {transform(data, random.Random(i)).tobytes() for i in range(12)}
+    assert len(crops) > 6
+
+
+def test_parse_record_ignores_extra_columns():
+    jpeg = image_bytes("jpeg")
+    caption, data = parse_record(record_line("  a  photo ", jpeg, "key").rstrip(b"\n") + b"\textra\tmore")
+    assert caption == "a photo" and data == jpeg
+
+
+@pytest.mark.parametrize("reason", list(bad_lines()))
+def test_every_bad_record_is_skipped_with_its_reason(reason):
+    transform = ImageTransform(64, min_image_size=64)
+    with pytest.raises(SkipRecord) as info:
+        _, data = parse_record(bad_lines()[reason])
+        transform(data, random.Random(0))
+    assert info.value.reason == reason

@@ -1,0 +1,126 @@
+"""Stream state save/restore, the Paddle DataLoader over 2 workers, caption dropout, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+from corpus import write_corpus
+from test_data_plan import text_shards
+
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
+from ldm.data.filelist import read_file_list
+from ldm.data.record import ImageTransform, SkipRecord
+from ldm.data.stream import NoUsableData, SlotStream
+from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
+
+
+def skip_every_fifth(record):
+    if record.line_number % 5 == 0:
+        raise SkipRecord("bad_image")
+    return (record.shard, record.line_number, record.pass_index)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 23, 40, 61])
+def test_restored_slot_stream_continues_exactly(tmp_path, cut):
+    shards = text_shards(tmp_path, [9, 4, 13, 6])
+    total = 70  # more than two passes of this slot
+    reference = SlotStream(shards, 1, 3, seed=2, shuffle_buffer=5)
+    expected = [x for _, x in zip(range(total), reference.samples(skip_every_fifth))]
+
+    first = SlotStream(shards, 1, 3, seed=2, shuffle_buffer=5)
+    stream = first.samples(skip_every_fifth)
+    got = [next(stream) for _ in range(cut)]
+    state = json.loads(json.dumps(first.state_dict()))  # must survive serialisation
+    resumed = SlotStream(shards, 1, 3, seed=2, shuffle_buffer=5, state=state)
+    got += [x for _, x in zip(range(total - cut), resumed.samples(skip_every_fifth))]
+    assert got == expected
+    assert resumed.counts["bad_image"] == reference.counts["bad_image"]
+
+
+def test_state_for_another_slot_is_refused(tmp_path):
+    shards = text_shards(tmp_path, [3])
+    state = SlotStream(shards, 0, 2).state_dict()
+    with pytest.raises(ValueError, match="slot 0 of 2"):
+        SlotStream(shards, 1, 2, state=state)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    return write_corpus(str(folder), num_records=60, records_per_shard=7, kinds=("jpeg", "png", "rgba"), bad_every=9)
+
+
+def make_stream(corpus, vocab_dir, state=None, num_workers=2, **kw):
+    options = dict(batch_size=4, caption_dropout_prob=0.1, seed=3, shuffle_buffer=8)
+    options.update(kw)
+    return CaptionImageStream(
+        read_file_list(corpus),
+        tokenize=CaptionTokenizer(load_tokenizer(vocab_dir), 16),
+        transform=ImageTransform(32),
+        num_workers=num_workers,
+        state=state,
+        **options,
+    )
+
+
+def consume(loader, tracker, n):
+    out = []
+    for batch in loader:
+        batch = tracker.update(batch)
+        out.append((np.asarray(batch["pixel_values"]).copy(), np.asarray(batch["input_ids"]).copy()))
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_resume_sees_exactly_the_uninterrupted_batches(corpus, vocab_dir, num_workers):
+    total, cut = 14, 5  # 56 samples: past the first pass (~53 usable records)
+    tracker = StreamState(num_workers)
+    expected = consume(build_dataloader(make_stream(corpus, vocab_dir, num_workers=num_workers), num_workers),
+                       tracker, total)
+    assert expected[0][0].shape == (4, 3, 32, 32) and expected[0][0].dtype == np.float32
+    assert expected[0][1].shape == (4, 16) and expected[0][1].dtype == np.int64
+    assert -1.0 <= min(p.min() for p, _ in expected) and max(p.max() for p, _ in expected) <= 1.0
+
+    first = StreamState(num_workers)
+    got = consume(build_dataloader(make_stream(corpus, vocab_dir, num_workers=num_workers), num_workers), first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    second = StreamState(num_workers)
+    second.load_state_dict(state)
+    got += consume(build_dataloader(make_stream(corpus, vocab_dir, state, num_workers), num_workers), second,
+                   total - cut)
+    for (p1, i1), (p2, i2) in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(p1, p2)
+    assert len(tracker.slots) == max(1, num_workers)
+    assert second.counts() == tracker.counts()
+    assert sum(v for k, v in tracker.counts().items() if k != "ok") > 0
+
+
+def test_caption_dropout_uses_the_stream_seed(corpus, vocab_dir):
+    def empty_fraction(seed):
+        tracker = StreamState(0)
+        stream = make_stream(corpus, vocab_dir, num_workers=0, caption_dropout_prob=0.5, seed=seed)
+        ids = np.concatenate([i for _, i in consume(build_dataloader(stream, 0), tracker, 25)])
+        return ids, float(np.mean(ids[:, 2] == 0))  # [CLS] [SEP] [PAD]... for the empty caption
+
+    ids_a, fraction = empty_fraction(1)
+    assert 0.35 < fraction < 0.65
+    ids_b, _ = empty_fraction(1)
+    np.testing.assert_array_equal(ids_a, ids_b)
+
+
+def test_fewer_records_than_slots_fails_at_start(tmp_path, vocab_dir):
+    listing = write_corpus(str(tmp_path), num_records=3, records_per_shard=2)
+    with pytest.raises(ValueError, match="3 record.*4 .rank, dataloader worker. slots"):
+        make_stream(listing, vocab_dir, num_workers=2, world_size=2)
+
+
+def test_nothing_readable_stops_with_a_clear_error(tmp_path, vocab_dir):
+    (tmp_path / "bad.gz").write_bytes(b"no tabs here\n" * 10)
+    (tmp_path / "f").write_text("bad.gz\nmissing.gz\n")
+    (tmp_path / "list").write_text("f\n")
+    stream = make_stream(str(tmp_path / "list"), vocab_dir, num_workers=0)
+    with pytest.raises(NoUsableData, match="no usable record.*missing_columns.*unreadable_shard"):
+        next(iter(stream))
