@@ -14,6 +14,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+import cv2
 import numpy as np
 from paddle.io import DataLoader, IterableDataset, get_worker_info
 
@@ -118,6 +119,7 @@ class CaptionImageStream(IterableDataset):
         return stream
 
     def __iter__(self):
+        cv2.setNumThreads(1)  # one thread per loader slot; the slots are the parallelism
         info = get_worker_info()
         worker = info.id if info is not None else 0
         stream = self.slot_stream((worker + self.first_role) % self.workers)

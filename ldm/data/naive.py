@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import gzip
 import io
+import os
 import random
 from collections.abc import Iterator
 
@@ -18,16 +19,17 @@ from PIL import Image
 def naive_samples(paths: list[str], resolution: int = 256, seed: int = 0) -> Iterator[np.ndarray]:
     rng = random.Random(seed)
     for path in paths:
+        if not os.path.exists(path):
+            continue
         with gzip.open(path, "rb") as f:
             for line in f:
-                fields = line.decode("utf-8").rstrip("\n").split("\t")
                 try:
+                    fields = line.decode("utf-8").rstrip("\n").split("\t")
                     image = Image.open(io.BytesIO(base64.b64decode(fields[2]))).convert("RGB")
                 except Exception:  # noqa: BLE001 - mirrors the example's broad except
                     continue
                 width, height = image.size
-                short = resolution / 0.9
-                scale = short / min(width, height)
+                scale = resolution / 0.9 / min(width, height)
                 image = image.resize((round(width * scale), round(height * scale)), Image.Resampling.LANCZOS)
                 left = rng.randint(0, image.size[0] - resolution)
                 top = rng.randint(0, image.size[1] - resolution)
