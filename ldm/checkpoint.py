@@ -1,0 +1,111 @@
+"""Checkpoint folders, and loading any checkpoint or pipeline folder for inference.
+
+A checkpoint folder (`<output_dir>/checkpoint-<step>/`) holds:
+  unet/, bert/          the trained weights (ppdiffusers / PaddleNLP `save_pretrained` layout)
+  tokenizer/            the tokenizer, so the folder is self-describing
+  scheduler/            the DDPM noise scheduler config (with prediction_type)
+  ldm_model.json        where the frozen autoencoder is (relative paths are relative to this folder)
+  ema.pdparams          EMA weights and update counter (with --use_ema)
+  training_state.pdparams, optimizer.pdopt   what a resume needs beyond the weights (training loops)
+The frozen autoencoder is written once per run to `<output_dir>/vqvae/` rather than into every
+checkpoint (330 MB for KL-f8, times `save_total_limit`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+MODEL_JSON = "ldm_model.json"
+EMA_FILE = "ema.pdparams"
+
+
+def is_pipeline(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "model_index.json"))
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MODEL_JSON))
+
+
+def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str,
+               ema_state: dict | None = None) -> None:
+    """Write the model parts of a checkpoint into `folder` (created; existing files replaced)."""
+    import paddle
+
+    os.makedirs(folder, exist_ok=True)
+    unet.save_pretrained(os.path.join(folder, "unet"))
+    text_encoder.save_pretrained(os.path.join(folder, "bert"))
+    tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+    noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
+    vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(folder))
+    with open(os.path.join(folder, MODEL_JSON), "w") as f:
+        json.dump({"vae": vae}, f, indent=2)
+    if ema_state is not None:
+        paddle.save(ema_state, os.path.join(folder, EMA_FILE))
+
+
+def atomic_folder(final: str):
+    """A temporary sibling folder to fill; `commit()` renames it to `final` (replacing it)."""
+
+    class _Atomic:
+        def __init__(self):
+            parent = os.path.dirname(os.path.abspath(final)) or "."
+            os.makedirs(parent, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
+
+        def commit(self):
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(self.path, final)
+
+        def abort(self):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    return _Atomic()
+
+
+def apply_ema(state: dict, unet, text_encoder) -> None:
+    """Write EMA weights (named `unet.*` / `text_encoder.*` after the training wrapper) into the parts."""
+    import paddle
+
+    for prefix, model in (("unet", unet), ("text_encoder", text_encoder)):
+        with paddle.no_grad():
+            for name, parameter in model.named_parameters():
+                key = f"shadow.{prefix}.{name}"
+                if key in state:
+                    parameter.set_value(paddle.to_tensor(state[key]).astype(parameter.dtype))
+
+
+def load_for_inference(path: str, use_ema: bool = True):
+    """(unet, text_encoder, vae, tokenizer, noise_scheduler_config, used_ema) from a checkpoint or pipeline folder."""
+    import paddle
+    from paddlenlp.transformers import BertTokenizer
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+    from ldm.models.build import read_config
+
+    if not (is_pipeline(path) or is_checkpoint(path)):
+        raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
+                                "(model_index.json)")
+    unet = UNet2DConditionModel.from_pretrained(os.path.join(path, "unet"))
+    text_encoder = LDMBertModel.from_pretrained(os.path.join(path, "bert"))
+    tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+    scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
+    if is_pipeline(path):
+        vae_path = os.path.join(path, "vqvae")
+    else:
+        with open(os.path.join(path, MODEL_JSON)) as f:
+            vae_path = os.path.normpath(os.path.join(path, json.load(f)["vae"]))
+    vae = AutoencoderKL.from_pretrained(vae_path)
+    used_ema = False
+    ema_path = os.path.join(path, EMA_FILE)
+    if use_ema and os.path.isfile(ema_path):
+        apply_ema(paddle.load(ema_path), unet, text_encoder)
+        used_ema = True
+    for model in (unet, text_encoder, vae):
+        model.eval()
+    return unet, text_encoder, vae, tokenizer, scheduler_config, used_ema

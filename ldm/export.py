@@ -1,0 +1,57 @@
+"""Export a training checkpoint to a ppdiffusers `LDMTextToImagePipeline` folder.
+
+    python -m ldm.export --checkpoint OUTPUT/checkpoint-5000 --output OUTPUT/pipeline [--no_ema]
+
+EMA weights are used when the checkpoint has them (unless --no_ema). The result loads offline
+with `LDMTextToImagePipeline.from_pretrained(folder)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str) -> str:
+    from ppdiffusers import LDMTextToImagePipeline
+
+    from ldm.checkpoint import atomic_folder
+    from ldm.sampling import ddim_scheduler
+
+    pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
+                                      scheduler=ddim_scheduler(scheduler_config))
+    target = atomic_folder(output)
+    try:
+        pipeline.save_pretrained(target.path)
+        target.commit()
+    except BaseException:
+        target.abort()
+        raise
+    return output
+
+
+def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True) -> tuple[str, bool]:
+    from ldm.checkpoint import load_for_inference
+
+    unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
+    return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output), used_ema
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ldm.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint-<step> folder")
+    parser.add_argument("--output", required=True, help="the pipeline folder to write")
+    parser.add_argument("--no_ema", action="store_true", help="export the raw weights even if EMA weights exist")
+    args = parser.parse_args(argv)
+    try:
+        output, used_ema = export_checkpoint(args.checkpoint, args.output, not args.no_ema)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} ({'EMA' if used_ema else 'raw'} weights) to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Generate images from a training checkpoint or an exported pipeline folder.
+
+    python -m ldm.generate --model OUTPUT/pipeline --prompt "a red circle on a blue background" \\
+        --num_inference_steps 50 --guidance_scale 7.5 --seed 0 --output_dir samples/
+
+Writes one PNG per image (`<prompt index>-<image index>.png`) and `grid.png` (a row per prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+
+def slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit] or "empty"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ldm.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint-<step> folder or pipeline folder")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts_file", help="a text file with one prompt per line")
+    parser.add_argument("--num_images_per_prompt", type=int, default=1)
+    parser.add_argument("--num_inference_steps", type=int, default=50)
+    parser.add_argument("--guidance_scale", type=float, default=7.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--no_ema", action="store_true", help="use raw weights of a checkpoint that has EMA ones")
+    parser.add_argument("--output_dir", required=True)
+    args = parser.parse_args(argv)
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            parser.exit(2, f"error: cannot read --prompts_file: {e.strerror or e}\n")
+    if not prompts:
+        parser.exit(2, "error: give at least one --prompt or a --prompts_file\n")
+    for name in ("num_images_per_prompt", "num_inference_steps", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.exit(2, f"error: --{name} must be at least 1\n")
+
+    from ldm.checkpoint import load_for_inference
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.sampling import ddim_scheduler, generate, image_grid
+
+    try:
+        unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
+    except (FileNotFoundError, OSError) as e:
+        parser.exit(2, f"error: {e}\n")
+    tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
+    repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]
+    images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
+                      guidance_scale=args.guidance_scale, num_inference_steps=args.num_inference_steps,
+                      seed=args.seed, batch_size=args.batch_size)
+    from PIL import Image
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    for i, image in enumerate(images):
+        p, k = divmod(i, args.num_images_per_prompt)
+        Image.fromarray(image).save(os.path.join(args.output_dir, f"{p:03d}-{k:02d}-{slug(prompts[p])}.png"))
+    image_grid(images, rows=len(prompts)).save(os.path.join(args.output_dir, "grid.png"))
+    print(f"wrote {len(images)} images and grid.png to {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

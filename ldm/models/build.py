@@ -1,0 +1,192 @@
+"""Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
+
+A source is laid out like a ppdiffusers pipeline folder: `unet/`, `bert/`, `vqvae/`, `scheduler/`
+(and `tokenizer/` when exported). A part whose folder holds weights is loaded; a part with a
+config only is built and initialised from scratch (`init.init_ldm_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
+HUB_PRESETS = {"CompVis/ldm_laion400M_pretrain": "ldm-32layer", "CompVis/ldm_12_laion400M_pretrain": "ldm-12layer"}
+WEIGHT_FILES = ("model_state.pdparams", "diffusion_paddle_model.safetensors", "model.safetensors",
+                "diffusion_paddle_model.pdparams", "model_state.safetensors")
+
+# Training noise schedule of the reference (used when a source carries no scheduler config).
+DDPM_DEFAULTS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                 "num_train_timesteps": 1000, "clip_sample": False}
+
+logger = logging.getLogger("ldm.models")
+
+
+class ModelSourceError(RuntimeError):
+    pass
+
+
+def has_weights(folder: str | os.PathLike) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES)
+
+
+def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
+    with open(os.path.join(folder, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def resolve_source(name_or_path: str) -> str:
+    """A preset name or a folder -> a local folder; a hub name -> a local snapshot (online only)."""
+    if name_or_path in PRESETS:
+        return str(PRESETS_DIR / name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1:
+        raise ModelSourceError(f"model not found: {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), "
+                               "a folder, nor a hub name like 'org/name'")
+    return download(name_or_path)
+
+
+def download(name: str) -> str:
+    """Fetch the configs (and any weights) of a hub model into the ppdiffusers cache."""
+    from ppdiffusers.utils.download_utils import bos_aistudio_hf_download
+
+    try:
+        config = bos_aistudio_hf_download(name, "config.json", subfolder="unet")
+        for part, filename in (("bert", "config.json"), ("vqvae", "config.json"),
+                               ("scheduler", "scheduler_config.json")):
+            bos_aistudio_hf_download(name, filename, subfolder=part)
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, no access: all mean "unavailable"
+        same = HUB_PRESETS.get(name)
+        hint = (f" The shipped preset '{same}' has the same architecture: pass it instead, with "
+                "--vae_name_or_path set to a pretrained autoencoder folder." if same else
+                f" Offline, pass a preset ({', '.join(PRESETS)}) or a local folder.")
+        raise ModelSourceError(f"cannot fetch {name!r} from the model hub ({type(e).__name__}).{hint}") from None
+    for part in ("unet", "bert", "vqvae"):
+        for weights in WEIGHT_FILES:
+            try:
+                bos_aistudio_hf_download(name, weights, subfolder=part)
+                break
+            except Exception:  # noqa: BLE001, S112 - a part without weights is trained from scratch
+                continue
+    return os.path.dirname(os.path.dirname(config))
+
+
+@dataclass
+class Components:
+    unet: object
+    text_encoder: object
+    vae: object
+    noise_scheduler: object
+    source: str
+    vae_source: str
+    pretrained: dict = field(default_factory=dict)  # part -> loaded weights?
+
+    def parameter_counts(self) -> dict[str, int]:
+        return {name: sum(int(p.numel()) for p in getattr(self, name).parameters())
+                for name in ("unet", "text_encoder", "vae")}
+
+    def describe(self) -> str:
+        counts = self.parameter_counts()
+        parts = [f"{name} {counts[name] / 1e6:.2f}M ({'loaded' if self.pretrained[name] else 'from scratch'})"
+                 for name in ("unet", "text_encoder", "vae")]
+        return "parameters: " + ", ".join(parts)
+
+
+def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | None, pad_token_id: int = 0):
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
+
+    if has_weights(folder):
+        model = LDMBertModel.from_pretrained(folder)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ModelSourceError(f"the tokenizer has {vocab_size} tokens but the text encoder in {folder} "
+                                   f"knows {model.config.vocab_size}")
+        return model, True
+    config = read_config(folder)
+    config.pop("architectures", None)
+    # From scratch, the embeddings follow the tokenizer: any local vocabulary works with any preset.
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
+    if max_length is not None:
+        config["max_position_embeddings"] = max_length
+    config["pad_token_id"] = pad_token_id
+    return LDMBertModel(LDMBertConfig(**config)), False
+
+
+def load_unet(folder: str):
+    from ppdiffusers import UNet2DConditionModel
+
+    if has_weights(folder):
+        return UNet2DConditionModel.from_pretrained(folder), True
+    return UNet2DConditionModel.from_config(read_config(folder)), False
+
+
+def vae_folder(name_or_path: str) -> str:
+    """A folder holding an AutoencoderKL config (and weights): itself, or its `vqvae/` / `vae/`."""
+    folder = resolve_source(name_or_path)
+    for sub in ("", "vqvae", "vae"):
+        if os.path.isfile(os.path.join(folder, sub, "config.json")):
+            return os.path.join(folder, sub) if sub else folder
+    raise ModelSourceError(f"no autoencoder config in {name_or_path} (looked in ., vqvae/, vae/)")
+
+
+def load_vae(name_or_path: str):
+    from ppdiffusers import AutoencoderKL
+
+    folder = vae_folder(name_or_path)
+    if has_weights(folder):
+        return AutoencoderKL.from_pretrained(folder), True
+    return AutoencoderKL.from_config(read_config(folder)), False
+
+
+def noise_scheduler_config(source: str) -> dict:
+    path = os.path.join(source, "scheduler", "scheduler_config.json")
+    config = dict(DDPM_DEFAULTS)
+    if os.path.isfile(path):
+        saved = read_config(os.path.dirname(path), "scheduler_config.json")
+        config.update({k: saved[k] for k in DDPM_DEFAULTS if k in saved})
+    return config
+
+
+def build_components(
+    model_name_or_path: str,
+    *,
+    vae_name_or_path: str | None = None,
+    vocab_size: int | None = None,
+    model_max_length: int | None = None,
+    pad_token_id: int = 0,
+    prediction_type: str = "epsilon",
+    seed: int | None = None,
+) -> Components:
+    """Build or load the UNet, LDMBert, frozen VAE and DDPM noise scheduler of a model source."""
+    import paddle
+    from ppdiffusers import DDPMScheduler
+
+    from ldm.models.init import init_ldm_weights
+
+    source = resolve_source(model_name_or_path)
+    for part in ("unet", "bert"):
+        if not os.path.isfile(os.path.join(source, part, "config.json")):
+            raise ModelSourceError(f"{model_name_or_path}: no {part}/config.json (expected a preset, a folder of "
+                                   "configs or a ppdiffusers pipeline folder)")
+    if seed is not None:
+        paddle.seed(seed)
+    unet, unet_loaded = load_unet(os.path.join(source, "unet"))
+    text_encoder, text_loaded = load_text_encoder(os.path.join(source, "bert"), vocab_size, model_max_length,
+                                                  pad_token_id)
+    if not unet_loaded or not text_loaded:
+        init_ldm_weights(None if unet_loaded else unet, None if text_loaded else text_encoder)
+    vae_source = vae_name_or_path or source
+    vae, vae_loaded = load_vae(vae_source)
+    if not vae_loaded:
+        logger.warning(
+            "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random projections "
+            "and the\n!! diffusion model will learn nothing useful. This is only acceptable in tests. Pass "
+            "--vae_name_or_path\n!! with a pretrained KL autoencoder folder.\n" + "!" * 100, vae_source)
+    scheduler = DDPMScheduler(**noise_scheduler_config(source), prediction_type=prediction_type)
+    return Components(unet, text_encoder, vae, scheduler, source, vae_source,
+                      {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})

@@ -1,0 +1,105 @@
+"""The training objective: a batch in, the loss out.
+
+The wrapper owns no tokenizer, sampler or logger. The scheduler owns the noise math
+(`add_noise`, `get_velocity`) and the VAE config its scaling factor.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def freeze(layer: nn.Layer) -> None:
+    layer.eval()
+    for parameter in layer.parameters():
+        parameter.stop_gradient = True
+
+
+class LatentDiffusion(nn.Layer):
+    def __init__(
+        self,
+        unet: nn.Layer,
+        text_encoder: nn.Layer,
+        vae: nn.Layer,
+        noise_scheduler,
+        *,
+        noise_offset: float = 0.0,
+        snr_gamma: float | None = None,
+        freeze_text_encoder: bool = False,
+        recompute: bool = False,
+    ):
+        super().__init__()
+        prediction_type = noise_scheduler.config.prediction_type
+        if prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+        self.unet, self.text_encoder, self.vae = unet, text_encoder, vae
+        self.noise_scheduler = noise_scheduler
+        self.prediction_type = prediction_type
+        self.noise_offset, self.snr_gamma = float(noise_offset), snr_gamma
+        self.freeze_text_encoder = freeze_text_encoder
+        self.scaling_factor = float(vae.config.scaling_factor)
+        freeze(vae)
+        # LDMBert's `to_logits` head is never used to encode captions: keep it out of the optimizer
+        # (and out of DataParallel's reducer, which would wait for its gradients forever).
+        if hasattr(text_encoder, "to_logits"):
+            freeze(text_encoder.to_logits)
+        if freeze_text_encoder:
+            freeze(text_encoder)
+        if recompute:
+            unet.enable_gradient_checkpointing()
+            text_encoder.model.gradient_checkpointing = True
+        alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
+        self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
+
+    def train(self):
+        super().train()
+        self.vae.eval()
+        if self.freeze_text_encoder:
+            self.text_encoder.eval()
+        return self
+
+    @paddle.no_grad()
+    def encode_latents(self, pixel_values: paddle.Tensor) -> paddle.Tensor:
+        """Frozen VAE in fp32 (even under AMP): latents scaled by the VAE config's factor."""
+        with paddle.amp.auto_cast(enable=False):
+            posterior = self.vae.encode(pixel_values.astype("float32")).latent_dist
+            return posterior.sample() * self.scaling_factor
+
+    def encode_text(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        if self.freeze_text_encoder:
+            with paddle.no_grad():
+                return self.text_encoder(input_ids)[0]
+        return self.text_encoder(input_ids)[0]
+
+    def loss_weights(self, timesteps: paddle.Tensor) -> paddle.Tensor | None:
+        """Min-SNR-gamma weighting (Hang et al. 2023): min(SNR, gamma) / SNR, or / (SNR + 1) for v."""
+        if not self.snr_gamma:
+            return None
+        snr = self.snr[timesteps]
+        clipped = paddle.minimum(snr, paddle.full_like(snr, self.snr_gamma))
+        return clipped / (snr + 1.0) if self.prediction_type == "v_prediction" else clipped / snr
+
+    def forward(self, pixel_values: paddle.Tensor, input_ids: paddle.Tensor) -> paddle.Tensor:
+        latents = self.encode_latents(pixel_values)
+        batch = latents.shape[0]
+        noise = paddle.randn(latents.shape, dtype=latents.dtype)
+        if self.noise_offset:
+            noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
+        timesteps = paddle.randint(0, self.noise_scheduler.config.num_train_timesteps, [batch], dtype="int64")
+        noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        encoder_hidden_states = self.encode_text(input_ids)
+        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=encoder_hidden_states).sample
+        if self.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
+        loss = loss.mean(axis=[1, 2, 3])
+        weights = self.loss_weights(timesteps)
+        if weights is not None:
+            loss = loss * weights
+        return loss.mean()

@@ -1,0 +1,101 @@
+"""Sampling: prompts -> images with DDIM and classifier-free guidance.
+
+A free function of (unet, text encoder, vae, scheduler, token ids), used by the training loops
+for image logging and by `python -m ldm.generate`. Initial noise is drawn per image from
+(seed, image index), so an image does not depend on the batch size it was generated in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import paddle
+from PIL import Image
+
+
+def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
+    """The reference sampler: DDIM with the training betas, clip_sample off, steps_offset 1."""
+    from ppdiffusers import DDIMScheduler
+
+    config = noise_scheduler_config
+    return DDIMScheduler(
+        beta_start=config["beta_start"],
+        beta_end=config["beta_end"],
+        beta_schedule=config["beta_schedule"],
+        num_train_timesteps=config["num_train_timesteps"],
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type=prediction_type or config.get("prediction_type", "epsilon"),
+    )
+
+
+def initial_noise(shape: Sequence[int], seed: int, index: int) -> np.ndarray:
+    return np.random.default_rng([seed, index]).standard_normal(shape).astype(np.float32)
+
+
+@paddle.no_grad()
+def generate(
+    unet,
+    text_encoder,
+    vae,
+    scheduler,
+    tokenize: Callable[[str], np.ndarray],
+    prompts: Sequence[str],
+    *,
+    guidance_scale: float = 7.5,
+    num_inference_steps: int = 50,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> np.ndarray:
+    """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored."""
+    modes = [(m, m.training) for m in (unet, text_encoder, vae)]
+    for model, _ in modes:
+        model.eval()
+    try:
+        size = unet.config.sample_size
+        channels = unet.config.in_channels
+        scaling_factor = vae.config.scaling_factor
+        uncond_ids = paddle.to_tensor(tokenize(""))[None]
+        images = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start : start + batch_size])
+            ids = paddle.to_tensor(np.stack([tokenize(p) for p in chunk]))
+            cond = text_encoder(ids)[0]
+            guided = guidance_scale != 1.0
+            if guided:
+                uncond = text_encoder(uncond_ids)[0].expand([len(chunk), -1, -1])
+                context = paddle.concat([uncond, cond])
+            else:
+                context = cond
+            latents = paddle.to_tensor(np.stack([initial_noise([channels, size, size], seed, start + i)
+                                                 for i in range(len(chunk))]))
+            latents = latents * scheduler.init_noise_sigma
+            scheduler.set_timesteps(num_inference_steps)
+            for t in scheduler.timesteps:
+                model_input = paddle.concat([latents] * 2) if guided else latents
+                model_input = scheduler.scale_model_input(model_input, t)
+                prediction = unet(model_input, t, encoder_hidden_states=context).sample
+                if guided:
+                    uncond_pred, cond_pred = prediction.chunk(2)
+                    prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)
+                latents = scheduler.step(prediction, t, latents).prev_sample
+            decoded = vae.decode(latents.astype("float32") / scaling_factor).sample
+            decoded = ((decoded / 2 + 0.5).clip(0, 1) * 255).round().astype("uint8")
+            images.append(decoded.transpose([0, 2, 3, 1]).numpy())
+        return np.concatenate(images)
+    finally:
+        for model, training in modes:
+            model.train() if training else model.eval()
+
+
+def image_grid(images: np.ndarray, rows: int) -> Image.Image:
+    """[N, H, W, 3] uint8 -> one image with `rows` rows (N must be a multiple of rows)."""
+    count, height, width, _ = images.shape
+    cols = -(-count // rows)
+    grid = np.full((rows * height, cols * width, 3), 255, dtype=np.uint8)
+    for i, image in enumerate(images):
+        r, c = divmod(i, cols)
+        grid[r * height : (r + 1) * height, c * width : (c + 1) * width] = image
+    return Image.fromarray(grid)
