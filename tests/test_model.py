@@ -1,0 +1,261 @@
+"""Presets, initialisation, the training objective, EMA, sampling and export on the tiny preset."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+
+from ldm.checkpoint import save_model
+from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
+from ldm.models.build import PRESETS_DIR, ModelSourceError, build_components
+from ldm.models.diffusion import LatentDiffusion
+from ldm.models.ema import EMA
+from ldm.models.init import fan_in, unet_zero_init_layers
+
+MAX_LENGTH = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vocab_dir):
+    return load_tokenizer(vocab_dir, MAX_LENGTH)
+
+
+def tiny(tokenizer, prediction_type="epsilon", seed=0):
+    return build_components("ldm-tiny", vocab_size=tokenizer.vocab_size, model_max_length=MAX_LENGTH,
+                            prediction_type=prediction_type, seed=seed)
+
+
+def batch(tokenizer, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    pixels = paddle.to_tensor(rng.uniform(-1, 1, (n, 3, 32, 32)).astype("float32"))
+    tokenize = CaptionTokenizer(tokenizer, MAX_LENGTH)
+    ids = paddle.to_tensor(np.stack([tokenize(c) for c in ["a red circle", "a blue square", "", "green"][:n]]))
+    return pixels, ids
+
+
+def test_presets_carry_the_reference_numbers():
+    def config(preset, part, name="config.json"):
+        return json.loads((PRESETS_DIR / preset / part / name).read_text())
+
+    bert = config("ldm-32layer", "bert")
+    assert (bert["d_model"], bert["encoder_layers"], bert["encoder_ffn_dim"]) == (1280, 32, 5120)
+    assert (bert["encoder_attention_heads"], bert["head_dim"], bert["vocab_size"]) == (8, 64, 30522)
+    assert bert["max_position_embeddings"] == 77 and bert["dropout"] == bert["attention_dropout"] == 0.0
+    unet = config("ldm-32layer", "unet")
+    assert unet["block_out_channels"] == [320, 640, 1280, 1280] and unet["cross_attention_dim"] == 1280
+    assert (unet["layers_per_block"], unet["attention_head_dim"], unet["sample_size"]) == (2, 8, 32)
+    assert unet["down_block_types"] == ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]
+    assert unet["up_block_types"] == ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3
+    assert unet["flip_sin_to_cos"] is True and unet["freq_shift"] == 0 and unet["norm_eps"] == 1e-5
+    vae = config("ldm-32layer", "vqvae")
+    assert vae["block_out_channels"] == [128, 256, 512, 512] and vae["latent_channels"] == 4
+    assert vae["scaling_factor"] == 0.18215
+    small = config("ldm-12layer", "bert")
+    assert (small["d_model"], small["encoder_layers"], small["encoder_ffn_dim"]) == (768, 12, 3072)
+    assert config("ldm-12layer", "unet")["cross_attention_dim"] == 768
+    scheduler = config("ldm-32layer", "scheduler", "scheduler_config.json")
+    assert (scheduler["beta_start"], scheduler["beta_end"], scheduler["beta_schedule"]) == (0.00085, 0.012,
+                                                                                           "scaled_linear")
+
+
+def test_text_encoder_follows_the_tokenizer(tokenizer):
+    c = tiny(tokenizer)
+    assert c.text_encoder.config.vocab_size == tokenizer.vocab_size
+    assert c.text_encoder.config.max_position_embeddings == MAX_LENGTH
+    assert c.pretrained == {"unet": False, "text_encoder": False, "vae": False}
+
+
+def test_initialisation_statistics(tokenizer):
+    c = tiny(tokenizer)
+    zeroed = {id(p) for layer in unet_zero_init_layers(c.unet) for p in layer.parameters()}
+    assert len(zeroed) >= 2 * 5  # conv_out + ResNet conv2s + proj_outs, weights and biases
+    assert all(float(p.abs().max()) == 0 for p in c.unet.parameters() if id(p) in zeroed)
+    checked = 0
+    for model in (c.unet, c.text_encoder):
+        for layer in model.sublayers():
+            if isinstance(layer, paddle.nn.Linear | paddle.nn.Conv2D) and id(layer.weight) not in zeroed:
+                bound = 1 / math.sqrt(fan_in(layer))
+                w = layer.weight.numpy()
+                assert np.abs(w).max() <= bound + 1e-6
+                if w.size >= 2000:  # uniform(-b, b): std b/sqrt(3)
+                    assert abs(w.std() / (bound / math.sqrt(3)) - 1) < 0.1, layer
+                    assert abs(w.mean()) < 0.1 * bound
+                    checked += 1
+                if layer.bias is not None:
+                    assert np.abs(layer.bias.numpy()).max() <= bound + 1e-6
+            if isinstance(layer, paddle.nn.LayerNorm | paddle.nn.GroupNorm):
+                assert np.all(layer.weight.numpy() == 1) and np.all(layer.bias.numpy() == 0)
+    assert checked > 10
+    for embedding in (c.text_encoder.model.embed_tokens, c.text_encoder.model.embed_positions):
+        assert abs(embedding.weight.numpy().std() - 0.02) < 0.004
+    time_linear = c.unet.time_embedding.linear_1  # fan_in 32: a plain PyTorch-default layer
+    assert np.abs(time_linear.weight.numpy()).max() > 0.8 / math.sqrt(32)
+
+
+def test_gradients_reach_unet_and_text_encoder_never_the_vae(tokenizer):
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    model.train()
+    # zero-initialised outputs stop gradients upstream at step 0: perturb them to see the whole graph
+    for layer in unet_zero_init_layers(c.unet):
+        paddle.nn.initializer.Normal(0, 0.1)(layer.weight)
+    model(*batch(tokenizer)).backward()
+    assert not c.vae.training and all(p.stop_gradient and p.grad is None for p in c.vae.parameters())
+    for part in (c.unet, c.text_encoder.model):
+        trained = [p for p in part.parameters() if not p.stop_gradient]
+        assert trained and all(p.grad is not None for p in trained)
+        assert sum(float(p.grad.abs().sum()) for p in trained) > 0
+    assert all(p.stop_gradient for p in c.text_encoder.to_logits.parameters())
+
+
+def test_freeze_text_encoder(tokenizer):
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, freeze_text_encoder=True)
+    assert {n.split(".")[0] for n, p in model.named_parameters() if not p.stop_gradient} == {"unet"}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_loss_target_is_the_schedulers(tokenizer, prediction_type):
+    """conv_out is zero-initialised, so the prediction is 0 and the loss is mean(target^2)."""
+    c = tiny(tokenizer, prediction_type)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    pixels, ids = batch(tokenizer)
+    paddle.seed(7)
+    latents = model.encode_latents(pixels)
+    noise = paddle.randn(latents.shape)
+    timesteps = paddle.randint(0, 1000, [latents.shape[0]], dtype="int64")
+    if prediction_type == "epsilon":
+        target = noise
+    else:
+        target = c.noise_scheduler.get_velocity(latents, noise, timesteps)
+    expected = float((target**2).mean())
+    paddle.seed(7)
+    assert float(model(pixels, ids)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_min_snr_weights(tokenizer):
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, snr_gamma=5.0)
+    t = paddle.to_tensor([10, 500, 990])
+    alphas = c.noise_scheduler.alphas_cumprod.numpy()[[10, 500, 990]]
+    snr = alphas / (1 - alphas)
+    np.testing.assert_allclose(model.loss_weights(t).numpy(), np.minimum(snr, 5.0) / snr, rtol=1e-5)
+
+
+def test_recompute_gives_the_same_loss_and_gradients(tokenizer):
+    results = []
+    for recompute in (False, True):
+        c = tiny(tokenizer, seed=1)
+        for layer in unet_zero_init_layers(c.unet):
+            paddle.nn.initializer.Normal(0, 0.1)(layer.weight)
+        model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, recompute=recompute,
+                                noise_offset=0.05)
+        model.train()
+        paddle.seed(3)
+        loss = model(*batch(tokenizer))
+        loss.backward()
+        results.append((float(loss), c.unet.conv_in.weight.grad.numpy().copy()))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-4, atol=1e-7)
+
+
+def mean_loss(model, pixels, ids, draws=6):
+    model.eval()
+    paddle.seed(123)
+    with paddle.no_grad():
+        value = sum(float(model(pixels, ids)) for _ in range(draws)) / draws
+    model.train()
+    return value
+
+
+def test_one_batch_overfits(tokenizer):
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    pixels, ids = batch(tokenizer)
+    before = mean_loss(model, pixels, ids)
+    optimizer = paddle.optimizer.AdamW(2e-3, parameters=[p for p in model.parameters() if not p.stop_gradient])
+    model.train()
+    paddle.seed(0)
+    for _ in range(80):
+        model(pixels, ids).backward()
+        optimizer.step()
+        optimizer.clear_grad()
+    after = mean_loss(model, pixels, ids)
+    assert after < 0.35 * before, (before, after)
+
+
+def test_ema_warmup_and_counter_survive_save_load(tokenizer, tmp_path):
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    ema = EMA(model, decay=0.999)
+    assert {n.split(".")[0] for n in ema.shadow} == {"unet", "text_encoder"}
+    assert not any(n.startswith("text_encoder.to_logits") for n in ema.shadow)
+    weight = model.unet.conv_in.weight
+    for step in range(3):
+        weight.set_value(weight + 1.0)
+        ema.update()
+    assert ema.num_updates == 3 and ema.decay() == pytest.approx(4 / 13)
+    paddle.save(ema.state_dict(), str(tmp_path / "ema.pdparams"))
+    restored = EMA(model, decay=0.999)
+    restored.load_state_dict(paddle.load(str(tmp_path / "ema.pdparams")))
+    assert restored.num_updates == 3
+    for n in ema.shadow:
+        np.testing.assert_array_equal(ema.shadow[n].numpy(), restored.shadow[n].numpy())
+    ema.update()
+    restored.update()
+    np.testing.assert_allclose(ema.shadow["unet.conv_in.weight"].numpy(),
+                               restored.shadow["unet.conv_in.weight"].numpy())
+
+
+def test_hub_name_offline_fails_clearly_naming_the_preset():
+    with pytest.raises(ModelSourceError, match="ldm-32layer"):
+        build_components("CompVis/ldm_laion400M_pretrain")
+    with pytest.raises(ModelSourceError, match="model not found"):
+        build_components("./no/such/folder")
+
+
+def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_path):
+    from ppdiffusers import LDMTextToImagePipeline
+
+    from ldm.export import export_checkpoint
+
+    c = tiny(tokenizer)
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    ema = EMA(model)
+    c.vae.save_pretrained(str(tmp_path / "vqvae"))
+    with paddle.no_grad():
+        c.unet.conv_in.weight.set_value(c.unet.conv_in.weight + 1.0)  # raw weights now differ from EMA ones
+    checkpoint = tmp_path / "checkpoint-1"
+    save_model(str(checkpoint), unet=c.unet, text_encoder=c.text_encoder, tokenizer=tokenizer,
+               noise_scheduler=c.noise_scheduler, vae_folder=str(tmp_path / "vqvae"), ema_state=ema.state_dict())
+
+    output, used_ema = export_checkpoint(str(checkpoint), str(tmp_path / "pipeline"))
+    assert used_ema
+    pipeline = LDMTextToImagePipeline.from_pretrained(output)
+    np.testing.assert_allclose(pipeline.unet.conv_in.weight.numpy(), ema.shadow["unet.conv_in.weight"].numpy())
+    assert pipeline.tokenizer.model_max_length == MAX_LENGTH
+    assert type(pipeline.scheduler).__name__ == "DDIMScheduler" and pipeline.scheduler.config.steps_offset == 1
+    # the pipeline assumes an 8x autoencoder when shaping latents; the tiny one is 4x
+    image = pipeline("a red circle", num_inference_steps=2, guidance_scale=7.5, height=64, width=64,
+                     output_type="np").images[0]
+    assert image.shape == (32, 32, 3) and np.isfinite(image).all()
+
+    raw, _ = export_checkpoint(str(checkpoint), str(tmp_path / "raw"), use_ema=False)
+    np.testing.assert_allclose(LDMTextToImagePipeline.from_pretrained(raw).unet.conv_in.weight.numpy(),
+                               c.unet.conv_in.weight.numpy())
+
+    out = subprocess.run([sys.executable, "-m", "ldm.generate", "--model", output, "--prompt", "a red circle",
+                          "--prompt", "a blue square", "--num_images_per_prompt", "2", "--num_inference_steps", "2",
+                          "--output_dir", str(tmp_path / "samples")], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = sorted(os.listdir(tmp_path / "samples"))
+    assert len(files) == 5 and "grid.png" in files
+    from PIL import Image
+
+    assert Image.open(tmp_path / "samples" / "grid.png").size == (64, 64)
