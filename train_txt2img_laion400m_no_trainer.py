@@ -1,6 +1,24 @@
-"""Training entry point (not implemented yet: see the open training issue)."""
+"""Pretrain a text-to-image latent diffusion model with a hand-written loop.
+
+    python train_txt2img_laion400m_no_trainer.py --help
+    python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_no_trainer.py ...
+"""
 
 import sys
 
+from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments, parse
+
+
+def main(argv=None) -> int:
+    model_args, data_args, sampling_args, loop_args = parse(
+        [ModelArguments, DataArguments, SamplingArguments, LoopArguments], argv)
+    from ldm.train.errors import user_errors
+    from ldm.train.loop import train
+
+    with user_errors():
+        train(loop_args, model_args, data_args, sampling_args)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit("error: training is not implemented yet in this checkout; see README.md, 'Status'")
+    sys.exit(main())

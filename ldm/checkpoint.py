@@ -109,3 +109,106 @@ def load_for_inference(path: str, use_ema: bool = True):
     for model in (unet, text_encoder, vae):
         model.eval()
     return unet, text_encoder, vae, tokenizer, scheduler_config, used_ema
+
+
+# -- training checkpoints ------------------------------------------------------------------------
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE_FILE = "training_state.pkl"
+OPTIMIZER_FILE = "optimizer.pdopt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dirs(output_dir: str) -> list[str]:
+    """checkpoint-<step> folders of `output_dir`, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        step = name[len(CHECKPOINT_PREFIX):]
+        if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and is_checkpoint(os.path.join(output_dir, name)):
+            found.append((int(step), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(output_dir: str, resume: str | None) -> str | None:
+    if not resume:
+        return None
+    if resume == "latest":
+        found = checkpoint_dirs(output_dir)
+        if not found:
+            raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}")
+        return found[-1]
+    if not is_checkpoint(resume):
+        raise CheckpointError(f"--resume_from_checkpoint {resume}: not a checkpoint folder")
+    return resume
+
+
+def prepare_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
+    """Refuse to mix runs in one folder; returns the checkpoint to resume from, if any."""
+    checkpoint = resolve_resume(output_dir, resume)
+    if checkpoint is None and os.path.isdir(output_dir) and os.listdir(output_dir):
+        if not overwrite:
+            raise CheckpointError(
+                f"output_dir {output_dir} is not empty (an earlier run?): pass --resume_from_checkpoint latest "
+                "(or a checkpoint folder) to continue it, or --overwrite_output_dir to start afresh")
+        for path in checkpoint_dirs(output_dir):
+            shutil.rmtree(path)
+    os.makedirs(output_dir, exist_ok=True)
+    return checkpoint
+
+
+def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
+    if limit:
+        for path in checkpoint_dirs(output_dir)[:-limit]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_training_checkpoint(output_dir: str, step: int, *, model, tokenizer, vae_folder: str, optimizer,
+                             training_state: dict, ema=None, limit: int | None = None) -> str:
+    """Write checkpoint-<step> atomically (temp folder, then rename) and rotate old ones. Rank 0 only."""
+    import pickle
+
+    import paddle
+
+    final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+    target = atomic_folder(final)
+    try:
+        save_model(target.path, unet=model.unet, text_encoder=model.text_encoder, tokenizer=tokenizer,
+                   noise_scheduler=model.noise_scheduler, vae_folder=vae_folder,
+                   ema_state=ema.state_dict() if ema is not None else None)
+        # relative to the final location, not the temporary one
+        with open(os.path.join(target.path, MODEL_JSON), "w") as f:
+            json.dump({"vae": os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final))}, f, indent=2)
+        paddle.save(optimizer.state_dict(), os.path.join(target.path, OPTIMIZER_FILE))
+        with open(os.path.join(target.path, STATE_FILE), "wb") as f:
+            pickle.dump(training_state, f)
+        target.commit()
+    except BaseException:
+        target.abort()
+        raise
+    rotate_checkpoints(output_dir, limit)
+    return final
+
+
+def load_training_checkpoint(path: str, *, model, optimizer=None, ema=None) -> dict:
+    """Restore weights, optimizer and EMA in place; returns the training state dict."""
+    import pickle
+
+    import paddle
+    from ppdiffusers import UNet2DConditionModel
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+    model.unet.set_state_dict(UNet2DConditionModel.from_pretrained(os.path.join(path, "unet")).state_dict())
+    model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())
+    if optimizer is not None:
+        optimizer.set_state_dict(paddle.load(os.path.join(path, OPTIMIZER_FILE)))
+    if ema is not None:
+        ema_path = os.path.join(path, EMA_FILE)
+        if not os.path.isfile(ema_path):
+            raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
+        ema.load_state_dict(paddle.load(ema_path))
+    with open(os.path.join(path, STATE_FILE), "rb") as f:
+        return pickle.load(f)

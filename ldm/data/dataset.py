@@ -18,7 +18,7 @@ import cv2
 import numpy as np
 from paddle.io import DataLoader, IterableDataset, get_worker_info
 
-from ldm.data.filelist import Shard
+from ldm.data.filelist import FileListError, Shard
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import ShardError, iter_lines
 from ldm.data.stream import Record, SlotStream
@@ -42,7 +42,7 @@ def check_enough_records(shards: list[Shard], num_slots: int) -> None:
         return
     records = count_records(shards)
     if records < num_slots:
-        raise ValueError(
+        raise FileListError(
             f"the file list holds {records} record(s) in {len(shards)} shard(s), fewer than the "
             f"{num_slots} (rank, dataloader worker) slots that read it; use fewer workers or more data"
         )

@@ -1,0 +1,154 @@
+"""Argument groups, defined once and shared by both entry points.
+
+`ModelArguments`, `DataArguments` and `SamplingArguments` are parsed by both scripts; the Trainer
+path adds PaddleNLP's `TrainingArguments`, the hand-written loop adds `LoopArguments`. Field names
+are the flags of the original documentation; `aliases` adds the other spelling where the two
+scripts historically differ (`--pretrained_model_name_or_path`, `--checkpoints_total_limit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+class ArgumentError(ValueError):
+    """A flag has a value the run cannot use."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def arg(default, help: str, **metadata):
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = arg(
+        "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny), folder of configs, pipeline folder or hub name",
+        aliases=["--pretrained_model_name_or_path"])
+    vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder folder (default: the model's vqvae/)")
+    prediction_type: str = arg("epsilon", "epsilon or v_prediction")
+    noise_offset: float = arg(0.0, "noise offset (0: off)")
+    snr_gamma: Optional[float] = arg(None, "min-SNR loss weighting gamma (e.g. 5.0; default off)")
+    freeze_text_encoder: bool = arg(False, "train the UNet only")
+    use_ema: bool = arg(False, "keep an EMA of every trained weight; exported by default")
+    ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
+
+    def __post_init__(self):
+        _check(self.prediction_type in ("epsilon", "v_prediction"),
+               f"--prediction_type must be epsilon or v_prediction, not {self.prediction_type!r}")
+        _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
+        _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
+        _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")
+
+
+@dataclass
+class DataArguments:
+    file_list: str = arg("./data/filelist/train.filelist.list", "list of filelists (one filelist [weight] per line)")
+    tokenizer_name: str = arg("bert-base-uncased", "BERT WordPiece tokenizer: a name (online) or a folder with vocab.txt")
+    model_max_length: int = arg(77, "caption length in tokens (padded/truncated)")
+    resolution: int = arg(256, "training image size")
+    center_crop: bool = arg(False, "center crop instead of random crop")
+    random_flip: bool = arg(False, "random horizontal flip")
+    caption_dropout_prob: float = arg(0.1, "probability of replacing a caption by '' (classifier-free guidance)")
+    min_image_size: int = arg(0, "skip (and count) images whose shorter side is smaller")
+    shuffle_buffer: int = arg(256, "records in each loader slot's shuffle buffer")
+
+    def __post_init__(self):
+        _check(self.model_max_length >= 2, "--model_max_length must be at least 2")
+        _check(self.resolution >= 8 and self.resolution % 8 == 0, "--resolution must be a multiple of 8")
+        _check(0 <= self.caption_dropout_prob <= 1, "--caption_dropout_prob must be in [0, 1]")
+        _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")
+
+
+@dataclass
+class SamplingArguments:
+    num_inference_steps: int = arg(50, "DDIM steps of the sample images logged during training")
+    image_logging_steps: int = arg(0, "log sample images every N updates (0: off)")
+
+    def __post_init__(self):
+        _check(self.num_inference_steps >= 1, "--num_inference_steps must be at least 1")
+        _check(self.image_logging_steps >= 0, "--image_logging_steps must be >= 0")
+
+
+@dataclass
+class LoopArguments:
+    """The hand-written loop's training flags (the Trainer path uses PaddleNLP's TrainingArguments)."""
+
+    output_dir: str = arg("./outputs/ldm_no_trainer", "checkpoints, logs and the exported pipeline")
+    overwrite_output_dir: bool = arg(False, "start afresh in a non-empty output_dir")
+    resume_from_checkpoint: Optional[str] = arg(None, "a checkpoint folder, or 'latest' in output_dir")
+    train_batch_size: int = arg(6, "images per card per micro-step")
+    gradient_accumulation_steps: int = arg(1, "micro-steps per optimizer update")
+    learning_rate: float = arg(4.6875e-5, "peak learning rate")
+    adam_weight_decay: float = arg(0.02, "AdamW weight decay")
+    adam_beta1: float = arg(0.9, "AdamW beta1")
+    adam_beta2: float = arg(0.999, "AdamW beta2")
+    adam_epsilon: float = arg(1e-8, "AdamW epsilon")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm (<= 0: off)")
+    max_train_steps: int = arg(1000, "optimizer updates to run")
+    lr_scheduler: str = arg("constant", "constant, constant_with_warmup, linear or cosine")
+    lr_warmup_steps: int = arg(0, "warm-up, in optimizer updates")
+    logging_steps: int = arg(50, "log every N updates")
+    save_steps: int = arg(5000, "save a checkpoint every N updates")
+    checkpoints_total_limit: Optional[int] = arg(None, "keep the N newest checkpoints",
+                                                 aliases=["--save_total_limit"])
+    seed: int = arg(23, "seed of the model init, the noise and the data stream")
+    num_workers: int = arg(6, "data loader processes per card")
+    mixed_precision: str = arg("no", "no, fp16 (dynamic loss scaling) or bf16")
+    recompute: bool = arg(False, "gradient checkpointing of UNet and text encoder")
+
+    def __post_init__(self):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "logging_steps",
+                     "save_steps"):
+            _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
+        _check(self.lr_scheduler in LR_SCHEDULERS, f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}")
+        _check(self.mixed_precision in MIXED_PRECISION, f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}")
+        _check(self.learning_rate > 0, "--learning_rate must be > 0")
+        _check(self.lr_warmup_steps >= 0 and self.num_workers >= 0, "--lr_warmup_steps and --num_workers must be >= 0")
+        _check(self.checkpoints_total_limit is None or self.checkpoints_total_limit >= 1,
+               "--checkpoints_total_limit must be at least 1")
+
+
+def make_parser(dataclass_types):
+    """PaddleNLP's PdArgumentParser, plus flag aliases from field metadata."""
+    from paddlenlp.trainer import PdArgumentParser
+
+    class Parser(PdArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, dc_field):
+            aliases = dc_field.metadata.get("aliases", ())
+            if not aliases:
+                return PdArgumentParser._parse_dataclass_field(parser, dc_field)
+            stripped = dataclasses.field(default=dc_field.default,
+                                         metadata={k: v for k, v in dc_field.metadata.items() if k != "aliases"})
+            stripped.name, stripped.type = dc_field.name, dc_field.type
+            add_argument = parser.add_argument
+            parser.add_argument = lambda name, *a, **kw: add_argument(name, *aliases, *a, **kw)
+            try:
+                return PdArgumentParser._parse_dataclass_field(parser, stripped)
+            finally:
+                del parser.add_argument
+
+    return Parser(dataclass_types)
+
+
+def parse(dataclass_types, argv: list[str] | None = None):
+    """Parse flags (or one .json file) into the dataclasses; a user error exits 2 with one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = make_parser(dataclass_types)
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            return parser.parse_json_file(argv[0])
+        return parser.parse_args_into_dataclasses(args=argv)
+    except (ArgumentError, ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")

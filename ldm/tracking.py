@@ -1,0 +1,81 @@
+"""Metrics: VisualDL scalars and images plus a console line, on rank 0 only.
+
+Other ranks hold a `NullWriter` that does nothing, so callers never test the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+logger = logging.getLogger("ldm.train")
+
+
+class NullWriter:
+    active = False
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        pass
+
+    def image(self, tag: str, image: np.ndarray, step: int) -> None:
+        pass
+
+    def text(self, message: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class VisualDLWriter(NullWriter):
+    active = True
+
+    def __init__(self, logdir: str):
+        from visualdl import LogWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self.logdir = logdir
+        self.writer = LogWriter(logdir=logdir)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag=tag, value=float(value), step=step)
+        shown = "  ".join(f"{tag.split('/')[-1]} {value:.4g}" for tag, value in values.items())
+        logger.info("step %d  %s", step, shown)
+
+    def image(self, tag: str, image: np.ndarray, step: int) -> None:
+        self.writer.add_image(tag=tag, img=image, step=step)
+
+    def text(self, message: str) -> None:
+        logger.info(message)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_writer(logdir: str, is_main: bool) -> NullWriter:
+    return VisualDLWriter(logdir) if is_main else NullWriter()
+
+
+class StepClock:
+    """Time spent waiting for data vs. total, and samples seen, between two `reset()` calls."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.data_wait = 0.0
+        self.samples = 0
+
+    def waited(self, seconds: float, samples: int) -> None:
+        self.data_wait += seconds
+        self.samples += samples
+
+    def read(self) -> tuple[float, float, int]:
+        """(elapsed seconds, fraction waiting for data, samples)."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return elapsed, self.data_wait / elapsed, self.samples

@@ -1,0 +1,129 @@
+"""Building blocks both entry points use: logging set-up, tokenizer, model, data stream, optimizer
+schedule, sample-image logging, the frozen autoencoder's folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import numpy as np
+import paddle
+
+from ldm.args import DataArguments, ModelArguments
+from ldm.distributed import Distributed
+
+logger = logging.getLogger("ldm.train")
+
+# Prompts of the sample images logged during training (fixed, so that runs compare).
+SAMPLE_PROMPTS = (
+    "a photograph of an astronaut riding a horse",
+    "a red circle on a blue background",
+    "a painting of a lighthouse at sunset",
+    "a green square on a white background",
+)
+
+
+def setup_logging(dist: Distributed) -> None:
+    logging.basicConfig(
+        level=logging.INFO if dist.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {dist.rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    # PaddleNLP and ppdiffusers log every save and load at INFO: keep their warnings only.
+    from paddlenlp.utils.log import logger as paddlenlp_logger
+    from ppdiffusers.utils import logging as ppdiffusers_logging
+
+    paddlenlp_logger.set_level("WARNING")
+    ppdiffusers_logging.set_verbosity_warning()
+
+
+def build_tokenizer(data: DataArguments):
+    from ldm.data.tokenize import load_tokenizer
+
+    return load_tokenizer(data.tokenizer_name, data.model_max_length)
+
+
+def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int):
+    """The LatentDiffusion wrapper and its components, identical on every rank for a seed.
+
+    Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
+    do not depend on what the process built before.
+    """
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+
+    with paddle.utils.unique_name.guard():
+        components = build_components(
+            model_args.model_name_or_path,
+            vae_name_or_path=model_args.vae_name_or_path,
+            vocab_size=tokenizer.vocab_size,
+            model_max_length=data.model_max_length,
+            pad_token_id=tokenizer.pad_token_id,
+            prediction_type=model_args.prediction_type,
+            seed=seed,
+        )
+        model = LatentDiffusion(
+            components.unet, components.text_encoder, components.vae, components.noise_scheduler,
+            noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
+            freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
+        )
+    logger.info("model from %s; %s", components.source, components.describe())
+    return model, components
+
+
+def build_stream(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
+                 num_workers: int, state: dict | None = None):
+    from ldm.data.dataset import CaptionImageStream
+    from ldm.data.filelist import read_file_list
+    from ldm.data.record import ImageTransform
+    from ldm.data.tokenize import CaptionTokenizer
+
+    return CaptionImageStream(
+        read_file_list(data.file_list),
+        tokenize=CaptionTokenizer(tokenizer, data.model_max_length),
+        transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
+                                 min_image_size=data.min_image_size),
+        batch_size=batch_size,
+        caption_dropout_prob=data.caption_dropout_prob,
+        seed=seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        num_workers=num_workers,
+        shuffle_buffer=data.shuffle_buffer,
+        state=state,
+    )
+
+
+def save_vae(output_dir: str, vae, dist: Distributed) -> str:
+    """The frozen autoencoder, written once per run; checkpoints refer to it."""
+    folder = os.path.join(output_dir, "vqvae")
+    if dist.is_main and not os.path.isfile(os.path.join(folder, "config.json")):
+        vae.save_pretrained(folder)
+    dist.barrier()
+    return folder
+
+
+def lr_schedule(name: str, learning_rate: float, warmup_steps: int, total_steps: int):
+    """PaddleNLP's schedules, counted in optimizer updates."""
+    from paddlenlp.trainer.trainer_utils import get_scheduler
+
+    return get_scheduler(name, learning_rate=learning_rate, num_warmup_steps=warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def log_samples(writer, step: int, model, tokenizer, model_max_length: int, num_inference_steps: int,
+                seed: int = 0) -> None:
+    """Sample images at guidance 1.0 and 7.5 for the fixed prompts (on the writing rank only)."""
+    if not writer.active:
+        return
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.sampling import ddim_scheduler, generate, image_grid
+
+    tokenize = CaptionTokenizer(tokenizer, model_max_length)
+    scheduler = ddim_scheduler(dict(model.noise_scheduler.config))
+    for guidance in (1.0, 7.5):
+        images = generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, SAMPLE_PROMPTS,
+                          guidance_scale=guidance, num_inference_steps=num_inference_steps, seed=seed)
+        writer.image(f"samples/guidance_{guidance}", np.asarray(image_grid(images, 1)), step)

@@ -1,0 +1,20 @@
+"""Turning user errors raised deep in the run into one readable line and exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+@contextlib.contextmanager
+def user_errors():
+    from ldm.checkpoint import CheckpointError
+    from ldm.data.filelist import FileListError
+    from ldm.data.tokenize import TokenizerError
+    from ldm.models.build import ModelSourceError
+
+    try:
+        yield
+    except (CheckpointError, FileListError, TokenizerError, ModelSourceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
