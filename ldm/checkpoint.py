@@ -155,7 +155,7 @@ def prepare_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> 
                 f"output_dir {output_dir} is not empty (an earlier run?): pass --resume_from_checkpoint latest "
                 "(or a checkpoint folder) to continue it, or --overwrite_output_dir to start afresh")
         for path in checkpoint_dirs(output_dir):
-            shutil.rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)  # every rank may get here
     os.makedirs(output_dir, exist_ok=True)
     return checkpoint
 

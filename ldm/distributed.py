@@ -36,14 +36,14 @@ class Distributed:
             return float(value)
         tensor = paddle.to_tensor([float(value)], dtype="float64")
         dist.all_reduce(tensor)
-        return float(tensor) / self.world_size
+        return float(tensor.item()) / self.world_size
 
     def sum(self, value: float) -> float:
         if self.world_size == 1:
             return float(value)
         tensor = paddle.to_tensor([float(value)], dtype="float64")
         dist.all_reduce(tensor)
-        return float(tensor)
+        return float(tensor.item())
 
     def gather(self, obj) -> list:
         """Every rank's `obj` (picklable), on every rank."""

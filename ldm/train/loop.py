@@ -45,10 +45,15 @@ def autocast(precision: str):
     return paddle.amp.auto_cast(enable=True, dtype="float16" if precision == "fp16" else "bfloat16", level="O1")
 
 
+def weights_checksum(parameters) -> float:
+    return float(sum(float(p.astype("float64").abs().sum()) for p in parameters))
+
+
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
     dist = Distributed.init()
     common.setup_logging(dist)
     resume = prepare_output_dir(loop.output_dir, loop.resume_from_checkpoint, loop.overwrite_output_dir)
+    dist.barrier()  # every rank has checked the folder before any writes into it
     writer = make_writer(os.path.join(loop.output_dir, "visualdl"), dist.is_main)
     precision = resolve_precision(loop.mixed_precision)
 
@@ -105,6 +110,8 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
             "python": dist.gather(random.getstate()),
             "lr_scheduler": lr.state_dict(),
             "scaler": scaler.state_dict(),
+            # per-rank fingerprint of the trained weights: ranks that drifted apart show here
+            "weights_checksum": dist.gather(weights_checksum(trained)),
         }
         path = None
         if dist.is_main:
