@@ -8,6 +8,7 @@ counter, LR schedule, logging, image logging and checkpoints all count updates.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import logging
 import os
 import random
@@ -163,8 +164,12 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
                 "train/samples_per_second": dist.sum(samples) / elapsed,
                 "train/data_wait_fraction": dist.mean(wait_fraction),
             }
-            for reason, count in sorted(tracker.counts().items()):
-                metrics[f"data/{reason}"] = dist.sum(count)
+            # ranks meet different skip reasons: gather the dicts (one collective) rather than
+            # all-reducing key by key, which would pair different keys and deadlock
+            counts = Counter()
+            for rank_counts in dist.gather(dict(tracker.counts())):
+                counts.update(rank_counts)
+            metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
             writer.scalars(metrics, step)
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
             window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}

@@ -1,0 +1,132 @@
+"""The hand-written loop, run as users run it: real entry point, tiny preset, generated shards."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+from corpus import write_corpus
+from safetensors.numpy import load_file
+
+SCRIPT = str(ROOT / "train_txt2img_laion400m_no_trainer.py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, vocab_dir):
+    folder = tmp_path_factory.mktemp("train_corpus")
+    listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"), bad_every=13)
+    return ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+            "--model_max_length", "16", "--resolution", "32", "--train_batch_size", "4"]
+
+
+def run(args, launch=False, cwd=None):
+    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
+    return subprocess.run(prefix + [SCRIPT, *args], capture_output=True, text=True, cwd=cwd or ROOT)
+
+
+def weights(checkpoint):
+    out = {f"unet.{k}": v for k, v in load_file(os.path.join(checkpoint, "unet",
+                                                             "diffusion_paddle_model.safetensors")).items()}
+    out.update({f"bert.{k}": v.numpy() for k, v in paddle.load(os.path.join(checkpoint, "bert",
+                                                                           "model_state.pdparams")).items()})
+    ema = paddle.load(os.path.join(checkpoint, "ema.pdparams"))
+    out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
+    return out, ema["num_updates"]
+
+
+def training_state(checkpoint):
+    with open(os.path.join(checkpoint, "training_state.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers):
+    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "2", "--save_steps", "3",
+                       "--num_workers", str(workers), "--use_ema", "--lr_scheduler", "constant_with_warmup",
+                       "--lr_warmup_steps", "2", "--learning_rate", "1e-3", "--seed", "5"]
+    straight = run(common + ["--max_train_steps", "8", "--output_dir", str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = run(common + ["--max_train_steps", "4", "--output_dir", str(tmp_path / "b")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run(common + ["--max_train_steps", "8", "--output_dir", str(tmp_path / "b"),
+                            "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+
+    expected, expected_updates = weights(tmp_path / "a" / "checkpoint-8")
+    got, got_updates = weights(tmp_path / "b" / "checkpoint-8")
+    assert got_updates == expected_updates == 8
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # and training moved the weights at all
+    start, _ = weights(tmp_path / "b" / "checkpoint-4")
+    assert any(not np.array_equal(start[n], got[n]) for n in got if n.startswith("unet."))
+
+
+def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_train_steps", "5", "--save_steps", "2", "--logging_steps", "3",
+                           "--checkpoints_total_limit", "2", "--gradient_accumulation_steps", "2",
+                           "--num_workers", "0", "--output_dir", str(out), "--use_ema"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]
+    state = training_state(out / "checkpoint-5")
+    assert state["step"] == 5 and paddle.load(str(out / "checkpoint-5" / "ema.pdparams"))["num_updates"] == 5
+    # 5 updates x 2 micro-steps x 4 images, nothing more read
+    assert state["stream"][0]["batches"] == 10
+    # the exported pipeline loads offline
+    from ppdiffusers import LDMTextToImagePipeline
+
+    assert LDMTextToImagePipeline.from_pretrained(str(out / "pipeline")).unet.config.sample_size == 8
+
+    from visualdl import LogReader
+
+    logs = [f for f in os.listdir(out / "visualdl") if f.startswith("vdlrecords")]
+    reader = LogReader(file_path=str(out / "visualdl" / logs[0]))
+    tags = reader.get_tags()["scalar"]
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second",
+                "train/data_wait_fraction", "data/ok", "data/missing_columns"):
+        assert tag in tags, tags
+    assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
+
+    again = run(corpus + ["--max_train_steps", "1", "--output_dir", str(out)])
+    assert again.returncode == 2
+    assert "--resume_from_checkpoint" in again.stderr and "--overwrite_output_dir" in again.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no_such_flag", "1"], "not used"),
+    (["--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
+    (["--file_list", "/no/such/list"], "file list not found"),
+    (["--tokenizer_name", "/no/such/tokenizer/dir"], "cannot load tokenizer"),
+])
+def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extra, message):
+    result = run(corpus + ["--max_train_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",
+                           "--gradient_accumulation_steps", "2", "--num_workers", "1", "--output_dir", str(out)],
+                 launch=True, cwd=tmp_path)
+    logs = "".join(open(tmp_path / "launch_logs" / f).read() for f in os.listdir(tmp_path / "launch_logs")
+                   if f.startswith("workerlog"))
+    assert result.returncode == 0, logs[-4000:]
+    state = training_state(out / "checkpoint-4")
+    assert state["world_size"] == 2
+    checksums = state["weights_checksum"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]  # gradients were averaged, ranks in step
+    slots = [set(stream["slots"]) for stream in state["stream"]]
+    assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
+    assert all(s["num_slots"] == 2 for stream in state["stream"] for s in stream["slots"].values())
+    # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
+    assert len(os.listdir(out / "visualdl")) == 1
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "visualdl", "vqvae"]
