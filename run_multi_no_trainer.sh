@@ -1,30 +1,10 @@
 #!/usr/bin/env bash
 # Multi-card pretraining with the hand-written loop: GPUS=0,1,2,3,4,5,6,7 bash run_multi_no_trainer.sh
-# Multi-node: run the same command on every node with IPS=ip1,ip2 (first is the master).
+# Multi-node: run the same command on every node with IPS=ip1,ip2 (the first is the master).
 # Settings and extra arguments as in run_single_no_trainer.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python)}"
+source scripts/no_trainer_args.sh
 launch=(-m paddle.distributed.launch --gpus "${GPUS:-0,1,2,3,4,5,6,7}" --log_dir "${LOG_DIR:-./log_no_trainer}")
-[[ -n "${IPS:-}" ]] && launch+=(--ips "$IPS")
-
-exec "$PYTHON" "${launch[@]}" train_txt2img_laion400m_no_trainer.py \
-    --output_dir "${OUTPUT_DIR:-./laion400m_pretrain_output_no_trainer}" \
-    --train_batch_size "${TRAIN_BATCH_SIZE:-6}" \
-    --gradient_accumulation_steps "${GRADIENT_ACCUMULATION_STEPS:-10}" \
-    --learning_rate "${LEARNING_RATE:-4.6875e-5}" \
-    --adam_weight_decay "${ADAM_WEIGHT_DECAY:-0.02}" \
-    --max_train_steps "${MAX_TRAIN_STEPS:-1000000000}" \
-    --lr_scheduler "${LR_SCHEDULER:-constant}" \
-    --lr_warmup_steps "${LR_WARMUP_STEPS:-0}" \
-    --logging_steps "${LOGGING_STEPS:-50}" \
-    --save_steps "${SAVE_STEPS:-5000}" \
-    --checkpoints_total_limit "${CHECKPOINTS_TOTAL_LIMIT:-50}" \
-    --seed "${SEED:-23}" \
-    --num_workers "${NUM_WORKERS:-6}" \
-    --pretrained_model_name_or_path "${MODEL:-ldm-32layer}" \
-    --file_list "${FILE_LIST:-./data/filelist/train.filelist.list}" \
-    --num_inference_steps "${NUM_INFERENCE_STEPS:-200}" \
-    --model_max_length "${MODEL_MAX_LENGTH:-77}" \
-    --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}" \
-    "$@"
+if [[ -n "${IPS:-}" ]]; then launch+=(--ips "$IPS"); fi
+exec "$PYTHON" "${launch[@]}" train_txt2img_laion400m_no_trainer.py "${ARGS[@]}" "$@"

@@ -1,0 +1,23 @@
+# The hand-written loop's arguments with the original documentation's defaults, each overridable by
+# an environment variable. Sourced by run_single_no_trainer.sh and run_multi_no_trainer.sh.
+PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python)}"
+ARGS=(
+    --output_dir "${OUTPUT_DIR:-./laion400m_pretrain_output_no_trainer}"
+    --train_batch_size "${TRAIN_BATCH_SIZE:-6}"
+    --gradient_accumulation_steps "${GRADIENT_ACCUMULATION_STEPS:-10}"
+    --learning_rate "${LEARNING_RATE:-4.6875e-5}"
+    --adam_weight_decay "${ADAM_WEIGHT_DECAY:-0.02}"
+    --max_train_steps "${MAX_TRAIN_STEPS:-1000000000}"
+    --lr_scheduler "${LR_SCHEDULER:-constant}"
+    --lr_warmup_steps "${LR_WARMUP_STEPS:-0}"
+    --logging_steps "${LOGGING_STEPS:-50}"
+    --save_steps "${SAVE_STEPS:-5000}"
+    --checkpoints_total_limit "${CHECKPOINTS_TOTAL_LIMIT:-50}"
+    --seed "${SEED:-23}"
+    --num_workers "${NUM_WORKERS:-6}"
+    --pretrained_model_name_or_path "${MODEL:-ldm-32layer}"
+    --file_list "${FILE_LIST:-./data/filelist/train.filelist.list}"
+    --num_inference_steps "${NUM_INFERENCE_STEPS:-200}"
+    --model_max_length "${MODEL_MAX_LENGTH:-77}"
+    --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
+)
