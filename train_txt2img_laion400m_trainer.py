@@ -1,6 +1,28 @@
-"""Training entry point (not implemented yet: see the open training issue)."""
+"""Pretrain a text-to-image latent diffusion model with the PaddleNLP Trainer.
+
+    python train_txt2img_laion400m_trainer.py --do_train --output_dir OUT ... (or one .json file)
+    python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_trainer.py ...
+"""
 
 import sys
 
+from ldm.args import DataArguments, ModelArguments, SamplingArguments, parse
+
+
+def main(argv=None) -> int:
+    from paddlenlp.trainer import TrainingArguments
+
+    model_args, data_args, sampling_args, training_args = parse(
+        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments], argv)
+    if not training_args.do_train:
+        sys.exit("error: nothing to do: pass --do_train")
+    from ldm.train.errors import user_errors
+    from ldm.train.trainer import train
+
+    with user_errors():
+        train(training_args, model_args, data_args, sampling_args)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit("error: training is not implemented yet in this checkout; see README.md, 'Status'")
+    sys.exit(main())

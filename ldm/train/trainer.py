@@ -1,0 +1,175 @@
+"""The PaddleNLP `Trainer` path (`train_txt2img_laion400m_trainer.py`).
+
+PaddleNLP runs the loop, mixed precision, sharding, gradient accumulation and its own checkpoint
+files (model, optimizer, scheduler, RNG). The subclass overrides only the loss, the dataloader
+over the streaming dataset, and checkpoint saving (to add the data position, EMA and the
+pipeline-layout parts `ldm.export` reads). Resuming restores the data position from the
+checkpoint (`ignore_data_skip` is forced on: no batch is replayed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections import Counter
+
+import paddle
+from paddlenlp.trainer import Trainer, TrainerCallback
+
+from ldm.checkpoint import STATE_FILE, save_model
+from ldm.distributed import Distributed
+from ldm.tracking import StepClock
+from ldm.train import common
+
+logger = logging.getLogger("ldm.train")
+
+
+class TimedBatches:
+    """Iterates a DataLoader, records the consumed stream state and the time spent waiting for it."""
+
+    def __init__(self, loader, tracker, clock: StepClock):
+        self.loader, self.tracker, self.clock = loader, tracker, clock
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            batch = self.tracker.update(batch)
+            self.clock.waited(time.perf_counter() - start, batch["input_ids"].shape[0])
+            yield batch
+
+
+class LDMCallback(TrainerCallback):
+    """EMA updates, per-rank noise seeds or restored RNG, and sample images, at the Trainer's hooks."""
+
+    def __init__(self, trainer: LDMTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t.resume_checkpoint:
+            t._load_rng_state(t.resume_checkpoint)  # the Trainer skips this when ignore_data_skip is on
+            if t.ema is not None:
+                t.ema.load_state_dict(paddle.load(os.path.join(t.resume_checkpoint, "ema.pdparams")))
+        else:
+            paddle.seed(args.seed + 1000 * t.dist.rank)  # same weights everywhere, different noise per rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t.ema is not None:
+            t.ema.update()
+        steps = t.sampling.image_logging_steps
+        if steps and state.global_step % steps == 0:
+            common.log_samples(t.writer, state.global_step, t.ldm, t.ldm_tokenizer, t.data.model_max_length,
+                               t.sampling.num_inference_steps)
+            t.ldm.train()
+
+
+class LDMTrainer(Trainer):
+    def __init__(self, *, model, args, tokenizer, data, sampling, dist: Distributed, vae_folder: str, ema=None,
+                 writer=None, resume_checkpoint: str | None = None):
+        super().__init__(model=model, args=args)
+        from ldm.data.dataset import StreamState
+
+        self.ldm, self.ldm_tokenizer, self.data, self.sampling = model, tokenizer, data, sampling
+        self.dist, self.vae_folder, self.ema, self.writer = dist, vae_folder, ema, writer
+        self.resume_checkpoint = resume_checkpoint
+        self.tracker = StreamState(args.dataloader_num_workers)
+        self.clock = StepClock()
+        self.stream_state = None
+        if resume_checkpoint:
+            with open(os.path.join(resume_checkpoint, STATE_FILE), "rb") as f:
+                saved = pickle.load(f)
+            if saved["world_size"] == dist.world_size:
+                self.stream_state = saved["stream"][dist.rank]
+                if self.stream_state.get("num_workers") == self.tracker.num_workers:
+                    self.tracker.load_state_dict(self.stream_state)
+        self.add_callback(LDMCallback(self))
+
+    def get_train_dataloader(self):
+        from ldm.data.dataset import build_dataloader
+
+        stream = common.build_stream(self.data, self.ldm_tokenizer, batch_size=self.args.per_device_train_batch_size,
+                                     seed=self.args.seed, dist=self.dist,
+                                     num_workers=self.args.dataloader_num_workers, state=self.stream_state)
+        return TimedBatches(build_dataloader(stream, self.args.dataloader_num_workers), self.tracker, self.clock)
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        loss = model(inputs["pixel_values"], inputs["input_ids"])
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs: dict, **kwargs) -> None:
+        if "loss" in logs:
+            elapsed, wait_fraction, samples = self.clock.read()
+            counts = Counter()
+            for rank_counts in self.dist.gather(dict(self.tracker.counts())):
+                counts.update(rank_counts)
+            logs["data_wait_fraction"] = self.dist.mean(wait_fraction)
+            logs["global_samples_per_second"] = self.dist.sum(samples) / elapsed
+            logs.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
+            self.clock.reset()
+        super().log(logs, **kwargs)
+
+    def _save_checkpoint(self, model, metrics=None):
+        super()._save_checkpoint(model, metrics)
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        trained = [p for p in self.ldm.parameters() if not p.stop_gradient]
+        state = {
+            "step": self.state.global_step,
+            "world_size": self.dist.world_size,
+            "stream": self.dist.gather(self.tracker.state_dict()),
+            "weights_checksum": self.dist.gather(float(sum(float(p.astype("float64").abs().sum())
+                                                           for p in trained))),
+        }
+        if self.dist.is_main and os.path.isdir(folder):
+            save_model(folder, unet=self.ldm.unet, text_encoder=self.ldm.text_encoder,
+                       tokenizer=self.ldm_tokenizer, noise_scheduler=self.ldm.noise_scheduler,
+                       vae_folder=self.vae_folder, ema_state=self.ema.state_dict() if self.ema else None)
+            with open(os.path.join(folder, STATE_FILE), "wb") as f:
+                pickle.dump(state, f)
+        self.dist.barrier()
+
+
+def train(training_args, model_args, data, sampling) -> dict:
+    import paddle.distributed as pdist
+
+    from ldm.checkpoint import checkpoint_dirs, prepare_output_dir
+    from ldm.models.ema import EMA
+    from ldm.tracking import make_writer
+
+    dist = Distributed(pdist.get_rank(), pdist.get_world_size())
+    common.setup_logging(dist)
+    resume = training_args.resume_from_checkpoint
+    if resume in ("True", "true", True):
+        resume = "latest"
+    checkpoint = prepare_output_dir(training_args.output_dir, resume, training_args.overwrite_output_dir)
+    dist.barrier()
+    training_args.ignore_data_skip = True  # the data position is restored, not replayed
+    training_args.remove_unused_columns = False
+
+    tokenizer = common.build_tokenizer(data)
+    model, components = common.build_model(model_args, data, tokenizer, recompute=training_args.recompute,
+                                           seed=training_args.seed)
+    ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
+    vae_folder = common.save_vae(training_args.output_dir, components.vae, dist)
+    writer = make_writer(os.path.join(training_args.output_dir, "visualdl_samples"), dist.is_main)
+    trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
+                         dist=dist, vae_folder=vae_folder, ema=ema, writer=writer, resume_checkpoint=checkpoint)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.state.global_step % training_args.save_steps != 0:
+        trainer._save_checkpoint(trainer.model_wrapped, metrics=None)
+    last = checkpoint_dirs(training_args.output_dir)[-1] if dist.is_main else None
+    if dist.is_main:
+        from ldm.export import export_checkpoint
+
+        pipeline, used_ema = export_checkpoint(last, os.path.join(training_args.output_dir, "pipeline"))
+        logger.info("exported %s (%s weights) to %s", last, "EMA" if used_ema else "raw", pipeline)
+    dist.barrier()
+    writer.close()
+    return {"step": trainer.state.global_step, "checkpoint": last}
