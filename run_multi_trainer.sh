@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The PaddleNLP Trainer entry point is not implemented yet (see README, "Status"); use
-# run_single_no_trainer.sh / run_multi_no_trainer.sh meanwhile.
+# Multi-card pretraining with the PaddleNLP Trainer: GPUS=0,1,2,3,4,5,6,7 bash run_multi_trainer.sh
+# Multi-node: run the same command on every node with IPS=ip1,ip2 (the first is the master).
+# Settings and extra arguments as in run_single_trainer.sh (e.g. --sharding "stage2").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python)}"
-exec "$PYTHON" train_txt2img_laion400m_trainer.py "$@"
+source scripts/trainer_args.sh
+launch=(-m paddle.distributed.launch --gpus "${GPUS:-0,1,2,3,4,5,6,7}" --log_dir "${LOG_DIR:-./log_trainer}")
+if [[ -n "${IPS:-}" ]]; then launch+=(--ips "$IPS"); fi
+exec "$PYTHON" "${launch[@]}" train_txt2img_laion400m_trainer.py "${ARGS[@]}" "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The PaddleNLP Trainer entry point is not implemented yet (see README, "Status"); use
-# run_single_no_trainer.sh / run_multi_no_trainer.sh meanwhile.
+# Single-card pretraining with the PaddleNLP Trainer. Settings: environment variables named in
+# scripts/trainer_args.sh (original defaults); extra arguments are passed through, e.g.
+#   MAX_STEPS=1000 bash run_single_trainer.sh --use_ema --bf16
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-PYTHON="${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python)}"
-exec "$PYTHON" train_txt2img_laion400m_trainer.py "$@"
+source scripts/trainer_args.sh
+exec "$PYTHON" train_txt2img_laion400m_trainer.py "${ARGS[@]}" "$@"

@@ -73,7 +73,8 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     out = tmp_path / "run"
     result = run(corpus + ["--max_train_steps", "5", "--save_steps", "2", "--logging_steps", "3",
                            "--checkpoints_total_limit", "2", "--gradient_accumulation_steps", "2",
-                           "--num_workers", "0", "--output_dir", str(out), "--use_ema"])
+                           "--num_workers", "0", "--output_dir", str(out), "--use_ema",
+                           "--image_logging_steps", "2", "--num_inference_steps", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]
     state = training_state(out / "checkpoint-5")
@@ -94,6 +95,8 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                 "train/data_wait_fraction", "data/ok", "data/missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
+    assert {"samples/guidance_1.0", "samples/guidance_7.5"} <= set(reader.get_tags()["image"])
+    assert [r.id for r in reader.get_data("image", "samples/guidance_7.5")] == [2, 4]
 
     again = run(corpus + ["--max_train_steps", "1", "--output_dir", str(out)])
     assert again.returncode == 2

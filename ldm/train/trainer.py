@@ -158,9 +158,15 @@ def train(training_args, model_args, data, sampling) -> dict:
                                            seed=training_args.seed)
     ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
     vae_folder = common.save_vae(training_args.output_dir, components.vae, dist)
-    writer = make_writer(os.path.join(training_args.output_dir, "visualdl_samples"), dist.is_main)
+    # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
+    writer = make_writer(os.path.join(training_args.output_dir, "visualdl_samples"),
+                         dist.is_main and sampling.image_logging_steps > 0)
     trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
                          dist=dist, vae_folder=vae_folder, ema=ema, writer=writer, resume_checkpoint=checkpoint)
+    if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
+        from paddlenlp.utils.log import logger as paddlenlp_logger
+
+        paddlenlp_logger.set_level("INFO")
     trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.state.global_step % training_args.save_steps != 0:
         trainer._save_checkpoint(trainer.model_wrapped, metrics=None)

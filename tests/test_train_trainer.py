@@ -1,0 +1,102 @@
+"""The PaddleNLP Trainer path, run as users run it: real entry point, tiny preset, generated shards."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from corpus import write_corpus
+from test_train_loop import training_state, weights
+
+SCRIPT = str(ROOT / "train_txt2img_laion400m_trainer.py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, vocab_dir):
+    folder = tmp_path_factory.mktemp("trainer_corpus")
+    listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"), bad_every=13)
+    return ["--do_train", "--model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+            "--model_max_length", "16", "--resolution", "32", "--per_device_train_batch_size", "4"]
+
+
+def run(args, launch=False, cwd=None):
+    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
+    return subprocess.run(prefix + [SCRIPT, *args], capture_output=True, text=True, cwd=cwd or ROOT)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers):
+    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "2", "--save_steps", "4",
+                       "--dataloader_num_workers", str(workers), "--use_ema", "--lr_scheduler_type",
+                       "constant_with_warmup", "--warmup_steps", "2", "--learning_rate", "1e-3", "--seed", "5"]
+    for args in (["--max_steps", "8", "--output_dir", str(tmp_path / "a")],
+                 ["--max_steps", "4", "--output_dir", str(tmp_path / "b")],
+                 ["--max_steps", "8", "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint", "latest"]):
+        result = run(common + args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    expected, expected_updates = weights(tmp_path / "a" / "checkpoint-8")
+    got, got_updates = weights(tmp_path / "b" / "checkpoint-8")
+    assert got_updates == expected_updates == 8
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # the data position came from the checkpoint: 8 updates x 2 micro-steps, no batch replayed
+    assert training_state(tmp_path / "b" / "checkpoint-8")["stream"][0]["batches"] == 16
+
+
+def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_steps", "3", "--save_steps", "2", "--logging_steps", "1", "--report_to",
+                           "visualdl", "--dataloader_num_workers", "0", "--output_dir", str(out),
+                           "--image_logging_steps", "2", "--num_inference_steps", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    from ppdiffusers import LDMTextToImagePipeline
+    from visualdl import LogReader
+
+    assert LDMTextToImagePipeline.from_pretrained(str(out / "pipeline")).unet.config.sample_size == 8
+    run_dir = out / "runs" / os.listdir(out / "runs")[0]
+    reader = LogReader(file_path=str(run_dir / os.listdir(run_dir)[0]))
+    tags = reader.get_tags()["scalar"]
+    for tag in ("train/loss", "train/learning_rate", "train/data_wait_fraction", "train/data_ok",
+                "train/global_samples_per_second"):
+        assert tag in tags, tags
+
+    samples = out / "visualdl_samples"
+    images = LogReader(file_path=str(samples / os.listdir(samples)[0])).get_tags()["image"]
+    assert {"samples/guidance_1.0", "samples/guidance_7.5"} <= set(images)
+
+    again = run(corpus + ["--max_steps", "1", "--output_dir", str(out)])
+    assert again.returncode == 2
+    assert "--resume_from_checkpoint" in again.stderr and "--overwrite_output_dir" in again.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no_such_flag", "1"], "not used"),
+    (["--file_list", "/no/such/list"], "file list not found"),
+    (["--prediction_type", "sample"], "--prediction_type must be"),
+])
+def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extra, message):
+    result = run(corpus + ["--max_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "2",
+                           "--gradient_accumulation_steps", "2", "--dataloader_num_workers", "1",
+                           "--output_dir", str(out)], launch=True, cwd=tmp_path)
+    logs = "".join(open(tmp_path / "launch_logs" / f).read() for f in os.listdir(tmp_path / "launch_logs")
+                   if f.startswith("workerlog"))
+    assert result.returncode == 0, logs[-4000:]
+    state = training_state(out / "checkpoint-4")
+    assert state["world_size"] == 2
+    assert state["weights_checksum"][0] == state["weights_checksum"][1]
+    slots = [set(stream["slots"]) for stream in state["stream"]]
+    assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "runs", "vqvae"]
+    runs = [os.path.join(d, f) for d, _, files in os.walk(out / "runs") for f in files]
+    assert len(runs) == 1  # one VisualDL file: rank 0's
