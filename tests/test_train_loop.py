@@ -133,3 +133,12 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
     assert len(os.listdir(out / "visualdl")) == 1
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "visualdl", "vqvae"]
+
+
+@pytest.mark.skipif(paddle.amp.is_float16_supported(), reason="fp16 works on this device")
+def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path):
+    result = run(corpus + ["--max_train_steps", "1", "--mixed_precision", "fp16", "--recompute", "--num_workers", "0",
+                           "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fp16 mixed precision is not supported" in result.stderr
+    assert training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1

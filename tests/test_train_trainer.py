@@ -100,3 +100,19 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "runs", "vqvae"]
     runs = [os.path.join(d, f) for d, _, files in os.walk(out / "runs") for f in files]
     assert len(runs) == 1  # one VisualDL file: rank 0's
+
+
+def test_one_json_file_of_arguments(corpus, tmp_path):
+    import json
+
+    flags = corpus + ["--max_steps", "1", "--dataloader_num_workers", "0", "--output_dir", str(tmp_path / "run"),
+                      "--fp16"]
+    args = {}
+    for i, flag in enumerate(flags):
+        if flag.startswith("--"):
+            value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else True
+            args[flag[2:]] = int(value) if isinstance(value, str) and value.isdigit() else value
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    result = run([str(tmp_path / "args.json")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isdir(tmp_path / "run" / "pipeline")

@@ -39,6 +39,19 @@ def setup_logging(dist: Distributed) -> None:
     ppdiffusers_logging.set_verbosity_warning()
 
 
+def resolve_precision(requested: str) -> str:
+    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
+    if requested == "fp16" and not paddle.amp.is_float16_supported():
+        logger.warning("fp16 mixed precision is not supported on this device (%s): training in fp32",
+                       paddle.device.get_device())
+        return "no"
+    if requested == "bf16" and not paddle.amp.is_bfloat16_supported():
+        logger.warning("bf16 mixed precision is not supported on this device (%s): training in fp32",
+                       paddle.device.get_device())
+        return "no"
+    return requested
+
+
 def build_tokenizer(data: DataArguments):
     from ldm.data.tokenize import load_tokenizer
 

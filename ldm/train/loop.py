@@ -27,19 +27,6 @@ from ldm.train import common
 logger = logging.getLogger("ldm.train")
 
 
-def resolve_precision(requested: str) -> str:
-    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
-    if requested == "fp16" and not paddle.amp.is_float16_supported():
-        logger.warning("--mixed_precision fp16 is not supported on this device (%s); training in fp32",
-                       paddle.device.get_device())
-        return "no"
-    if requested == "bf16" and not paddle.amp.is_bfloat16_supported():
-        logger.warning("--mixed_precision bf16 is not supported on this device (%s); training in fp32",
-                       paddle.device.get_device())
-        return "no"
-    return requested
-
-
 def autocast(precision: str):
     if precision == "no":
         return contextlib.nullcontext()
@@ -56,7 +43,7 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
     resume = prepare_output_dir(loop.output_dir, loop.resume_from_checkpoint, loop.overwrite_output_dir)
     dist.barrier()  # every rank has checked the folder before any writes into it
     writer = make_writer(os.path.join(loop.output_dir, "visualdl"), dist.is_main)
-    precision = resolve_precision(loop.mixed_precision)
+    precision = common.resolve_precision(loop.mixed_precision)
 
     tokenizer = common.build_tokenizer(data)
     model, components = common.build_model(model_args, data, tokenizer, recompute=loop.recompute, seed=loop.seed)

@@ -150,6 +150,9 @@ def train(training_args, model_args, data, sampling) -> dict:
         resume = "latest"
     checkpoint = prepare_output_dir(training_args.output_dir, resume, training_args.overwrite_output_dir)
     dist.barrier()
+    requested = "fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no"
+    if common.resolve_precision(requested) == "no":
+        training_args.fp16 = training_args.bf16 = False
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
 
