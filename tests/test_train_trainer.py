@@ -60,7 +60,7 @@ def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
     run_dir = out / "runs" / os.listdir(out / "runs")[0]
     reader = LogReader(file_path=str(run_dir / os.listdir(run_dir)[0]))
     tags = reader.get_tags()["scalar"]
-    for tag in ("train/loss", "train/learning_rate", "train/data_wait_fraction", "train/data_ok",
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/data_wait_fraction", "train/data_ok",
                 "train/global_samples_per_second"):
         assert tag in tags, tags
 

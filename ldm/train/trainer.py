@@ -60,6 +60,15 @@ class LDMCallback(TrainerCallback):
         else:
             paddle.seed(args.seed + 1000 * t.dist.rank)  # same weights everywhere, different noise per rank
 
+    def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
+        # gradients are synchronised here and, under fp16, still multiplied by the loss scale
+        t = self.trainer
+        grads = [p.grad for p in t.ldm.parameters() if p.grad is not None]
+        norm = float(paddle.sqrt(sum((g.astype("float32") ** 2).sum() for g in grads))) if grads else 0.0
+        if scaler is not None:
+            norm /= float(scaler._scale)
+        t.grad_norms.append(norm)
+
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         if t.ema is not None:
@@ -82,6 +91,7 @@ class LDMTrainer(Trainer):
         self.resume_checkpoint = resume_checkpoint
         self.tracker = StreamState(args.dataloader_num_workers)
         self.clock = StepClock()
+        self.grad_norms: list[float] = []
         self.stream_state = None
         if resume_checkpoint:
             with open(os.path.join(resume_checkpoint, STATE_FILE), "rb") as f:
@@ -111,6 +121,8 @@ class LDMTrainer(Trainer):
             for rank_counts in self.dist.gather(dict(self.tracker.counts())):
                 counts.update(rank_counts)
             logs["data_wait_fraction"] = self.dist.mean(wait_fraction)
+            logs["grad_norm"] = sum(self.grad_norms) / max(1, len(self.grad_norms))
+            self.grad_norms = []
             logs["global_samples_per_second"] = self.dist.sum(samples) / elapsed
             logs.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
             self.clock.reset()
