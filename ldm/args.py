@@ -54,7 +54,8 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     file_list: str = arg("./data/filelist/train.filelist.list", "list of filelists (one filelist [weight] per line)")
-    tokenizer_name: str = arg("bert-base-uncased", "BERT WordPiece tokenizer: a name (online) or a folder with vocab.txt")
+    tokenizer_name: str = arg("bert-base-uncased",
+                              "BERT WordPiece tokenizer: a name (online) or a folder with vocab.txt")
     model_max_length: int = arg(77, "caption length in tokens (padded/truncated)")
     resolution: int = arg(256, "training image size")
     center_crop: bool = arg(False, "center crop instead of random crop")
@@ -112,7 +113,8 @@ class LoopArguments:
                      "save_steps"):
             _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
         _check(self.lr_scheduler in LR_SCHEDULERS, f"--lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}")
-        _check(self.mixed_precision in MIXED_PRECISION, f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}")
+        _check(self.mixed_precision in MIXED_PRECISION,
+               f"--mixed_precision must be one of {', '.join(MIXED_PRECISION)}")
         _check(self.learning_rate > 0, "--learning_rate must be > 0")
         _check(self.lr_warmup_steps >= 0 and self.num_workers >= 0, "--lr_warmup_steps and --num_workers must be >= 0")
         _check(self.checkpoints_total_limit is None or self.checkpoints_total_limit >= 1,

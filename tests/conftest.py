@@ -14,5 +14,6 @@ def vocab_dir(tmp_path_factory):
     from ldm.data.tokenize import write_vocab
 
     folder = tmp_path_factory.mktemp("tokenizer")
-    write_vocab("a an the photo of image red green blue circle square on background".split(), str(folder))
+    words = ["a", "an", "the", "photo", "of", "image", "red", "green", "blue", "circle", "square", "on", "background"]
+    write_vocab(words, str(folder))
     return str(folder)

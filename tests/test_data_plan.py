@@ -37,7 +37,7 @@ def read_pass(shards, world, workers, seed=0, pass_index=0, buffer=4):
 ])
 def test_every_record_is_read_exactly_once_per_pass(tmp_path, world, workers, sizes):
     shards = text_shards(tmp_path, sizes)
-    everything = Counter((s.path, n) for s, size in zip(shards, sizes) for n in range(1, size + 1))
+    everything = Counter((s.path, n) for s, size in zip(shards, sizes, strict=True) for n in range(1, size + 1))
     for pass_index in (0, 1):
         per_slot = read_pass(shards, world, max(1, workers), pass_index=pass_index)
         got = Counter(key for keys in per_slot.values() for key in keys)
@@ -55,7 +55,7 @@ def test_order_is_deterministic_and_changes_between_passes(tmp_path):
 
 def test_weights_are_honoured_in_expectation(tmp_path):
     shards = text_shards(tmp_path, [10] * 8)
-    weighted = [Shard(s.path, w) for s, w in zip(shards, [2.0, 2.0, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0])]
+    weighted = [Shard(s.path, w) for s, w in zip(shards, [2.0, 2.0, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0], strict=True)]
     totals = Counter()
     passes = 60
     for p in range(passes):

@@ -130,10 +130,7 @@ def test_loss_target_is_the_schedulers(tokenizer, prediction_type):
     latents = model.encode_latents(pixels)
     noise = paddle.randn(latents.shape)
     timesteps = paddle.randint(0, 1000, [latents.shape[0]], dtype="int64")
-    if prediction_type == "epsilon":
-        target = noise
-    else:
-        target = c.noise_scheduler.get_velocity(latents, noise, timesteps)
+    target = noise if prediction_type == "epsilon" else c.noise_scheduler.get_velocity(latents, noise, timesteps)
     expected = float((target**2).mean())
     paddle.seed(7)
     assert float(model(pixels, ids)) == pytest.approx(expected, rel=1e-5)
@@ -197,7 +194,7 @@ def test_ema_warmup_and_counter_survive_save_load(tokenizer, tmp_path):
     assert {n.split(".")[0] for n in ema.shadow} == {"unet", "text_encoder"}
     assert not any(n.startswith("text_encoder.to_logits") for n in ema.shadow)
     weight = model.unet.conv_in.weight
-    for step in range(3):
+    for _ in range(3):
         weight.set_value(weight + 1.0)
         ema.update()
     assert ema.num_updates == 3 and ema.decay() == pytest.approx(4 / 13)

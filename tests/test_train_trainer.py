@@ -89,7 +89,7 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     result = run(corpus + ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "2",
                            "--gradient_accumulation_steps", "2", "--dataloader_num_workers", "1",
                            "--output_dir", str(out)], launch=True, cwd=tmp_path)
-    logs = "".join(open(tmp_path / "launch_logs" / f).read() for f in os.listdir(tmp_path / "launch_logs")
+    logs = "".join((tmp_path / "launch_logs" / f).read_text() for f in os.listdir(tmp_path / "launch_logs")
                    if f.startswith("workerlog"))
     assert result.returncode == 0, logs[-4000:]
     state = training_state(out / "checkpoint-4")

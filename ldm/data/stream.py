@@ -127,7 +127,8 @@ class SlotStream:
             if (u, n) in found:
                 self.buffer.append((u, n, found[(u, n)]))
             else:
-                logger.warning("shard %s changed since the checkpoint: line %d is gone", self.shards[units[u].shard].path, n)
+                path = self.shards[units[u].shard].path
+                logger.warning("shard %s changed since the checkpoint: line %d is gone", path, n)
         self._to_reload = []
 
     def _pop(self, units: list[Unit]) -> Record:

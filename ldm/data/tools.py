@@ -209,7 +209,8 @@ def parquet_records(path: str):
     image_column = next((c for c in ("jpg", "png", "webp", "image") if c in columns), None)
     caption_column = next((c for c in ("caption", "text", "TEXT") if c in columns), None)
     if image_column is None or caption_column is None:
-        raise UserError(f"{path}: parquet needs an image column (jpg/png/webp/image) and a caption column; has {columns}")
+        raise UserError(f"{path}: parquet needs an image column (jpg/png/webp/image) and a caption column; "
+                        f"has {columns}")
     key_column = "key" if "key" in columns else None
     for batch in table.iter_batches(columns=[c for c in (image_column, caption_column, key_column) if c]):
         data = batch.to_pydict()

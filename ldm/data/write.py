@@ -40,7 +40,7 @@ class ShardWriter:
         if self._file is None or self._in_shard == self.records_per_shard:
             self._close_shard()
             path = os.path.join(self.folder, f"{self.name}-{len(self.shards):05d}.gz")
-            self._file = gzip.open(path, "wb", compresslevel=self.compresslevel)
+            self._file = gzip.open(path, "wb", compresslevel=self.compresslevel)  # noqa: SIM115 - closed in _close_shard
             self.shards.append(path)
         self._file.write(line)
         self._in_shard += 1

@@ -184,8 +184,8 @@ def build_components(
     vae, vae_loaded = load_vae(vae_source)
     if not vae_loaded:
         logger.warning(
-            "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random projections "
-            "and the\n!! diffusion model will learn nothing useful. This is only acceptable in tests. Pass "
+            "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random "
+            "projections and the\n!! diffusion model will learn nothing useful. This is only acceptable in tests. Pass "
             "--vae_name_or_path\n!! with a pretrained KL autoencoder folder.\n" + "!" * 100, vae_source)
     scheduler = DDPMScheduler(**noise_scheduler_config(source), prediction_type=prediction_type)
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,

@@ -8,11 +8,11 @@ counter, LR schedule, logging, image logging and checkpoints all count updates.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 import logging
 import os
 import random
 import time
+from collections import Counter
 
 import numpy as np
 import paddle
