@@ -253,6 +253,16 @@ def cmd_convert(args) -> None:
     print(f"wrote {written} records ({skipped} skipped); use --file_list {listing}")
 
 
+# -- synth -------------------------------------------------------------------------------------
+def cmd_synth(args) -> None:
+    from ldm.data.synth import synth_corpus
+
+    listing = synth_corpus(args.output_dir, args.num_records, args.resolution, args.seed, args.records_per_shard,
+                           args.format.upper(), progress=lambda it: tqdm(it, desc="synth", unit="rec"))
+    print(f"wrote {args.num_records} records; use --file_list {listing} "
+          f"--tokenizer_name {os.path.join(args.output_dir, 'tokenizer')}")
+
+
 # -- entry ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ldm.data", description=__doc__)
@@ -288,13 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--records_per_shard", type=int, default=10000)
     p.add_argument("--name", default="train")
     p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser("synth", help="write a captioned-shapes corpus (demo and tests) with its tokenizer vocab")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--num_records", type=int, default=10000)
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--records_per_shard", type=int, default=1000)
+    p.add_argument("--format", choices=("png", "jpeg"), default="png")
+    p.set_defaults(run=cmd_synth)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds"):
+    for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds", "num_records"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be at least 1")
     try:
