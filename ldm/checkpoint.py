@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
+from contextlib import contextmanager
 
 MODEL_JSON = "ldm_model.json"
 EMA_FILE = "ema.pdparams"
@@ -31,8 +33,12 @@ def is_checkpoint(path: str) -> bool:
 
 
 def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str,
-               ema_state: dict | None = None) -> None:
-    """Write the model parts of a checkpoint into `folder` (created; existing files replaced)."""
+               ema_state: dict | None = None, final_folder: str | None = None) -> None:
+    """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
+
+    `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
+    the autoencoder is written relative to it.
+    """
     import paddle
 
     os.makedirs(folder, exist_ok=True)
@@ -40,31 +46,27 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
     text_encoder.save_pretrained(os.path.join(folder, "bert"))
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
-    vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(folder))
+    vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))
     with open(os.path.join(folder, MODEL_JSON), "w") as f:
         json.dump({"vae": vae}, f, indent=2)
     if ema_state is not None:
         paddle.save(ema_state, os.path.join(folder, EMA_FILE))
 
 
+@contextmanager
 def atomic_folder(final: str):
-    """A temporary sibling folder to fill; `commit()` renames it to `final` (replacing it)."""
-
-    class _Atomic:
-        def __init__(self):
-            parent = os.path.dirname(os.path.abspath(final)) or "."
-            os.makedirs(parent, exist_ok=True)
-            self.path = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
-
-        def commit(self):
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(self.path, final)
-
-        def abort(self):
-            shutil.rmtree(self.path, ignore_errors=True)
-
-    return _Atomic()
+    """Yields a temporary sibling folder to fill; on success it replaces `final`, on error it is removed."""
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(path, final)
 
 
 def apply_ema(state: dict, unet, text_encoder) -> None:
@@ -166,37 +168,34 @@ def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def write_training_state(folder: str, state: dict) -> None:
+    with open(os.path.join(folder, STATE_FILE), "wb") as f:
+        pickle.dump(state, f)
+
+
+def read_training_state(folder: str) -> dict:
+    with open(os.path.join(folder, STATE_FILE), "rb") as f:
+        return pickle.load(f)
+
+
 def save_training_checkpoint(output_dir: str, step: int, *, model, tokenizer, vae_folder: str, optimizer,
                              training_state: dict, ema=None, limit: int | None = None) -> str:
     """Write checkpoint-<step> atomically (temp folder, then rename) and rotate old ones. Rank 0 only."""
-    import pickle
-
     import paddle
 
     final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
-    target = atomic_folder(final)
-    try:
-        save_model(target.path, unet=model.unet, text_encoder=model.text_encoder, tokenizer=tokenizer,
+    with atomic_folder(final) as folder:
+        save_model(folder, unet=model.unet, text_encoder=model.text_encoder, tokenizer=tokenizer,
                    noise_scheduler=model.noise_scheduler, vae_folder=vae_folder,
-                   ema_state=ema.state_dict() if ema is not None else None)
-        # relative to the final location, not the temporary one
-        with open(os.path.join(target.path, MODEL_JSON), "w") as f:
-            json.dump({"vae": os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final))}, f, indent=2)
-        paddle.save(optimizer.state_dict(), os.path.join(target.path, OPTIMIZER_FILE))
-        with open(os.path.join(target.path, STATE_FILE), "wb") as f:
-            pickle.dump(training_state, f)
-        target.commit()
-    except BaseException:
-        target.abort()
-        raise
+                   ema_state=ema.state_dict() if ema is not None else None, final_folder=final)
+        paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
+        write_training_state(folder, training_state)
     rotate_checkpoints(output_dir, limit)
     return final
 
 
 def load_training_checkpoint(path: str, *, model, optimizer=None, ema=None) -> dict:
     """Restore weights, optimizer and EMA in place; returns the training state dict."""
-    import pickle
-
     import paddle
     from ppdiffusers import UNet2DConditionModel
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
@@ -210,5 +209,4 @@ def load_training_checkpoint(path: str, *, model, optimizer=None, ema=None) -> d
         if not os.path.isfile(ema_path):
             raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
         ema.load_state_dict(paddle.load(ema_path))
-    with open(os.path.join(path, STATE_FILE), "rb") as f:
-        return pickle.load(f)
+    return read_training_state(path)

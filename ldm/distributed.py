@@ -32,13 +32,10 @@ class Distributed:
 
     def mean(self, value: float) -> float:
         """Mean of a Python float over ranks."""
-        if self.world_size == 1:
-            return float(value)
-        tensor = paddle.to_tensor([float(value)], dtype="float64")
-        dist.all_reduce(tensor)
-        return float(tensor.item()) / self.world_size
+        return self.sum(value) / self.world_size
 
     def sum(self, value: float) -> float:
+        """Sum of a Python float over ranks."""
         if self.world_size == 1:
             return float(value)
         tensor = paddle.to_tensor([float(value)], dtype="float64")
@@ -56,6 +53,11 @@ class Distributed:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def weights_checksum(parameters) -> float:
+    """A fingerprint of the weights (sum of |w| in float64): ranks that drifted apart differ here."""
+    return float(sum(float(p.astype("float64").abs().sum()) for p in parameters))
 
 
 def sync_gradients(parameters, world_size: int) -> None:

@@ -20,13 +20,8 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
 
     pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                       scheduler=ddim_scheduler(scheduler_config))
-    target = atomic_folder(output)
-    try:
-        pipeline.save_pretrained(target.path)
-        target.commit()
-    except BaseException:
-        target.abort()
-        raise
+    with atomic_folder(output) as folder:
+        pipeline.save_pretrained(folder)
     return output
 
 

@@ -1,18 +1,14 @@
 """The hand-written loop, run as users run it: real entry point, tiny preset, generated shards."""
 
 import os
-import pickle
-import subprocess
-import sys
 
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
 from corpus import write_corpus
-from safetensors.numpy import load_file
+from entry import run_entry, weights, worker_logs
 
-SCRIPT = str(ROOT / "train_txt2img_laion400m_no_trainer.py")
+from ldm.checkpoint import read_training_state
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +20,7 @@ def corpus(tmp_path_factory, vocab_dir):
 
 
 def run(args, launch=False, cwd=None):
-    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
-    return subprocess.run(prefix + [SCRIPT, *args], capture_output=True, text=True, cwd=cwd or ROOT)
-
-
-def weights(checkpoint):
-    out = {f"unet.{k}": v for k, v in load_file(os.path.join(checkpoint, "unet",
-                                                             "diffusion_paddle_model.safetensors")).items()}
-    out.update({f"bert.{k}": v.numpy() for k, v in paddle.load(os.path.join(checkpoint, "bert",
-                                                                           "model_state.pdparams")).items()})
-    ema = paddle.load(os.path.join(checkpoint, "ema.pdparams"))
-    out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
-    return out, ema["num_updates"]
-
-
-def training_state(checkpoint):
-    with open(os.path.join(checkpoint, "training_state.pkl"), "rb") as f:
-        return pickle.load(f)
+    return run_entry("train_txt2img_laion400m_no_trainer.py", args, launch, cwd)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -77,7 +56,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                            "--image_logging_steps", "2", "--num_inference_steps", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]
-    state = training_state(out / "checkpoint-5")
+    state = read_training_state(out / "checkpoint-5")
     assert state["step"] == 5 and paddle.load(str(out / "checkpoint-5" / "ema.pdparams"))["num_updates"] == 5
     # 5 updates x 2 micro-steps x 4 images, nothing more read
     assert state["stream"][0]["batches"] == 10
@@ -120,10 +99,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",
                            "--gradient_accumulation_steps", "2", "--num_workers", "1", "--output_dir", str(out)],
                  launch=True, cwd=tmp_path)
-    logs = "".join((tmp_path / "launch_logs" / f).read_text() for f in os.listdir(tmp_path / "launch_logs")
-                   if f.startswith("workerlog"))
-    assert result.returncode == 0, logs[-4000:]
-    state = training_state(out / "checkpoint-4")
+    assert result.returncode == 0, worker_logs(tmp_path)[-4000:]
+    state = read_training_state(out / "checkpoint-4")
     assert state["world_size"] == 2
     checksums = state["weights_checksum"]
     assert len(checksums) == 2 and checksums[0] == checksums[1]  # gradients were averaged, ranks in step
@@ -141,4 +118,4 @@ def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path)
                            "--output_dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp16 mixed precision is not supported" in result.stderr
-    assert training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1
+    assert read_training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1

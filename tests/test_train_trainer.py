@@ -1,16 +1,13 @@
 """The PaddleNLP Trainer path, run as users run it: real entry point, tiny preset, generated shards."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
 from corpus import write_corpus
-from test_train_loop import training_state, weights
+from entry import run_entry, weights, worker_logs
 
-SCRIPT = str(ROOT / "train_txt2img_laion400m_trainer.py")
+from ldm.checkpoint import read_training_state
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +19,7 @@ def corpus(tmp_path_factory, vocab_dir):
 
 
 def run(args, launch=False, cwd=None):
-    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
-    return subprocess.run(prefix + [SCRIPT, *args], capture_output=True, text=True, cwd=cwd or ROOT)
+    return run_entry("train_txt2img_laion400m_trainer.py", args, launch, cwd)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -43,7 +38,7 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_p
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # the data position came from the checkpoint: 8 updates x 2 micro-steps, no batch replayed
-    assert training_state(tmp_path / "b" / "checkpoint-8")["stream"][0]["batches"] == 16
+    assert read_training_state(tmp_path / "b" / "checkpoint-8")["stream"][0]["batches"] == 16
 
 
 def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
@@ -89,10 +84,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     result = run(corpus + ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "2",
                            "--gradient_accumulation_steps", "2", "--dataloader_num_workers", "1",
                            "--output_dir", str(out)], launch=True, cwd=tmp_path)
-    logs = "".join((tmp_path / "launch_logs" / f).read_text() for f in os.listdir(tmp_path / "launch_logs")
-                   if f.startswith("workerlog"))
-    assert result.returncode == 0, logs[-4000:]
-    state = training_state(out / "checkpoint-4")
+    assert result.returncode == 0, worker_logs(tmp_path)[-4000:]
+    state = read_training_state(out / "checkpoint-4")
     assert state["world_size"] == 2
     assert state["weights_checksum"][0] == state["weights_checksum"][1]
     slots = [set(stream["slots"]) for stream in state["stream"]]

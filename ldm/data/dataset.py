@@ -55,6 +55,18 @@ def to_pixel_values(images: list[np.ndarray]) -> np.ndarray:
     return batch
 
 
+def rank_stream_state(saved: list[dict], rank: int, world_size: int) -> dict:
+    """This rank's part of the per-rank stream states a checkpoint holds.
+
+    Saved with another number of ranks, every rank's slots are returned: their layout differs from
+    this run's, so the stream starts the pass after the furthest one instead of resuming exactly.
+    """
+    if len(saved) == world_size:
+        return saved[rank]
+    slots = {slot: state for rank_state in saved for slot, state in rank_state["slots"].items()}
+    return {"num_workers": saved[0]["num_workers"], "batches": 0, "slots": slots}
+
+
 class CaptionImageStream(IterableDataset):
     def __init__(
         self,
@@ -81,6 +93,7 @@ class CaptionImageStream(IterableDataset):
         self.slot_states: dict[int, dict] = {}
         self.first_role = 0
         self.start_pass = 0
+        self.resumes_exactly = False
         if state:
             self.load_state_dict(state)
 
@@ -92,6 +105,7 @@ class CaptionImageStream(IterableDataset):
         if same_layout:
             self.slot_states = slots
             self.first_role = state["batches"] % self.workers
+            self.resumes_exactly = True
         else:
             # Exact resume needs the same (ranks x workers) layout; otherwise start a fresh pass.
             self.start_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)

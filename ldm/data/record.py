@@ -123,8 +123,6 @@ class ImageTransform:
             x1 = max(x0 + 1, min(round(box[2]), image.size[0]))
             y1 = max(y0 + 1, min(round(box[3]), image.size[1]))
             region = np.asarray(image.crop((x0, y0, x1, y1)))  # only the crop is copied out of Pillow
-        except SkipRecord:
-            raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise SkipRecord("too_large", str(e)) from None
         except (OSError, SyntaxError, ValueError, TypeError, IndexError, EOFError,

@@ -116,21 +116,16 @@ def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) ->
     """Median images/s of the real data path and of the naive reference, interleaved, one core."""
     import numpy as np
 
-    from ldm.data.dataset import to_pixel_values
+    from ldm.data.dataset import CaptionImageStream, to_pixel_values
     from ldm.data.naive import naive_samples
 
     shards = read_file_list(file_list)
-    transform = ImageTransform(resolution)
+    # the training sample path itself, without tokenization (the naive reference has none either)
+    dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution), batch_size=1)
 
     def real():
         stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
-
-        def make(record):
-            _, image_bytes = parse_record(record.line)
-            rng = sample_rng(0, record.pass_index, record.shard, record.line_number)
-            return to_pixel_values([transform(image_bytes, rng)])
-
-        return stream.samples(make)
+        return stream.samples(lambda record: to_pixel_values([dataset.make_sample(record)[0]]))
 
     pin_one_core()
     fast, slow = [], []

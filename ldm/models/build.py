@@ -117,12 +117,11 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
     return LDMBertModel(LDMBertConfig(**config)), False
 
 
-def load_unet(folder: str):
-    from ppdiffusers import UNet2DConditionModel
-
+def load_part(model_class, folder: str):
+    """(model, loaded): a ppdiffusers model from its weights, or built from its config alone."""
     if has_weights(folder):
-        return UNet2DConditionModel.from_pretrained(folder), True
-    return UNet2DConditionModel.from_config(read_config(folder)), False
+        return model_class.from_pretrained(folder), True
+    return model_class.from_config(read_config(folder)), False
 
 
 def vae_folder(name_or_path: str) -> str:
@@ -134,20 +133,11 @@ def vae_folder(name_or_path: str) -> str:
     raise ModelSourceError(f"no autoencoder config in {name_or_path} (looked in ., vqvae/, vae/)")
 
 
-def load_vae(name_or_path: str):
-    from ppdiffusers import AutoencoderKL
-
-    folder = vae_folder(name_or_path)
-    if has_weights(folder):
-        return AutoencoderKL.from_pretrained(folder), True
-    return AutoencoderKL.from_config(read_config(folder)), False
-
-
 def noise_scheduler_config(source: str) -> dict:
-    path = os.path.join(source, "scheduler", "scheduler_config.json")
+    folder = os.path.join(source, "scheduler")
     config = dict(DDPM_DEFAULTS)
-    if os.path.isfile(path):
-        saved = read_config(os.path.dirname(path), "scheduler_config.json")
+    if os.path.isfile(os.path.join(folder, "scheduler_config.json")):
+        saved = read_config(folder, "scheduler_config.json")
         config.update({k: saved[k] for k in DDPM_DEFAULTS if k in saved})
     return config
 
@@ -164,7 +154,7 @@ def build_components(
 ) -> Components:
     """Build or load the UNet, LDMBert, frozen VAE and DDPM noise scheduler of a model source."""
     import paddle
-    from ppdiffusers import DDPMScheduler
+    from ppdiffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
     from ldm.models.init import init_ldm_weights
 
@@ -175,13 +165,13 @@ def build_components(
                                    "configs or a ppdiffusers pipeline folder)")
     if seed is not None:
         paddle.seed(seed)
-    unet, unet_loaded = load_unet(os.path.join(source, "unet"))
+    unet, unet_loaded = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
     text_encoder, text_loaded = load_text_encoder(os.path.join(source, "bert"), vocab_size, model_max_length,
                                                   pad_token_id)
     if not unet_loaded or not text_loaded:
         init_ldm_weights(None if unet_loaded else unet, None if text_loaded else text_encoder)
     vae_source = vae_name_or_path or source
-    vae, vae_loaded = load_vae(vae_source)
+    vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
     if not vae_loaded:
         logger.warning(
             "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random "

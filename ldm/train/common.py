@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections import Counter
 
 import numpy as np
 import paddle
 
 from ldm.args import DataArguments, ModelArguments
 from ldm.distributed import Distributed
+from ldm.tracking import StepClock
 
 logger = logging.getLogger("ldm.train")
 
@@ -41,13 +44,10 @@ def setup_logging(dist: Distributed) -> None:
 
 def resolve_precision(requested: str) -> str:
     """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
-    if requested == "fp16" and not paddle.amp.is_float16_supported():
-        logger.warning("fp16 mixed precision is not supported on this device (%s): training in fp32",
-                       paddle.device.get_device())
-        return "no"
-    if requested == "bf16" and not paddle.amp.is_bfloat16_supported():
-        logger.warning("bf16 mixed precision is not supported on this device (%s): training in fp32",
-                       paddle.device.get_device())
+    supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
+    if requested in supported and not supported[requested]():
+        logger.warning("%s mixed precision is not supported on this device (%s): training in fp32",
+                       requested, paddle.device.get_device())
         return "no"
     return requested
 
@@ -86,14 +86,46 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     return model, components
 
 
-def build_stream(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
-                 num_workers: int, state: dict | None = None):
-    from ldm.data.dataset import CaptionImageStream
+class TimedBatches:
+    """The training batches: records each batch's stream state and the time spent waiting for it."""
+
+    def __init__(self, loader, tracker):
+        self.loader, self.tracker, self.clock = loader, tracker, StepClock()
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            batch = self.tracker.update(batch)
+            self.clock.waited(time.perf_counter() - start, batch["input_ids"].shape[0])
+            yield batch
+
+    def window(self, dist: Distributed) -> tuple[float, float, Counter]:
+        """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""
+        elapsed, wait_fraction, samples = self.clock.read()
+        self.clock.reset()
+        # ranks meet different skip reasons: gather the dicts (one collective) rather than all-reducing
+        # key by key, which would pair different keys across ranks and deadlock
+        counts: Counter = Counter()
+        for rank_counts in dist.gather(dict(self.tracker.counts())):
+            counts.update(rank_counts)
+        return dist.sum(samples) / elapsed, dist.mean(wait_fraction), counts
+
+
+def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
+                  num_workers: int, saved_streams: list[dict] | None = None) -> TimedBatches:
+    """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given."""
+    from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
     from ldm.data.filelist import read_file_list
     from ldm.data.record import ImageTransform
     from ldm.data.tokenize import CaptionTokenizer
 
-    return CaptionImageStream(
+    state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
+    stream = CaptionImageStream(
         read_file_list(data.file_list),
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length),
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
@@ -107,6 +139,10 @@ def build_stream(data: DataArguments, tokenizer, *, batch_size: int, seed: int, 
         shuffle_buffer=data.shuffle_buffer,
         state=state,
     )
+    tracker = StreamState(num_workers)
+    if stream.resumes_exactly:
+        tracker.load_state_dict(state)
+    return TimedBatches(build_dataloader(stream, num_workers), tracker)
 
 
 def save_vae(output_dir: str, vae, dist: Distributed) -> str:

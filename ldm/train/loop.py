@@ -11,8 +11,6 @@ import contextlib
 import logging
 import os
 import random
-import time
-from collections import Counter
 
 import numpy as np
 import paddle
@@ -20,8 +18,8 @@ from tqdm import tqdm
 
 from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
 from ldm.checkpoint import load_training_checkpoint, prepare_output_dir, save_training_checkpoint
-from ldm.distributed import Distributed, sync_gradients
-from ldm.tracking import StepClock, make_writer
+from ldm.distributed import Distributed, sync_gradients, weights_checksum
+from ldm.tracking import make_writer
 from ldm.train import common
 
 logger = logging.getLogger("ldm.train")
@@ -31,10 +29,6 @@ def autocast(precision: str):
     if precision == "no":
         return contextlib.nullcontext()
     return paddle.amp.auto_cast(enable=True, dtype="float16" if precision == "fp16" else "bfloat16", level="O1")
-
-
-def weights_checksum(parameters) -> float:
-    return float(sum(float(p.astype("float64").abs().sum()) for p in parameters))
 
 
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
@@ -57,34 +51,27 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
 
-    step, stream_state = 0, None
+    step, saved_streams = 0, None
     if resume:
         state = load_training_checkpoint(resume, model=model, optimizer=optimizer, ema=ema)
-        step = state["step"]
+        step, saved_streams = state["step"], state["stream"]
         lr.set_state_dict(state["lr_scheduler"])
-        scaler.load_state_dict(state["scaler"]) if state.get("scaler") else None
+        scaler.load_state_dict(state["scaler"])
         if state["world_size"] == dist.world_size:
-            stream_state = state["stream"][dist.rank]
             paddle.set_rng_state(state["rng"][dist.rank])
             np.random.set_state(state["numpy"][dist.rank])
             random.setstate(state["python"][dist.rank])
         else:
             logger.warning("resuming a %d-rank run on %d ranks: data stream and noise restart from new seeds",
                            state["world_size"], dist.world_size)
-            stream_state = {"num_workers": -1, "batches": 0, "slots": {}}
             paddle.seed(loop.seed + 1000 * dist.rank + step)
         logger.info("resumed from %s at update %d", resume, step)
     else:
         paddle.seed(loop.seed + 1000 * dist.rank)  # the same weights everywhere, different noise per rank
 
-    from ldm.data.dataset import StreamState, build_dataloader
-
-    stream = common.build_stream(data, tokenizer, batch_size=loop.train_batch_size, seed=loop.seed, dist=dist,
-                                 num_workers=loop.num_workers, state=stream_state)
-    tracker = StreamState(loop.num_workers)
-    if stream_state and stream_state.get("num_workers", -1) == tracker.num_workers:
-        tracker.load_state_dict(stream_state)
-    batches = iter(build_dataloader(stream, loop.num_workers))
+    data_stream = common.build_batches(data, tokenizer, batch_size=loop.train_batch_size, seed=loop.seed, dist=dist,
+                                       num_workers=loop.num_workers, saved_streams=saved_streams)
+    batches = iter(data_stream)
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
 
@@ -92,7 +79,7 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
         training_state = {
             "step": step,
             "world_size": dist.world_size,
-            "stream": dist.gather(tracker.state_dict()),
+            "stream": dist.gather(data_stream.tracker.state_dict()),
             "rng": dist.gather(paddle.get_rng_state()),
             "numpy": dist.gather(np.random.get_state()),
             "python": dist.gather(random.getstate()),
@@ -112,24 +99,21 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
         return path
 
     model.train()
-    clock = StepClock()
+    # loss and gradient norm stay on the device until logged: no host sync per micro-step
     window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}
     progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
     last_checkpoint = None
     while step < loop.max_train_steps:
-        loss_sum = 0.0
         for _ in range(loop.gradient_accumulation_steps):
-            waited = time.perf_counter()
-            batch = tracker.update(next(batches))
-            clock.waited(time.perf_counter() - waited, batch["input_ids"].shape[0])
+            batch = next(batches)
             with no_sync(), autocast(precision):
                 loss = ddp(batch["pixel_values"], batch["input_ids"])
             scaler.scale(loss / loop.gradient_accumulation_steps).backward()
-            loss_sum += float(loss)
+            window["loss"] += loss.detach() / loop.gradient_accumulation_steps
         sync_gradients(trained, dist.world_size)
         scaler.unscale_(optimizer)
         max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
-        grad_norm = float(paddle.nn.utils.clip_grad_norm_(trained, max_norm))
+        window["grad_norm"] += paddle.nn.utils.clip_grad_norm_(trained, max_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.clear_grad()
@@ -138,32 +122,24 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
             ema.update()
         step += 1
         progress.update(1)
-        window["loss"] += loss_sum / loop.gradient_accumulation_steps
-        window["grad_norm"] += grad_norm
         window["updates"] += 1
 
         if step % loop.logging_steps == 0 or step == loop.max_train_steps:
-            elapsed, wait_fraction, samples = clock.read()
+            samples_per_second, wait_fraction, counts = data_stream.window(dist)
             metrics = {
-                "train/loss": dist.mean(window["loss"] / window["updates"]),
+                "train/loss": dist.mean(float(window["loss"]) / window["updates"]),
                 "train/learning_rate": optimizer.get_lr(),
-                "train/grad_norm": dist.mean(window["grad_norm"] / window["updates"]),
-                "train/samples_per_second": dist.sum(samples) / elapsed,
-                "train/data_wait_fraction": dist.mean(wait_fraction),
+                "train/grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
+                "train/samples_per_second": samples_per_second,
+                "train/data_wait_fraction": wait_fraction,
             }
-            # ranks meet different skip reasons: gather the dicts (one collective) rather than
-            # all-reducing key by key, which would pair different keys and deadlock
-            counts = Counter()
-            for rank_counts in dist.gather(dict(tracker.counts())):
-                counts.update(rank_counts)
             metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
             writer.scalars(metrics, step)
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
             window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}
-            clock.reset()
         if sampling.image_logging_steps and step % sampling.image_logging_steps == 0:
+            # generate() puts every part back in the mode it found it in
             common.log_samples(writer, step, model, tokenizer, data.model_max_length, sampling.num_inference_steps)
-            model.train()
         if step % loop.save_steps == 0 or step == loop.max_train_steps:
             last_checkpoint = save(step)
     progress.close()

@@ -11,38 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import time
-from collections import Counter
 
 import paddle
 from paddlenlp.trainer import Trainer, TrainerCallback
 
-from ldm.checkpoint import STATE_FILE, save_model
-from ldm.distributed import Distributed
-from ldm.tracking import StepClock
+from ldm.checkpoint import read_training_state, save_model, write_training_state
+from ldm.distributed import Distributed, weights_checksum
 from ldm.train import common
 
 logger = logging.getLogger("ldm.train")
-
-
-class TimedBatches:
-    """Iterates a DataLoader, records the consumed stream state and the time spent waiting for it."""
-
-    def __init__(self, loader, tracker, clock: StepClock):
-        self.loader, self.tracker, self.clock = loader, tracker, clock
-
-    def __iter__(self):
-        iterator = iter(self.loader)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            batch = self.tracker.update(batch)
-            self.clock.waited(time.perf_counter() - start, batch["input_ids"].shape[0])
-            yield batch
 
 
 class LDMCallback(TrainerCallback):
@@ -64,10 +41,9 @@ class LDMCallback(TrainerCallback):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
         t = self.trainer
         grads = [p.grad for p in t.ldm.parameters() if p.grad is not None]
-        norm = float(paddle.sqrt(sum((g.astype("float32") ** 2).sum() for g in grads))) if grads else 0.0
-        if scaler is not None:
-            norm /= float(scaler._scale)
-        t.grad_norms.append(norm)
+        if grads:  # kept on the device until logged
+            norm = paddle.sqrt(sum((g.astype("float32") ** 2).sum() for g in grads))
+            t.grad_norms.append(norm / scaler._scale if scaler is not None else norm)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
@@ -77,38 +53,24 @@ class LDMCallback(TrainerCallback):
         if steps and state.global_step % steps == 0:
             common.log_samples(t.writer, state.global_step, t.ldm, t.ldm_tokenizer, t.data.model_max_length,
                                t.sampling.num_inference_steps)
-            t.ldm.train()
 
 
 class LDMTrainer(Trainer):
     def __init__(self, *, model, args, tokenizer, data, sampling, dist: Distributed, vae_folder: str, ema=None,
                  writer=None, resume_checkpoint: str | None = None):
         super().__init__(model=model, args=args)
-        from ldm.data.dataset import StreamState
-
         self.ldm, self.ldm_tokenizer, self.data, self.sampling = model, tokenizer, data, sampling
         self.dist, self.vae_folder, self.ema, self.writer = dist, vae_folder, ema, writer
         self.resume_checkpoint = resume_checkpoint
-        self.tracker = StreamState(args.dataloader_num_workers)
-        self.clock = StepClock()
-        self.grad_norms: list[float] = []
-        self.stream_state = None
-        if resume_checkpoint:
-            with open(os.path.join(resume_checkpoint, STATE_FILE), "rb") as f:
-                saved = pickle.load(f)
-            if saved["world_size"] == dist.world_size:
-                self.stream_state = saved["stream"][dist.rank]
-                if self.stream_state.get("num_workers") == self.tracker.num_workers:
-                    self.tracker.load_state_dict(self.stream_state)
+        self.grad_norms: list[paddle.Tensor] = []
+        saved = read_training_state(resume_checkpoint)["stream"] if resume_checkpoint else None
+        self.data_stream = common.build_batches(data, tokenizer, batch_size=args.per_device_train_batch_size,
+                                                seed=args.seed, dist=dist, num_workers=args.dataloader_num_workers,
+                                                saved_streams=saved)
         self.add_callback(LDMCallback(self))
 
     def get_train_dataloader(self):
-        from ldm.data.dataset import build_dataloader
-
-        stream = common.build_stream(self.data, self.ldm_tokenizer, batch_size=self.args.per_device_train_batch_size,
-                                     seed=self.args.seed, dist=self.dist,
-                                     num_workers=self.args.dataloader_num_workers, state=self.stream_state)
-        return TimedBatches(build_dataloader(stream, self.args.dataloader_num_workers), self.tracker, self.clock)
+        return self.data_stream
 
     def compute_loss(self, model, inputs, return_outputs=False):
         loss = model(inputs["pixel_values"], inputs["input_ids"])
@@ -116,35 +78,29 @@ class LDMTrainer(Trainer):
 
     def log(self, logs: dict, **kwargs) -> None:
         if "loss" in logs:
-            elapsed, wait_fraction, samples = self.clock.read()
-            counts = Counter()
-            for rank_counts in self.dist.gather(dict(self.tracker.counts())):
-                counts.update(rank_counts)
-            logs["data_wait_fraction"] = self.dist.mean(wait_fraction)
-            logs["grad_norm"] = sum(self.grad_norms) / max(1, len(self.grad_norms))
+            samples_per_second, wait_fraction, counts = self.data_stream.window(self.dist)
+            logs["data_wait_fraction"] = wait_fraction
+            logs["grad_norm"] = float(paddle.stack(self.grad_norms).mean()) if self.grad_norms else 0.0
             self.grad_norms = []
-            logs["global_samples_per_second"] = self.dist.sum(samples) / elapsed
+            logs["global_samples_per_second"] = samples_per_second
             logs.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
-            self.clock.reset()
         super().log(logs, **kwargs)
 
     def _save_checkpoint(self, model, metrics=None):
         super()._save_checkpoint(model, metrics)
         folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        trained = [p for p in self.ldm.parameters() if not p.stop_gradient]
         state = {
             "step": self.state.global_step,
             "world_size": self.dist.world_size,
-            "stream": self.dist.gather(self.tracker.state_dict()),
-            "weights_checksum": self.dist.gather(float(sum(float(p.astype("float64").abs().sum())
-                                                           for p in trained))),
+            "stream": self.dist.gather(self.data_stream.tracker.state_dict()),
+            "weights_checksum": self.dist.gather(weights_checksum(p for p in self.ldm.parameters()
+                                                                  if not p.stop_gradient)),
         }
         if self.dist.is_main and os.path.isdir(folder):
             save_model(folder, unet=self.ldm.unet, text_encoder=self.ldm.text_encoder,
                        tokenizer=self.ldm_tokenizer, noise_scheduler=self.ldm.noise_scheduler,
                        vae_folder=self.vae_folder, ema_state=self.ema.state_dict() if self.ema else None)
-            with open(os.path.join(folder, STATE_FILE), "wb") as f:
-                pickle.dump(state, f)
+            write_training_state(folder, state)
         self.dist.barrier()
 
 

@@ -1,0 +1,33 @@
+"""Running the training entry points as users do, and reading what they wrote (shared by the train tests)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+from conftest import ROOT
+from safetensors.numpy import load_file
+
+
+def run_entry(script: str, args, launch: bool = False, cwd=None):
+    """`python SCRIPT ARGS`, or under `paddle.distributed.launch` with 2 processes (logs in cwd/launch_logs)."""
+    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
+    return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT)
+
+
+def worker_logs(cwd) -> str:
+    folder = cwd / "launch_logs"
+    return "".join((folder / f).read_text() for f in os.listdir(folder) if f.startswith("workerlog"))
+
+
+def weights(checkpoint):
+    """Every UNet, LDMBert and EMA weight of a checkpoint by name, and the EMA update counter."""
+    out = {f"unet.{k}": v for k, v in load_file(os.path.join(checkpoint, "unet",
+                                                             "diffusion_paddle_model.safetensors")).items()}
+    out.update({f"bert.{k}": v.numpy() for k, v in paddle.load(os.path.join(checkpoint, "bert",
+                                                                           "model_state.pdparams")).items()})
+    ema = paddle.load(os.path.join(checkpoint, "ema.pdparams"))
+    out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
+    return out, ema["num_updates"]
