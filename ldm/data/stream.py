@@ -65,6 +65,7 @@ class SlotStream:
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
+        self._units_in_pass = 0  # units of the pass `pass_records` last finished
         if state is not None:
             self.load_state_dict(state)
 
