@@ -121,6 +121,31 @@ class LoopArguments:
                "--checkpoints_total_limit must be at least 1")
 
 
+@dataclass
+class AutoencoderArguments:
+    """The autoencoder entry point's model flags (`train_autoencoder.py`)."""
+
+    model_name_or_path: str = arg(
+        "ldm-32layer", "autoencoder to train: a preset (its vqvae/ config), a vqvae folder or a pipeline folder; "
+        "trained weights there are fine-tuned, a config alone is trained from scratch")
+    kl_weight: float = arg(1e-6, "weight of KL(posterior || N(0, I)) against the L1 reconstruction error")
+    scale_batches: int = arg(16, "batches per card encoded after training to measure scaling_factor = 1 / std")
+    image_logging_steps: int = arg(0, "log inputs vs reconstructions every N updates (0: off)")
+
+    def __post_init__(self):
+        _check(self.kl_weight >= 0, "--kl_weight must be >= 0")
+        _check(self.scale_batches >= 1, "--scale_batches must be at least 1")
+        _check(self.image_logging_steps >= 0, "--image_logging_steps must be >= 0")
+
+
+@dataclass
+class AutoencoderLoopArguments(LoopArguments):
+    """The loop's flags with the autoencoder's defaults."""
+
+    output_dir: str = arg("./outputs/autoencoder", "checkpoints, logs and the trained vqvae/")
+    learning_rate: float = arg(1e-4, "peak learning rate")
+
+
 def make_parser(dataclass_types):
     """PaddleNLP's PdArgumentParser, plus flag aliases from field metadata."""
     from paddlenlp.trainer import PdArgumentParser

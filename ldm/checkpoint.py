@@ -6,7 +6,8 @@ A checkpoint folder (`<output_dir>/checkpoint-<step>/`) holds:
   scheduler/            the DDPM noise scheduler config (with prediction_type)
   ldm_model.json        where the frozen autoencoder is (relative paths are relative to this folder)
   ema.pdparams          EMA weights and update counter (with --use_ema)
-  training_state.pdparams, optimizer.pdopt   what a resume needs beyond the weights (training loops)
+  training_state.pkl, optimizer.pdopt   what a resume needs beyond the weights (training loops)
+An autoencoder run's checkpoints (`ldm.train.autoencoder`) hold `vqvae/` and the same two files.
 The frozen autoencoder is written once per run to `<output_dir>/vqvae/` rather than into every
 checkpoint (330 MB for KL-f8, times `save_total_limit`).
 """
@@ -123,15 +124,20 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def is_training_checkpoint(path: str) -> bool:
+    """A folder a run can resume from: the loop's (any model) or the Trainer path's (an LDM)."""
+    return os.path.isfile(os.path.join(path, STATE_FILE)) or is_checkpoint(path)
+
+
 def checkpoint_dirs(output_dir: str) -> list[str]:
     """checkpoint-<step> folders of `output_dir`, oldest first."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
-        step = name[len(CHECKPOINT_PREFIX):]
-        if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and is_checkpoint(os.path.join(output_dir, name)):
-            found.append((int(step), os.path.join(output_dir, name)))
+        step, path = name[len(CHECKPOINT_PREFIX):], os.path.join(output_dir, name)
+        if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and is_training_checkpoint(path):
+            found.append((int(step), path))
     return [path for _, path in sorted(found)]
 
 
@@ -143,7 +149,7 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
         if not found:
             raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}")
         return found[-1]
-    if not is_checkpoint(resume):
+    if not is_training_checkpoint(resume):
         raise CheckpointError(f"--resume_from_checkpoint {resume}: not a checkpoint folder")
     return resume
 
@@ -178,35 +184,46 @@ def read_training_state(folder: str) -> dict:
         return pickle.load(f)
 
 
-def save_training_checkpoint(output_dir: str, step: int, *, model, tokenizer, vae_folder: str, optimizer,
-                             training_state: dict, ema=None, limit: int | None = None) -> str:
-    """Write checkpoint-<step> atomically (temp folder, then rename) and rotate old ones. Rank 0 only."""
+def save_training_checkpoint(output_dir: str, step: int, *, save_model, optimizer, training_state: dict,
+                             limit: int | None = None) -> str:
+    """Write checkpoint-<step> atomically (temp folder, then rename) and rotate old ones. Rank 0 only.
+
+    `save_model(folder, final_folder)` writes what is trained (its weights, EMA, configs) into `folder`.
+    """
     import paddle
 
     final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
     with atomic_folder(final) as folder:
-        save_model(folder, unet=model.unet, text_encoder=model.text_encoder, tokenizer=tokenizer,
-                   noise_scheduler=model.noise_scheduler, vae_folder=vae_folder,
-                   ema_state=ema.state_dict() if ema is not None else None, final_folder=final)
+        save_model(folder, final)
         paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
         write_training_state(folder, training_state)
     rotate_checkpoints(output_dir, limit)
     return final
 
 
-def load_training_checkpoint(path: str, *, model, optimizer=None, ema=None) -> dict:
-    """Restore weights, optimizer and EMA in place; returns the training state dict."""
+def load_training_checkpoint(path: str, *, load_model, optimizer=None) -> dict:
+    """Restore the trained weights (`load_model(path)`) and the optimizer; returns the training state."""
     import paddle
+
+    load_model(path)
+    if optimizer is not None:
+        optimizer.set_state_dict(paddle.load(os.path.join(path, OPTIMIZER_FILE)))
+    return read_training_state(path)
+
+
+def load_ema(path: str, ema) -> None:
+    ema_path = os.path.join(path, EMA_FILE)
+    if not os.path.isfile(ema_path):
+        raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
+    import paddle
+
+    ema.load_state_dict(paddle.load(ema_path))
+
+
+def load_ldm_weights(path: str, model) -> None:
+    """UNet and LDMBert weights of a checkpoint into the training wrapper's parts."""
     from ppdiffusers import UNet2DConditionModel
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
     model.unet.set_state_dict(UNet2DConditionModel.from_pretrained(os.path.join(path, "unet")).state_dict())
     model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())
-    if optimizer is not None:
-        optimizer.set_state_dict(paddle.load(os.path.join(path, OPTIMIZER_FILE)))
-    if ema is not None:
-        ema_path = os.path.join(path, EMA_FILE)
-        if not os.path.isfile(ema_path):
-            raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
-        ema.load_state_dict(paddle.load(ema_path))
-    return read_training_state(path)

@@ -119,7 +119,7 @@ class CaptionImageStream(IterableDataset):
         rng = sample_rng(self.seed, record.pass_index, record.shard, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""
-        return self.transform(image_bytes, rng), self.tokenize(caption)
+        return self.transform(image_bytes, rng), self.tokenize(caption) if self.tokenize else None
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
@@ -141,11 +141,10 @@ class CaptionImageStream(IterableDataset):
             images.append(image)
             ids.append(input_ids)
             if len(images) == self.batch_size:
-                yield {
-                    "pixel_values": to_pixel_values(images),
-                    "input_ids": np.stack(ids),
-                    "stream_state": json.dumps(stream.state_dict()),
-                }
+                batch = {"pixel_values": to_pixel_values(images), "stream_state": json.dumps(stream.state_dict())}
+                if self.tokenize:
+                    batch["input_ids"] = np.stack(ids)
+                yield batch
                 images, ids = [], []
 
 

@@ -1,7 +1,7 @@
 """A captioned-shapes corpus in the production shard format, for the demo and the tests.
 
 Each image: one shape (circle, square, triangle) in one colour, on a plain background of another
-colour, random size and position; caption `a {colour} {shape} on a {background} background`.
+colour, random size (45-80% of the side) and position; caption `a {colour} {shape} on a {background} background`.
 Deterministic for a seed: record i depends only on (seed, i).
 """
 
@@ -26,6 +26,7 @@ COLOURS = {
     "black": (15, 15, 15),
 }
 SHAPES = ("circle", "square", "triangle")
+SIZE_RANGE = (0.45, 0.8)  # side of the shape's box, as a fraction of the image side
 
 
 def caption(colour: str, shape: str, background: str) -> str:
@@ -35,7 +36,7 @@ def caption(colour: str, shape: str, background: str) -> str:
 def render(shape: str, colour: str, background: str, resolution: int, rng: np.random.Generator) -> Image.Image:
     image = Image.new("RGB", (resolution, resolution), COLOURS[background])
     draw = ImageDraw.Draw(image)
-    size = int(rng.integers(int(resolution * 0.35), int(resolution * 0.7) + 1))
+    size = int(rng.integers(int(resolution * SIZE_RANGE[0]), int(resolution * SIZE_RANGE[1]) + 1))
     x0 = int(rng.integers(0, resolution - size + 1))
     y0 = int(rng.integers(0, resolution - size + 1))
     box = (x0, y0, x0 + size - 1, y0 + size - 1)

@@ -101,7 +101,7 @@ class TimedBatches:
             except StopIteration:
                 return
             batch = self.tracker.update(batch)
-            self.clock.waited(time.perf_counter() - start, batch["input_ids"].shape[0])
+            self.clock.waited(time.perf_counter() - start, batch["pixel_values"].shape[0])
             yield batch
 
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
@@ -118,7 +118,10 @@ class TimedBatches:
 
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None) -> TimedBatches:
-    """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given."""
+    """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
+
+    Without a tokenizer (the autoencoder) batches carry images only and captions are not read.
+    """
     from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
     from ldm.data.filelist import read_file_list
     from ldm.data.record import ImageTransform
@@ -127,7 +130,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     stream = CaptionImageStream(
         read_file_list(data.file_list),
-        tokenize=CaptionTokenizer(tokenizer, data.model_max_length),
+        tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
                                  min_image_size=data.min_image_size),
         batch_size=batch_size,

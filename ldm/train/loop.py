@@ -1,8 +1,11 @@
-"""The hand-written training loop (`train_txt2img_laion400m_no_trainer.py`).
+"""The hand-written training loop (`train_txt2img_laion400m_no_trainer.py`, `train_autoencoder.py`).
 
 One optimizer update = `gradient_accumulation_steps` micro-steps, all under DataParallel's
 `no_sync`, then one explicit gradient all-reduce, unscale (fp16), global-norm clip, step. The step
 counter, LR schedule, logging, image logging and checkpoints all count updates.
+
+The loop is the same for every model; an `Objective` says what is trained: the model and its loss,
+what goes into a checkpoint, which images to log, what to write at the end.
 """
 
 from __future__ import annotations
@@ -17,9 +20,16 @@ import paddle
 from tqdm import tqdm
 
 from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
-from ldm.checkpoint import load_training_checkpoint, prepare_output_dir, save_training_checkpoint
+from ldm.checkpoint import (
+    load_ema,
+    load_ldm_weights,
+    load_training_checkpoint,
+    prepare_output_dir,
+    save_model,
+    save_training_checkpoint,
+)
 from ldm.distributed import Distributed, sync_gradients, weights_checksum
-from ldm.tracking import make_writer
+from ldm.tracking import NullWriter, make_writer
 from ldm.train import common
 
 logger = logging.getLogger("ldm.train")
@@ -31,7 +41,79 @@ def autocast(precision: str):
     return paddle.amp.auto_cast(enable=True, dtype="float16" if precision == "fp16" else "bfloat16", level="O1")
 
 
+class Objective:
+    """What the loop trains. `model` is the training wrapper: its trainable parameters are optimised."""
+
+    model: paddle.nn.Layer
+    tokenizer = None  # batches carry `input_ids` when set
+    ema = None
+
+    def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
+        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
+        raise NotImplementedError
+
+    def save(self, folder: str, final_folder: str) -> None:
+        """Write the trained weights into a checkpoint folder (the optimizer and state are the loop's)."""
+        raise NotImplementedError
+
+    def load(self, folder: str) -> None:
+        raise NotImplementedError
+
+    def log_images(self, writer: NullWriter, step: int, batch: dict) -> None:
+        """Images for VisualDL every `image_logging_steps` (rank 0's writer only)."""
+
+    def finish(self, checkpoint: str | None, batches, dist: Distributed) -> None:
+        """After the last update, on every rank: the final export."""
+
+
+class TextToImage(Objective):
+    """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
+
+    def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments,
+                 loop: LoopArguments, dist: Distributed):
+        from ldm.models.ema import EMA
+
+        self.data, self.sampling, self.output_dir = data, sampling, loop.output_dir
+        self.tokenizer = common.build_tokenizer(data)
+        self.model, components = common.build_model(model_args, data, self.tokenizer, recompute=loop.recompute,
+                                                    seed=loop.seed)
+        self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
+        self.vae_folder = common.save_vae(loop.output_dir, components.vae, dist)
+
+    def loss(self, net, batch):
+        return net(batch["pixel_values"], batch["input_ids"]), {}
+
+    def save(self, folder, final_folder):
+        save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
+                   noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
+                   ema_state=self.ema.state_dict() if self.ema is not None else None, final_folder=final_folder)
+
+    def load(self, folder):
+        load_ldm_weights(folder, self.model)
+        if self.ema is not None:
+            load_ema(folder, self.ema)
+
+    def log_images(self, writer, step, batch):
+        # generate() puts every part back in the mode it found it in
+        common.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
+                           self.sampling.num_inference_steps)
+
+    def finish(self, checkpoint, batches, dist):
+        if dist.is_main and checkpoint:
+            from ldm.export import export_checkpoint
+
+            pipeline, used_ema = export_checkpoint(checkpoint, os.path.join(self.output_dir, "pipeline"))
+            logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
+
+
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
+    """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
+    return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, loop, dist),
+               image_logging_steps=sampling.image_logging_steps)
+
+
+def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0) -> dict:
+    """Train `build_objective(dist)` on the streamed shards; returns {"step", "checkpoint"}."""
     dist = Distributed.init()
     common.setup_logging(dist)
     resume = prepare_output_dir(loop.output_dir, loop.resume_from_checkpoint, loop.overwrite_output_dir)
@@ -39,12 +121,8 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
     writer = make_writer(os.path.join(loop.output_dir, "visualdl"), dist.is_main)
     precision = common.resolve_precision(loop.mixed_precision)
 
-    tokenizer = common.build_tokenizer(data)
-    model, components = common.build_model(model_args, data, tokenizer, recompute=loop.recompute, seed=loop.seed)
-    from ldm.models.ema import EMA
-
-    ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
-    vae_folder = common.save_vae(loop.output_dir, components.vae, dist)
+    objective = build_objective(dist)
+    model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = common.lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
     optimizer = paddle.optimizer.AdamW(lr, parameters=trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
@@ -53,7 +131,7 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
 
     step, saved_streams = 0, None
     if resume:
-        state = load_training_checkpoint(resume, model=model, optimizer=optimizer, ema=ema)
+        state = load_training_checkpoint(resume, load_model=objective.load, optimizer=optimizer)
         step, saved_streams = state["step"], state["stream"]
         lr.set_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -69,8 +147,8 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
     else:
         paddle.seed(loop.seed + 1000 * dist.rank)  # the same weights everywhere, different noise per rank
 
-    data_stream = common.build_batches(data, tokenizer, batch_size=loop.train_batch_size, seed=loop.seed, dist=dist,
-                                       num_workers=loop.num_workers, saved_streams=saved_streams)
+    data_stream = common.build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
+                                       dist=dist, num_workers=loop.num_workers, saved_streams=saved_streams)
     batches = iter(data_stream)
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
@@ -90,26 +168,27 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
         }
         path = None
         if dist.is_main:
-            path = save_training_checkpoint(loop.output_dir, step, model=model, tokenizer=tokenizer,
-                                            vae_folder=vae_folder, optimizer=optimizer,
-                                            training_state=training_state, ema=ema,
-                                            limit=loop.checkpoints_total_limit)
+            path = save_training_checkpoint(loop.output_dir, step, save_model=objective.save, optimizer=optimizer,
+                                            training_state=training_state, limit=loop.checkpoints_total_limit)
             logger.info("saved %s", path)
         dist.barrier()
         return path
 
     model.train()
     # loss and gradient norm stay on the device until logged: no host sync per micro-step
-    window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}
+    window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
+    accumulation = loop.gradient_accumulation_steps
     progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
     last_checkpoint = None
     while step < loop.max_train_steps:
-        for _ in range(loop.gradient_accumulation_steps):
+        for _ in range(accumulation):
             batch = next(batches)
             with no_sync(), autocast(precision):
-                loss = ddp(batch["pixel_values"], batch["input_ids"])
-            scaler.scale(loss / loop.gradient_accumulation_steps).backward()
-            window["loss"] += loss.detach() / loop.gradient_accumulation_steps
+                loss, extra = objective.loss(ddp, batch)
+            scaler.scale(loss / accumulation).backward()
+            window["loss"] += loss.detach() / accumulation
+            for name, value in extra.items():
+                window["extra"][name] = window["extra"].get(name, 0.0) + value.detach() / accumulation
         sync_gradients(trained, dist.world_size)
         scaler.unscale_(optimizer)
         max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
@@ -133,22 +212,19 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
                 "train/samples_per_second": samples_per_second,
                 "train/data_wait_fraction": wait_fraction,
             }
+            metrics.update({f"train/{name}": dist.mean(float(value) / window["updates"])
+                            for name, value in sorted(window["extra"].items())})
             metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
             writer.scalars(metrics, step)
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}
-        if sampling.image_logging_steps and step % sampling.image_logging_steps == 0:
-            # generate() puts every part back in the mode it found it in
-            common.log_samples(writer, step, model, tokenizer, data.model_max_length, sampling.num_inference_steps)
+            window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
+        if image_logging_steps and step % image_logging_steps == 0 and writer.active:
+            objective.log_images(writer, step, batch)
         if step % loop.save_steps == 0 or step == loop.max_train_steps:
             last_checkpoint = save(step)
     progress.close()
 
-    if dist.is_main and last_checkpoint:
-        from ldm.export import export_checkpoint
-
-        pipeline, used_ema = export_checkpoint(last_checkpoint, os.path.join(loop.output_dir, "pipeline"))
-        logger.info("exported %s (%s weights) to %s", last_checkpoint, "EMA" if used_ema else "raw", pipeline)
+    objective.finish(last_checkpoint, batches, dist)
     dist.barrier()
     writer.close()
     return {"step": step, "checkpoint": last_checkpoint}

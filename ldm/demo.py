@@ -1,0 +1,263 @@
+"""The end-to-end demo on CPU: corpus -> autoencoder -> LDM -> export -> samples -> evaluation.
+
+    bash scripts/demo.sh [--quick] [--output_dir outputs/demo]
+
+Every stage runs the project's own command line, exactly as a user would (the commands are
+printed); this module only chains them, times them and writes the report. Outputs, all under
+`--output_dir`: corpus/, autoencoder/ (its run), ldm/ (its run), pipeline/ (the exported
+LDMTextToImagePipeline), samples.png (rows = prompts, columns = seeds, guidance on),
+reconstructions.png (autoencoder inputs above, outputs below), loss.png, report.json.
+`--quick` runs the same stages on a few steps (for the tests; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet and LDMBert
+
+
+@dataclass(frozen=True)
+class Settings:
+    records: int = 20000
+    resolution: int = 32
+    autoencoder_steps: int = 1500
+    autoencoder_batch: int = 8
+    autoencoder_lr: float = 2e-3
+    ldm_steps: int = 3000
+    ldm_batch: int = 32
+    ldm_lr: float = 1e-3
+    num_workers: int = 1
+    caption_dropout_prob: float = 0.1
+    guidance_scale: float = 5.0
+    num_inference_steps: int = 50
+    eval_images_per_prompt: int = 4
+    reference_images: int = 1000
+    sample_seeds: int = 6
+
+
+FULL = Settings()
+QUICK = Settings(records=256, autoencoder_steps=4, autoencoder_batch=8, ldm_steps=4, ldm_batch=8,
+                 num_inference_steps=3, eval_images_per_prompt=1, reference_images=50, sample_seeds=2,
+                 num_workers=0)
+
+# samples.png: one row per prompt, every colour once as object and once as background
+SAMPLE_PROMPTS = (
+    "a red circle on a blue background",
+    "a green square on a yellow background",
+    "a blue triangle on a white background",
+    "a yellow circle on a purple background",
+    "a purple square on an orange background",
+    "a orange triangle on a black background",
+    "a white circle on a green background",
+    "a black square on a red background",
+)
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+class Demo:
+    def __init__(self, output_dir: str, settings: Settings):
+        self.out, self.settings = os.path.abspath(output_dir), settings
+        self.times: dict[str, float] = {}
+        self.stage_index, self.stage_count = 0, 7
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.out, *parts)
+
+    def run(self, name: str, description: str, command: list[str], capture: bool = False) -> str:
+        """Run one stage's command; its progress bars go to the terminal. Returns stdout if captured."""
+        self.stage_index += 1
+        print(f"\n==> [{self.stage_index}/{self.stage_count}] {name}: {description}", flush=True)
+        print("    $ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT + os.sep) else c
+                                  for c in ["python", *command[1:]]), flush=True)
+        start = time.perf_counter()
+        result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
+        self.times[name] = round(time.perf_counter() - start, 1)
+        if result.returncode != 0:
+            raise StageFailed(f"stage {name!r} failed (exit {result.returncode}); its messages are above")
+        return result.stdout or ""
+
+    def summary(self, name: str, text: str) -> None:
+        print(f"    {name} done in {self.times[name]:.1f} s: {text}", flush=True)
+
+    def corpus(self) -> None:
+        s = self.settings
+        self.run("corpus", f"{s.records} captioned shapes at {s.resolution} px in the production shard format",
+                 [sys.executable, "-m", "ldm.data", "synth", "--output_dir", self.path("corpus"), "--num_records",
+                  str(s.records), "--resolution", str(s.resolution), "--records_per_shard", "2000", "--seed", "0"])
+        shards = sum(1 for name in os.listdir(self.path("corpus")) if name.endswith(".gz"))
+        self.summary("corpus", f"{s.records} records in {shards} shards, vocab in corpus/tokenizer")
+
+    def data_flags(self, batch: int, steps: int, lr: float, output: str) -> list[str]:
+        s = self.settings
+        return ["--file_list", self.path("corpus", "shapes.filelist.list"), "--resolution", str(s.resolution),
+                "--center_crop", "True", "--train_batch_size", str(batch), "--max_train_steps", str(steps),
+                "--learning_rate", str(lr), "--lr_scheduler", "cosine", "--lr_warmup_steps", str(min(100, steps // 10)),
+                "--logging_steps", str(max(1, min(50, steps // 4))), "--save_steps", str(steps),
+                "--num_workers", str(s.num_workers), "--seed", "0", "--output_dir", output,
+                "--overwrite_output_dir", "True"]
+
+    def autoencoder(self) -> None:
+        s = self.settings
+        self.run("autoencoder", f"AutoencoderKL (x4, from the {PRESET} preset) on the corpus, {s.autoencoder_steps} "
+                 f"updates of {s.autoencoder_batch}",
+                 [sys.executable, "train_autoencoder.py", "--model_name_or_path", PRESET, "--adam_weight_decay", "0",
+                  "--scale_batches", "8",
+                  *self.data_flags(s.autoencoder_batch, s.autoencoder_steps, s.autoencoder_lr,
+                                   self.path("autoencoder"))])
+        with open(self.path("autoencoder", "vqvae", "config.json")) as f:
+            factor = json.load(f)["scaling_factor"]
+        loss = last_scalar(self.path("autoencoder", "visualdl"), "train/reconstruction_l1")
+        self.summary("autoencoder", f"reconstruction L1 {loss:.4f}, scaling_factor {factor:.4f}")
+
+    def ldm(self) -> None:
+        s = self.settings
+        self.run("ldm", f"the {PRESET} LDM through train_txt2img_laion400m_no_trainer.py, {s.ldm_steps} updates of "
+                 f"{s.ldm_batch}, caption dropout {s.caption_dropout_prob}",
+                 [sys.executable, "train_txt2img_laion400m_no_trainer.py", "--model_name_or_path", PRESET,
+                  "--vae_name_or_path", self.path("autoencoder", "vqvae"),
+                  "--tokenizer_name", self.path("corpus", "tokenizer"), "--model_max_length", "16",
+                  "--caption_dropout_prob", str(s.caption_dropout_prob), "--use_ema", "True", "--ema_decay", "0.999",
+                  "--adam_weight_decay", "0.01",
+                  *self.data_flags(s.ldm_batch, s.ldm_steps, s.ldm_lr, self.path("ldm"))])
+        loss = last_scalar(self.path("ldm", "visualdl"), "train/loss")
+        self.summary("ldm", f"final loss {loss:.4f}; checkpoints and pipeline in ldm/")
+
+    def export(self) -> None:
+        from ldm.checkpoint import checkpoint_dirs
+
+        checkpoint = checkpoint_dirs(self.path("ldm"))[-1]
+        self.run("export", "the last checkpoint (EMA weights) as an LDMTextToImagePipeline",
+                 [sys.executable, "-m", "ldm.export", "--checkpoint", checkpoint, "--output", self.path("pipeline")])
+        self.summary("export", f"{os.path.relpath(self.path('pipeline'), ROOT)} (loads with "
+                     "LDMTextToImagePipeline.from_pretrained)")
+
+    def samples(self) -> None:
+        s = self.settings
+        prompts = self.path("sample_prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("\n".join(SAMPLE_PROMPTS) + "\n")
+        folder = self.path("samples")
+        shutil.rmtree(folder, ignore_errors=True)
+        self.run("samples", f"{len(SAMPLE_PROMPTS)} prompts x {s.sample_seeds} seeds, guidance {s.guidance_scale}",
+                 [sys.executable, "-m", "ldm.generate", "--model", self.path("pipeline"), "--prompts_file", prompts,
+                  "--num_images_per_prompt", str(s.sample_seeds), "--guidance_scale", str(s.guidance_scale),
+                  "--num_inference_steps", str(s.num_inference_steps), "--output_dir", folder])
+        shutil.copyfile(os.path.join(folder, "grid.png"), self.path("samples.png"))
+        self.summary("samples", "samples.png (a row per prompt, a column per seed)")
+
+    def evaluate(self) -> dict:
+        s = self.settings
+        reconstructions = json.loads(self.run(
+            "evaluate", "the shapes classifier on autoencoder reconstructions and on generated images",
+            [sys.executable, "-m", "ldm.eval", "autoencoder", "--vqvae", self.path("autoencoder", "vqvae"),
+             "--resolution", str(s.resolution), "--num_images", "200", "--grid", self.path("reconstructions.png"),
+             "--json"], capture=True))
+        first = self.times["evaluate"]
+        generated = json.loads(self.run(
+            "evaluate", "", [sys.executable, "-m", "ldm.eval", "shapes", "--model", self.path("pipeline"),
+                             "--num_images_per_prompt", str(s.eval_images_per_prompt),
+                             "--guidance_scale", str(s.guidance_scale),
+                             "--num_inference_steps", str(s.num_inference_steps),
+                             "--reference_images", str(s.reference_images), "--json"], capture=True))
+        self.times["evaluate"] += first
+        return {**generated, "autoencoder": reconstructions}
+
+
+def last_scalar(logdir: str, tag: str) -> float:
+    steps, values = read_scalars(logdir, tag)
+    return values[-1] if values else float("nan")
+
+
+def read_scalars(logdir: str, tag: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one scalar from a run's VisualDL log folder (every log file in it, by step)."""
+    from visualdl import LogReader
+
+    points: dict[int, float] = {}
+    for name in sorted(os.listdir(logdir)):
+        reader = LogReader(file_path=os.path.join(logdir, name))
+        if tag in reader.get_tags().get("scalar", []):
+            points.update({int(v.id): float(v.value) for v in reader.get_data("scalar", tag)})
+    return sorted(points), [points[k] for k in sorted(points)]
+
+
+def plot_losses(out: str, runs: dict[str, tuple[str, str]]) -> None:
+    """loss.png: one panel per run, drawn from its VisualDL log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6))
+    for ax, (title, (logdir, tag)) in zip(axes, runs.items(), strict=True):
+        steps, values = read_scalars(logdir, tag)
+        ax.plot(steps, values, marker="." if len(steps) < 20 else None)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer update")
+        ax.set_ylabel(tag)
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bash scripts/demo.sh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default=os.path.join(ROOT, "outputs", "demo"))
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("LDM_DEMO_QUICK") == "1",
+                        help="a few steps per stage, for tests (also: LDM_DEMO_QUICK=1)")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    demo = Demo(args.output_dir, settings)
+    os.makedirs(demo.out, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        demo.corpus()
+        demo.autoencoder()
+        demo.ldm()
+        demo.export()
+        demo.samples()
+        evaluation = demo.evaluate()
+    except StageFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    plot_losses(demo.path("loss.png"), {
+        "autoencoder (L1 reconstruction)": (demo.path("autoencoder", "visualdl"), "train/reconstruction_l1"),
+        "LDM (noise-prediction MSE)": (demo.path("ldm", "visualdl"), "train/loss"),
+    })
+    total = round(time.perf_counter() - start, 1)
+    report = {"quick": args.quick, "settings": asdict(settings), "stage_seconds": demo.times,
+              "total_seconds": total, **evaluation,
+              "files": {name: demo.path(name) for name in ("pipeline", "samples.png", "reconstructions.png",
+                                                           "loss.png", "report.json")}}
+    with open(demo.path("report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    generated, recon = evaluation["generated"], evaluation["autoencoder"]["reconstructions"]
+    reference = evaluation["classifier_on_corpus"]
+    print(f"\n==> demo finished in {total:.0f} s ({', '.join(f'{k} {v:.0f}s' for k, v in demo.times.items())})")
+    print(f"    generated, guidance {settings.guidance_scale}: object colour {generated['object_colour']:.1%}, "
+          f"background {generated['background']:.1%}, shape {generated['shape']:.1%} "
+          f"({generated['images']} images, {evaluation['prompts']} prompts)")
+    print(f"    autoencoder reconstructions: object colour {recon['object_colour']:.1%}, background "
+          f"{recon['background']:.1%}, shape {recon['shape']:.1%}")
+    print(f"    classifier on real corpus images: {reference['all_three']:.1%} of {reference['images']}")
+    for name in ("samples.png", "reconstructions.png", "loss.png", "report.json", "pipeline"):
+        print(f"    {demo.path(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

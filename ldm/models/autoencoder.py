@@ -1,0 +1,52 @@
+"""The autoencoder's training objective and the measurement of its latent scale.
+
+Loss: L1 reconstruction of the sampled posterior's decoding + `kl_weight` x KL(posterior || N(0, I))
+(per image, summed over latent elements). The CompVis autoencoders add LPIPS and a patch
+discriminator on top; both need pretrained or extra networks and are left out here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import nn
+
+
+class AutoencoderTraining(nn.Layer):
+    def __init__(self, vae: nn.Layer, kl_weight: float = 1e-6):
+        super().__init__()
+        self.vae, self.kl_weight = vae, float(kl_weight)
+
+    def forward(self, pixel_values: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """(loss, L1 reconstruction error, KL per image)."""
+        posterior = self.vae.encode(pixel_values).latent_dist
+        reconstruction = self.vae.decode(posterior.sample()).sample
+        l1 = (reconstruction.astype("float32") - pixel_values.astype("float32")).abs().mean()
+        kl = posterior.kl().astype("float32").mean()
+        return l1 + self.kl_weight * kl, l1, kl
+
+
+@paddle.no_grad()
+def latent_moments(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
+    """[sum, sum of squares, count] of posterior samples: what the diffusion model is trained on."""
+    latents = vae.encode(pixel_values.astype("float32")).latent_dist.sample().astype("float64")
+    return np.array([float(latents.sum()), float((latents * latents).sum()), latents.size], dtype=np.float64)
+
+
+def scaling_factor(moments: np.ndarray) -> float:
+    """1 / standard deviation of the latents, so that scaled latents have unit variance."""
+    total, squares, count = moments
+    mean = total / count
+    return float(1.0 / np.sqrt(max(squares / count - mean * mean, 1e-12)))
+
+
+@paddle.no_grad()
+def reconstruct(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
+    """uint8 [N, H, W, 3] decodings of the posterior means (what `reconstructions.png` shows)."""
+    return to_uint8(vae.decode(vae.encode(pixel_values.astype("float32")).latent_dist.mode()).sample)
+
+
+def to_uint8(pixel_values: paddle.Tensor | np.ndarray) -> np.ndarray:
+    """[-1, 1] NCHW pixels -> uint8 NHWC."""
+    pixels = pixel_values.numpy() if isinstance(pixel_values, paddle.Tensor) else pixel_values
+    return ((pixels / 2 + 0.5).clip(0, 1) * 255).round().astype(np.uint8).transpose(0, 2, 3, 1)

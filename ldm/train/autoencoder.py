@@ -1,0 +1,97 @@
+"""Train the KL autoencoder (`train_autoencoder.py`) with the same loop, data path and checkpoints.
+
+The result is `<output_dir>/vqvae/`: an `AutoencoderKL` folder in the pipeline layout whose
+`scaling_factor` is 1 / std of its latents, measured after training on `--scale_batches` batches
+per rank. Pass it to the LDM entry points with `--vae_name_or_path <output_dir>/vqvae`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import paddle
+
+from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
+from ldm.checkpoint import atomic_folder
+from ldm.train.loop import Objective, run
+
+logger = logging.getLogger("ldm.train")
+
+
+def build_autoencoder(name_or_path: str, seed: int):
+    """(AutoencoderKL, loaded?) from a preset's vqvae/, a vqvae folder or a pipeline folder."""
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.build import load_part, vae_folder
+    from ldm.models.init import pytorch_default_init
+
+    with paddle.utils.unique_name.guard():
+        paddle.seed(seed)
+        vae, loaded = load_part(AutoencoderKL, vae_folder(name_or_path))
+        if not loaded:
+            pytorch_default_init(vae)
+    return vae, loaded
+
+
+class Autoencoder(Objective):
+    def __init__(self, args: AutoencoderArguments, loop: LoopArguments):
+        from ldm.models.autoencoder import AutoencoderTraining
+
+        self.args, self.output_dir = args, loop.output_dir
+        vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
+        self.vae = vae
+        self.model = AutoencoderTraining(vae, args.kl_weight)
+        count = sum(int(p.numel()) for p in vae.parameters())
+        logger.info("autoencoder from %s: %.2fM parameters (%s), downsampling x%d, %d latent channels",
+                    args.model_name_or_path, count / 1e6, "loaded" if loaded else "from scratch",
+                    2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels)
+
+    def loss(self, net, batch):
+        loss, l1, kl = net(batch["pixel_values"])
+        return loss, {"reconstruction_l1": l1, "kl": kl}
+
+    def save(self, folder, final_folder):
+        self.vae.save_pretrained(os.path.join(folder, "vqvae"))
+
+    def load(self, folder):
+        from ppdiffusers import AutoencoderKL
+
+        self.vae.set_state_dict(AutoencoderKL.from_pretrained(os.path.join(folder, "vqvae")).state_dict())
+
+    def log_images(self, writer, step, batch):
+        from ldm.models.autoencoder import reconstruct, to_uint8
+        from ldm.sampling import image_grid
+
+        pixels = batch["pixel_values"][:8]
+        self.vae.eval()
+        try:
+            outputs = reconstruct(self.vae, paddle.to_tensor(pixels))
+        finally:
+            self.vae.train()
+        grid = image_grid(np.concatenate([to_uint8(np.asarray(pixels)), outputs]), rows=2)
+        writer.image("reconstructions/inputs_vs_outputs", np.asarray(grid), step)
+
+    def finish(self, checkpoint, batches, dist):
+        from ldm.models.autoencoder import latent_moments, scaling_factor
+
+        self.vae.eval()
+        moments = np.zeros(3)
+        for _ in range(self.args.scale_batches):
+            moments += latent_moments(self.vae, paddle.to_tensor(next(batches)["pixel_values"]))
+        moments = np.array(dist.gather(moments.tolist())).sum(axis=0)
+        factor = scaling_factor(moments)
+        self.vae.register_to_config(scaling_factor=factor)
+        if dist.is_main:
+            final = os.path.join(self.output_dir, "vqvae")
+            with atomic_folder(final) as folder:
+                self.vae.save_pretrained(folder)
+            logger.info("latent std %.4f over %d values: wrote %s with scaling_factor %.5f",
+                        1 / factor, int(moments[2]), final, factor)
+
+
+def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments) -> dict:
+    result = run(loop, data, lambda dist: Autoencoder(args, loop), image_logging_steps=args.image_logging_steps)
+    result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
+    return result

@@ -1,0 +1,43 @@
+"""The shapes classifier: exact on real corpus images, robust to blur, honest about empty images."""
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFilter
+
+from ldm.data.synth import COLOURS, SHAPES, record
+from ldm.eval import classify, corpus_reference, eval_prompts, parse_caption, score
+
+
+@pytest.mark.parametrize("resolution", [32, 64])
+def test_classifier_reads_real_corpus_images(resolution):
+    result = corpus_reference(600, resolution, seed=7)
+    assert result["images"] == 600
+    for name in ("object_colour", "background", "shape", "all_three"):
+        assert result[name] >= 0.99, result
+
+
+def test_classifier_survives_the_blur_of_a_decoder():
+    captions, readings = [], []
+    for i in range(200):
+        text, image = record(i, 11, 32)
+        captions.append(text)
+        readings.append(classify(np.asarray(image.filter(ImageFilter.GaussianBlur(0.8)))))
+    result = score(readings, captions)
+    assert result["object_colour"] >= 0.97 and result["background"] >= 0.99 and result["shape"] >= 0.9, result
+
+
+def test_an_image_without_an_object_has_no_colour_or_shape_and_scores_wrong():
+    blank = np.asarray(Image.new("RGB", (32, 32), COLOURS["blue"]))
+    reading = classify(blank)
+    assert (reading.colour, reading.shape, reading.background) == (None, None, "blue")
+    result = score([reading], ["a red circle on a blue background"])
+    assert result["background"] == 1.0 and result["object_colour"] == 0.0 and result["shape"] == 0.0
+
+
+def test_eval_prompts_cover_every_colour_background_and_shape():
+    parsed = [parse_caption(p) for p in eval_prompts()]
+    assert {c for c, _, _ in parsed} == set(COLOURS) == {b for _, _, b in parsed}
+    assert {s for _, s, _ in parsed} == set(SHAPES)
+    assert all(c != b for c, _, b in parsed)
+    with pytest.raises(ValueError):
+        parse_caption("a photo of a cat")

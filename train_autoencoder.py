@@ -1,0 +1,28 @@
+"""Train the KL autoencoder whose latents the diffusion model learns (on the same shards).
+
+    python train_autoencoder.py --help
+    python train_autoencoder.py --model_name_or_path ldm-32layer --file_list ./data/filelist/train.filelist.list \
+        --output_dir ./outputs/autoencoder --resolution 256 --train_batch_size 12 --max_train_steps 100000
+    python train_txt2img_laion400m_no_trainer.py --vae_name_or_path ./outputs/autoencoder/vqvae ...
+
+Runs on one card or many (`python -m paddle.distributed.launch`), with the hand-written loop's
+flags (checkpoints, --resume_from_checkpoint, logging). Captions are not read.
+"""
+
+import sys
+
+from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, parse
+
+
+def main(argv=None) -> int:
+    args, data_args, loop_args = parse([AutoencoderArguments, DataArguments, AutoencoderLoopArguments], argv)
+    from ldm.train.autoencoder import train
+    from ldm.train.errors import user_errors
+
+    with user_errors():
+        train(loop_args, args, data_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
