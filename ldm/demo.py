@@ -29,10 +29,10 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 class Settings:
     records: int = 20000
     resolution: int = 32
-    autoencoder_steps: int = 1500
+    autoencoder_steps: int = 1200
     autoencoder_batch: int = 8
     autoencoder_lr: float = 2e-3
-    ldm_steps: int = 3000
+    ldm_steps: int = 900
     ldm_batch: int = 32
     ldm_lr: float = 1e-3
     num_workers: int = 1
@@ -70,7 +70,7 @@ class Demo:
     def __init__(self, output_dir: str, settings: Settings):
         self.out, self.settings = os.path.abspath(output_dir), settings
         self.times: dict[str, float] = {}
-        self.stage_index, self.stage_count = 0, 7
+        self.stage_index, self.stage_count = 0, 6
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.out, *parts)
@@ -79,8 +79,7 @@ class Demo:
         """Run one stage's command; its progress bars go to the terminal. Returns stdout if captured."""
         self.stage_index += 1
         print(f"\n==> [{self.stage_index}/{self.stage_count}] {name}: {description}", flush=True)
-        print("    $ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT + os.sep) else c
-                                  for c in ["python", *command[1:]]), flush=True)
+        print("    $ " + " ".join(shown(c) for c in ["python", *command[1:]]), flush=True)
         start = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
         self.times[name] = round(time.perf_counter() - start, 1)
@@ -89,6 +88,7 @@ class Demo:
         return result.stdout or ""
 
     def summary(self, name: str, text: str) -> None:
+        """The stage's one-line summary."""
         print(f"    {name} done in {self.times[name]:.1f} s: {text}", flush=True)
 
     def corpus(self) -> None:
@@ -140,8 +140,7 @@ class Demo:
         checkpoint = checkpoint_dirs(self.path("ldm"))[-1]
         self.run("export", "the last checkpoint (EMA weights) as an LDMTextToImagePipeline",
                  [sys.executable, "-m", "ldm.export", "--checkpoint", checkpoint, "--output", self.path("pipeline")])
-        self.summary("export", f"{os.path.relpath(self.path('pipeline'), ROOT)} (loads with "
-                     "LDMTextToImagePipeline.from_pretrained)")
+        self.summary("export", f"{shown(self.path('pipeline'))} (loads with LDMTextToImagePipeline.from_pretrained)")
 
     def samples(self) -> None:
         s = self.settings
@@ -159,20 +158,22 @@ class Demo:
 
     def evaluate(self) -> dict:
         s = self.settings
-        reconstructions = json.loads(self.run(
-            "evaluate", "the shapes classifier on autoencoder reconstructions and on generated images",
-            [sys.executable, "-m", "ldm.eval", "autoencoder", "--vqvae", self.path("autoencoder", "vqvae"),
-             "--resolution", str(s.resolution), "--num_images", "200", "--grid", self.path("reconstructions.png"),
-             "--json"], capture=True))
-        first = self.times["evaluate"]
-        generated = json.loads(self.run(
-            "evaluate", "", [sys.executable, "-m", "ldm.eval", "shapes", "--model", self.path("pipeline"),
-                             "--num_images_per_prompt", str(s.eval_images_per_prompt),
-                             "--guidance_scale", str(s.guidance_scale),
-                             "--num_inference_steps", str(s.num_inference_steps),
-                             "--reference_images", str(s.reference_images), "--json"], capture=True))
-        self.times["evaluate"] += first
-        return {**generated, "autoencoder": reconstructions}
+        result = json.loads(self.run(
+            "evaluate", f"the shapes classifier on {s.eval_images_per_prompt} images for each of 24 prompts "
+            "(every colour, background and shape), on autoencoder reconstructions and on corpus images",
+            [sys.executable, "-m", "ldm.eval", "shapes", "--model", self.path("pipeline"),
+             "--num_images_per_prompt", str(s.eval_images_per_prompt), "--guidance_scale", str(s.guidance_scale),
+             "--num_inference_steps", str(s.num_inference_steps), "--reference_images", str(s.reference_images),
+             "--reconstructions", self.path("reconstructions.png"), "--json"], capture=True))
+        g = result["generated"]
+        self.summary("evaluate", f"object colour {g['object_colour']:.1%}, background {g['background']:.1%}, "
+                     f"shape {g['shape']:.1%}")
+        return result
+
+
+def shown(path: str) -> str:
+    """A path as the user would type it: relative to the project when inside it."""
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
 def last_scalar(logdir: str, tag: str) -> float:

@@ -132,8 +132,9 @@ def image_size(unet, vae) -> int:
 
 def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale: float = 5.0,
                    num_inference_steps: int = 50, seed: int = 0, reference_images: int = 1000,
-                   grid: str | None = None) -> dict:
-    """Generate for `eval_prompts()`, classify, score; plus the classifier on real corpus images."""
+                   grid: str | None = None, reconstructions: str | None = None) -> dict:
+    """Generate for `eval_prompts()`, classify, score; plus the classifier on real corpus images and on
+    the model's own autoencoder reconstructions (what the LDM can at best reach)."""
     from ldm.checkpoint import load_for_inference
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.sampling import ddim_scheduler, generate, image_grid
@@ -151,6 +152,7 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     result = score(readings, repeated)
     result["per_prompt"] = {p: score(readings[i * num_images_per_prompt:(i + 1) * num_images_per_prompt],
                                      [p] * num_images_per_prompt)["all_three"] for i, p in enumerate(prompts)}
+    resolution = image_size(unet, vae)
     return {
         "model": model,
         "ema_weights": used_ema,
@@ -159,13 +161,15 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
         "num_images_per_prompt": num_images_per_prompt,
         "prompts": len(prompts),
         "generated": result,
-        "classifier_on_corpus": corpus_reference(reference_images, image_size(unet, vae)),
+        "classifier_on_corpus": corpus_reference(reference_images, resolution),
+        "autoencoder": evaluate_autoencoder(vae, resolution=resolution, grid=reconstructions),
     }
 
 
-def evaluate_autoencoder(vqvae: str, *, resolution: int, num_images: int = 200, seed: int = 12345,
+def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: int = 12345,
                          grid: str | None = None, grid_images: int = 16) -> dict:
-    """The classifier on reconstructions of held-out corpus images: what the autoencoder keeps."""
+    """The classifier on reconstructions of held-out corpus images: what the autoencoder keeps.
+    `vae`: an AutoencoderKL or its folder."""
     import paddle
     from ppdiffusers import AutoencoderKL
 
@@ -173,7 +177,9 @@ def evaluate_autoencoder(vqvae: str, *, resolution: int, num_images: int = 200, 
     from ldm.models.autoencoder import reconstruct
     from ldm.sampling import image_grid
 
-    vae = AutoencoderKL.from_pretrained(vqvae)
+    folder = vae if isinstance(vae, str) else None
+    if folder:
+        vae = AutoencoderKL.from_pretrained(folder)
     vae.eval()
     captions, originals = zip(*(record(i, seed, resolution) for i in range(num_images)), strict=True)
     pixels = np.stack([np.asarray(image) for image in originals])
@@ -186,13 +192,16 @@ def evaluate_autoencoder(vqvae: str, *, resolution: int, num_images: int = 200, 
         image_grid(np.concatenate([pixels[:n], outputs[:n]]), rows=2).save(grid)
     result = score([classify(image) for image in outputs], list(captions))
     result["mean_abs_error"] = float(np.abs(outputs.astype(np.float32) - pixels).mean() / 255)
-    return {"vqvae": vqvae, "scaling_factor": float(vae.config.scaling_factor), "reconstructions": result}
+    return {"vqvae": folder, "scaling_factor": float(vae.config.scaling_factor), "reconstructions": result}
 
 
 def print_table(result: dict) -> None:
-    for name in ("generated", "reconstructions", "classifier_on_corpus"):
-        if name in result:
-            r = result[name]
+    rows = {"generated": result.get("generated"), "reconstructions": result.get("reconstructions"),
+            "classifier_on_corpus": result.get("classifier_on_corpus")}
+    if "autoencoder" in result:
+        rows["reconstructions"] = result["autoencoder"]["reconstructions"]
+    for name, r in rows.items():
+        if r:
             print(f"{name:>22}: object colour {r['object_colour']:.1%}  background {r['background']:.1%}  "
                   f"shape {r['shape']:.1%}  all three {r['all_three']:.1%}  ({r['images']} images)")
 
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes.add_argument("--seed", type=int, default=0)
     shapes.add_argument("--reference_images", type=int, default=1000, help="corpus images for the classifier check")
     shapes.add_argument("--grid", help="also save the generated images as a grid (a row per prompt)")
+    shapes.add_argument("--reconstructions", help="also save corpus images above their autoencoder reconstructions")
     shapes.add_argument("--json", action="store_true", help="print the result as JSON")
     auto = commands.add_parser("autoencoder", help="what an autoencoder keeps of shapes images")
     auto.add_argument("--vqvae", required=True, help="an AutoencoderKL folder")
@@ -217,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     auto.add_argument("--grid", help="save inputs (top row) vs reconstructions (bottom row)")
     auto.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    from ldm.tracking import quiet_libraries
+
+    quiet_libraries()
     for name in ("num_images_per_prompt", "num_inference_steps", "num_images", "reference_images"):
         if getattr(args, name, 1) < 1:
             parser.exit(2, f"error: --{name} must be at least 1\n")
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "shapes":
             result = evaluate_model(args.model, num_images_per_prompt=args.num_images_per_prompt,
                                     guidance_scale=args.guidance_scale, num_inference_steps=args.num_inference_steps,
-                                    seed=args.seed, reference_images=args.reference_images, grid=args.grid)
+                                    seed=args.seed, reference_images=args.reference_images, grid=args.grid,
+                                    reconstructions=args.reconstructions)
         else:
             result = evaluate_autoencoder(args.vqvae, resolution=args.resolution, num_images=args.num_images,
                                           grid=args.grid)

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the pipeline folder to write")
     parser.add_argument("--no_ema", action="store_true", help="export the raw weights even if EMA weights exist")
     args = parser.parse_args(argv)
+    from ldm.tracking import quiet_libraries
+
+    quiet_libraries()
     try:
         output, used_ema = export_checkpoint(args.checkpoint, args.output, not args.no_ema)
     except (FileNotFoundError, OSError, ValueError) as e:

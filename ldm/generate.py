@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.exit(2, f"error: --{name} must be at least 1\n")
 
+    from ldm.tracking import quiet_libraries
+
+    quiet_libraries()
     from ldm.checkpoint import load_for_inference
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.sampling import ddim_scheduler, generate, image_grid

@@ -79,3 +79,12 @@ class StepClock:
         """(elapsed seconds, fraction waiting for data, samples)."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return elapsed, self.data_wait / elapsed, self.samples
+
+
+def quiet_libraries() -> None:
+    """PaddleNLP and ppdiffusers log every save and load at INFO: keep their warnings only."""
+    from paddlenlp.utils.log import logger as paddlenlp_logger
+    from ppdiffusers.utils import logging as ppdiffusers_logging
+
+    paddlenlp_logger.set_level("WARNING")
+    ppdiffusers_logging.set_verbosity_warning()

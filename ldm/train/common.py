@@ -14,7 +14,7 @@ import paddle
 
 from ldm.args import DataArguments, ModelArguments
 from ldm.distributed import Distributed
-from ldm.tracking import StepClock
+from ldm.tracking import StepClock, quiet_libraries
 
 logger = logging.getLogger("ldm.train")
 
@@ -34,12 +34,7 @@ def setup_logging(dist: Distributed) -> None:
         stream=sys.stderr,
         force=True,
     )
-    # PaddleNLP and ppdiffusers log every save and load at INFO: keep their warnings only.
-    from paddlenlp.utils.log import logger as paddlenlp_logger
-    from ppdiffusers.utils import logging as ppdiffusers_logging
-
-    paddlenlp_logger.set_level("WARNING")
-    ppdiffusers_logging.set_verbosity_warning()
+    quiet_libraries()
 
 
 def resolve_precision(requested: str) -> str:
