@@ -29,18 +29,18 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 class Settings:
     records: int = 20000
     resolution: int = 32
-    autoencoder_steps: int = 1200
+    autoencoder_steps: int = 1000
     autoencoder_batch: int = 8
     autoencoder_lr: float = 2e-3
-    ldm_steps: int = 900
+    ldm_steps: int = 1100
     ldm_batch: int = 32
-    ldm_lr: float = 1e-3
+    ldm_lr: float = 2e-3
     num_workers: int = 1
     caption_dropout_prob: float = 0.1
     guidance_scale: float = 5.0
-    num_inference_steps: int = 50
+    num_inference_steps: int = 25
     eval_images_per_prompt: int = 4
-    reference_images: int = 1000
+    reference_images: int = 300
     sample_seeds: int = 6
 
 
@@ -129,7 +129,7 @@ class Demo:
                   "--vae_name_or_path", self.path("autoencoder", "vqvae"),
                   "--tokenizer_name", self.path("corpus", "tokenizer"), "--model_max_length", "16",
                   "--caption_dropout_prob", str(s.caption_dropout_prob), "--use_ema", "True", "--ema_decay", "0.999",
-                  "--adam_weight_decay", "0.01",
+                  "--adam_weight_decay", "0.01", "--snr_gamma", "5",
                   *self.data_flags(s.ldm_batch, s.ldm_steps, s.ldm_lr, self.path("ldm"))])
         loss = last_scalar(self.path("ldm", "visualdl"), "train/loss")
         self.summary("ldm", f"final loss {loss:.4f}; checkpoints and pipeline in ldm/")
