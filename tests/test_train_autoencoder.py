@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
     (folder / "config").mkdir()
     (folder / "config" / "config.json").write_text(json.dumps(CONFIG))
     return folder, ["--model_name_or_path", str(folder / "config"), "--file_list", listing, "--resolution", "16",
-                    "--train_batch_size", "8", "--num_workers", "0", "--learning_rate", "3e-3", "--seed", "3",
+                    "--train_batch_size", "8", "--num_workers", "0", "--learning_rate", "5e-3", "--seed", "3",
                     "--adam_weight_decay", "0", "--scale_batches", "4"]
 
 
@@ -34,11 +34,11 @@ def run(args):
 def test_trains_writes_vqvae_with_the_measured_scaling_factor(setup, tmp_path):
     folder, common = setup
     out = tmp_path / "run"
-    result = run(common + ["--max_train_steps", "30", "--logging_steps", "5", "--save_steps", "30",
-                           "--image_logging_steps", "15", "--output_dir", str(out)])
+    result = run(common + ["--max_train_steps", "40", "--logging_steps", "8", "--save_steps", "40",
+                           "--image_logging_steps", "20", "--output_dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     steps, l1 = read_scalars(str(out / "visualdl"), "train/reconstruction_l1")
-    assert steps == [5, 10, 15, 20, 25, 30]
+    assert steps == [8, 16, 24, 32, 40]
     assert l1[-1] < 0.75 * l1[0], l1  # it learns to reconstruct
     assert read_scalars(str(out / "visualdl"), "train/kl")[1][-1] > 0
 
