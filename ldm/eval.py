@@ -173,6 +173,7 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     import paddle
     from ppdiffusers import AutoencoderKL
 
+    from ldm.data.dataset import to_pixel_values
     from ldm.data.synth import record
     from ldm.models.autoencoder import reconstruct
     from ldm.sampling import image_grid
@@ -184,8 +185,7 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     captions, originals = zip(*(record(i, seed, resolution) for i in range(num_images)), strict=True)
     pixels = np.stack([np.asarray(image) for image in originals])
     outputs = np.concatenate([
-        reconstruct(vae, paddle.to_tensor(pixels[i:i + 32].transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1))
-        for i in range(0, num_images, 32)
+        reconstruct(vae, paddle.to_tensor(to_pixel_values(list(pixels[i:i + 32])))) for i in range(0, num_images, 32)
     ])
     if grid:
         n = min(grid_images, num_images)
@@ -196,10 +196,9 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
 
 
 def print_table(result: dict) -> None:
-    rows = {"generated": result.get("generated"), "reconstructions": result.get("reconstructions"),
+    rows = {"generated": result.get("generated"),
+            "reconstructions": result.get("autoencoder", result).get("reconstructions"),
             "classifier_on_corpus": result.get("classifier_on_corpus")}
-    if "autoencoder" in result:
-        rows["reconstructions"] = result["autoencoder"]["reconstructions"]
     for name, r in rows.items():
         if r:
             print(f"{name:>22}: object colour {r['object_colour']:.1%}  background {r['background']:.1%}  "

@@ -50,6 +50,8 @@ def generate(
     batch_size: int = 8,
 ) -> np.ndarray:
     """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored."""
+    from ldm.models.autoencoder import to_uint8
+
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
@@ -81,9 +83,7 @@ def generate(
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)
                 latents = scheduler.step(prediction, t, latents).prev_sample
-            decoded = vae.decode(latents.astype("float32") / scaling_factor).sample
-            decoded = ((decoded / 2 + 0.5).clip(0, 1) * 255).round().astype("uint8")
-            images.append(decoded.transpose([0, 2, 3, 1]).numpy())
+            images.append(to_uint8(vae.decode(latents.astype("float32") / scaling_factor).sample))
         return np.concatenate(images)
     finally:
         for model, training in modes:

@@ -8,6 +8,7 @@ import pytest
 from entry import run_entry
 from safetensors.numpy import load_file
 
+from ldm.data.dataset import to_pixel_values
 from ldm.data.synth import record, synth_corpus
 from ldm.demo import read_scalars
 
@@ -46,9 +47,9 @@ def test_trains_writes_vqvae_with_the_measured_scaling_factor(setup, tmp_path):
 
     vae = AutoencoderKL.from_pretrained(str(out / "vqvae"))
     vae.eval()
-    pixels = np.stack([np.asarray(record(i, 0, 16)[1]) for i in range(64)]).transpose(0, 3, 1, 2)
+    pixels = to_pixel_values([np.asarray(record(i, 0, 16)[1]) for i in range(64)])
     with paddle.no_grad():
-        latents = vae.encode(paddle.to_tensor(pixels.astype("float32") / 127.5 - 1)).latent_dist.sample()
+        latents = vae.encode(paddle.to_tensor(pixels)).latent_dist.sample()
     scaled_std = float(latents.std()) * vae.config.scaling_factor
     assert 0.85 < scaled_std < 1.15, scaled_std  # measured on the training data, so it normalises it
     assert vae.config.scaling_factor != 0.18215
