@@ -17,9 +17,13 @@ def run_entry(script: str, args, launch: bool = False, cwd=None):
     return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT)
 
 
-def worker_logs(cwd) -> str:
+def launch_report(result, cwd, tail: int = 2500) -> str:
+    """The end of the launcher's output and of each rank's log: what a failed two-process run prints."""
     folder = cwd / "launch_logs"
-    return "".join((folder / f).read_text() for f in os.listdir(folder) if f.startswith("workerlog"))
+    parts = [f"--- launcher (exit {result.returncode}) ---\n{result.stdout[-tail:]}{result.stderr[-tail:]}"]
+    for name in sorted(f for f in os.listdir(folder) if f.startswith("workerlog")):
+        parts.append(f"--- {name} ---\n{(folder / name).read_text()[-tail:]}")
+    return "\n".join(parts)
 
 
 def weights(checkpoint):

@@ -1,6 +1,9 @@
 """Stream state save/restore, the Paddle DataLoader over 2 workers, caption dropout, bad input."""
 
 import json
+import multiprocessing
+import threading
+import time
 from itertools import islice
 
 import numpy as np
@@ -97,6 +100,28 @@ def test_dataloader_resume_sees_exactly_the_uninterrupted_batches(corpus, vocab_
     assert len(tracker.slots) == max(1, num_workers)
     assert second.counts() == tracker.counts()
     assert sum(v for k, v in tracker.counts().items() if k != "ok") > 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_closing_the_batches_stops_the_loader_workers_and_threads(corpus, num_workers):
+    from ldm.args import DataArguments
+    from ldm.distributed import Distributed
+    from ldm.train.common import build_batches
+
+    before, children = set(threading.enumerate()), set(multiprocessing.active_children())
+    data = DataArguments(file_list=corpus, resolution=32)
+    batches = iter(build_batches(data, None, batch_size=4, seed=0, dist=Distributed(), num_workers=num_workers))
+    next(batches)
+    assert set(threading.enumerate()) - before  # Paddle's reader thread runs
+    workers = set(multiprocessing.active_children()) - children
+    assert len(workers) == num_workers
+    batches.close()
+    assert not any(w.is_alive() for w in workers)
+    # the reader thread, left waiting on the closed queue, ends within Paddle's 5 s status check
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) - before == set()
 
 
 def test_caption_dropout_uses_the_stream_seed(corpus, vocab_dir):

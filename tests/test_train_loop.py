@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import run_entry, weights, worker_logs
+from entry import launch_report, run_entry, weights
 
 from ldm.checkpoint import read_training_state
 
@@ -99,7 +99,7 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",
                            "--gradient_accumulation_steps", "2", "--num_workers", "1", "--output_dir", str(out)],
                  launch=True, cwd=tmp_path)
-    assert result.returncode == 0, worker_logs(tmp_path)[-4000:]
+    assert result.returncode == 0, launch_report(result, tmp_path)
     state = read_training_state(out / "checkpoint-4")
     assert state["world_size"] == 2
     checksums = state["weights_checksum"]

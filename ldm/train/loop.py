@@ -225,6 +225,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     progress.close()
 
     objective.finish(last_checkpoint, batches, dist)
+    batches.close()  # loader workers and reader thread stop here, not during interpreter exit
     dist.barrier()
     writer.close()
     return {"step": step, "checkpoint": last_checkpoint}
