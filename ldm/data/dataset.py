@@ -178,5 +178,29 @@ class StreamState:
         self.batches = state["batches"]
 
 
+# How often Paddle's reader thread wakes from waiting on the workers' queue (its default is 5 s);
+# it is also the longest `stop_loader` waits for that thread.
+READER_POLL_SECONDS = 1
+
+
 def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader:
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, use_shared_memory=False)
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, use_shared_memory=False,
+                      timeout=READER_POLL_SECONDS)  # only the poll interval: no batch ever times out
+
+
+def stop_loader(iterator) -> None:
+    """Stop a Paddle DataLoader iterator now: its reader thread first, then its workers and queues.
+
+    Left alone, Paddle stops the last iterator in an atexit hook, during interpreter shutdown, and
+    closes the workers' queue while its reader thread may still be reading it. Here that thread is
+    told to stop and joined first, then Paddle's own shutdown joins the workers and closes the queues.
+    """
+    if not hasattr(iterator, "_try_shutdown_all"):  # Paddle's own __del__ calls it
+        return
+    thread = getattr(iterator, "_thread", None)
+    if getattr(iterator, "_data_queue", None) is not None and thread is not None and thread.is_alive():
+        iterator._exit_thread_expectedly()
+        thread.join(timeout=READER_POLL_SECONDS + 10)
+        if thread.is_alive():
+            logger.warning("the data loader's reader thread did not stop; closing its queues anyway")
+    iterator._try_shutdown_all()

@@ -101,7 +101,9 @@ class TimedBatches:
                 self.clock.waited(time.perf_counter() - start, batch["pixel_values"].shape[0])
                 yield batch
         finally:
-            shut_down(iterator)
+            from ldm.data.dataset import stop_loader
+
+            stop_loader(iterator)
 
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
         """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""
@@ -113,18 +115,6 @@ class TimedBatches:
         for rank_counts in dist.gather(dict(self.tracker.counts())):
             counts.update(rank_counts)
         return dist.sum(samples) / elapsed, dist.mean(wait_fraction), counts
-
-
-def shut_down(iterator) -> None:
-    """Stop a Paddle DataLoader iterator now: join its worker processes, close its queues.
-
-    Otherwise Paddle keeps the last iterator in a module global and stops it in an atexit hook,
-    during interpreter shutdown. Its reader thread, left waiting on a closed queue, ends by itself
-    within Paddle's 5 s status-check interval (joining it would cost those seconds every run).
-    """
-    shutdown = getattr(iterator, "_try_shutdown_all", None)  # what Paddle's own __del__ calls
-    if shutdown is not None:
-        shutdown()
 
 
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
