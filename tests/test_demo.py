@@ -1,6 +1,7 @@
 """The demo, end to end in --quick mode, as a user runs it: `bash scripts/demo.sh --quick`."""
 
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -25,6 +26,13 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     assert 0 < report["autoencoder"]["scaling_factor"] != 1.0  # measured, not the preset's
     for name in ("object_colour", "background", "shape"):
         assert 0.0 <= report["generated"][name] <= 1.0
+
+    from ldm.checkpoint import checkpoint_dirs, read_training_state
+
+    processes = report["settings"]["processes"]
+    assert processes == min(2, os.cpu_count())  # the LDM trains in one process per core, up to two
+    state = read_training_state(checkpoint_dirs(str(out / "ldm"))[-1])
+    assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
 
     samples = Image.open(out / "samples.png")
     assert samples.size == (32 * report["settings"]["sample_seeds"], 32 * 8)  # rows = prompts, columns = seeds

@@ -119,3 +119,23 @@ def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp16 mixed precision is not supported" in result.stderr
     assert read_training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
+def test_clip_grad_norm_matches_paddles(max_norm):
+    from ldm.train.common import clip_grad_norm
+
+    def clipped(clip):
+        paddle.seed(0)
+        net = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 4))
+        (net(paddle.randn([5, 8])) ** 2).sum().backward()
+        norm = float(clip(net.parameters(), max_norm))
+        return norm, [p.grad.numpy().copy() for p in net.parameters()]
+
+    expected_norm, expected = clipped(paddle.nn.utils.clip_grad_norm_)
+    norm, grads = clipped(clip_grad_norm)
+    assert norm == pytest.approx(expected_norm, rel=1e-6) and norm > 0.05
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+    total = np.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
+    assert total == pytest.approx(min(norm, max_norm), rel=1e-4)  # clipped to max_norm, or untouched

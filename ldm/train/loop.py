@@ -192,7 +192,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         sync_gradients(trained, dist.world_size)
         scaler.unscale_(optimizer)
         max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
-        window["grad_norm"] += paddle.nn.utils.clip_grad_norm_(trained, max_norm)
+        window["grad_norm"] += common.clip_grad_norm(trained, max_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.clear_grad()
