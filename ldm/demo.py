@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from ldm.data.synth import caption
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet and LDMBert
 
@@ -49,17 +51,13 @@ FULL = Settings()
 QUICK = Settings(records=256, autoencoder_steps=4, autoencoder_batch=8, ldm_steps=4, ldm_batch=8,
                  num_inference_steps=3, eval_images_per_prompt=1, reference_images=50, sample_seeds=2)
 
-# samples.png: one row per prompt, every colour once as object and once as background
-SAMPLE_PROMPTS = (
-    "a red circle on a blue background",
-    "a green square on a yellow background",
-    "a blue triangle on a white background",
-    "a yellow circle on a purple background",
-    "a purple square on an orange background",
-    "a orange triangle on a black background",
-    "a white circle on a green background",
-    "a black square on a red background",
-)
+# samples.png: one row per prompt, every colour once as object and once as background, in the
+# corpus's own caption template (a prompt it never uses, like "an orange", is out of vocabulary)
+SAMPLE_PROMPTS = tuple(caption(*words) for words in (
+    ("red", "circle", "blue"), ("green", "square", "yellow"), ("blue", "triangle", "white"),
+    ("yellow", "circle", "purple"), ("purple", "square", "orange"), ("orange", "triangle", "black"),
+    ("white", "circle", "green"), ("black", "square", "red"),
+))
 
 
 class StageFailed(RuntimeError):

@@ -9,6 +9,16 @@ from conftest import ROOT
 from PIL import Image
 
 
+def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
+    from ldm.data.synth import COLOURS
+    from ldm.demo import SAMPLE_PROMPTS
+    from ldm.eval import parse_caption
+
+    words = [parse_caption(prompt) for prompt in SAMPLE_PROMPTS]  # raises on any other wording
+    assert sorted(colour for colour, _, _ in words) == sorted(COLOURS)
+    assert sorted(background for _, _, background in words) == sorted(COLOURS)
+
+
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out)],
