@@ -10,12 +10,13 @@ weight tensor) is a visible share of an optimizer update.
 """
 
 import argparse
+import os
 import statistics
 import time
 
 import paddle
 
-from ldm.models.build import build_components
+from ldm.models.build import load_part, load_text_encoder, resolve_source
 from ldm.train.common import clip_grad_norm
 
 
@@ -26,15 +27,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    parts = build_components(args.preset, vocab_size=64, model_max_length=16, seed=0)
-    unet, text_encoder = parts.unet, parts.text_encoder
-    parameters = [p for layer in (unet, text_encoder) for p in layer.parameters() if not p.stop_gradient]
+    from ppdiffusers import UNet2DConditionModel
+
+    paddle.seed(0)
+    source = resolve_source(args.preset)
+    unet, _ = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
+    text_encoder, _ = load_text_encoder(os.path.join(source, "bert"), vocab_size=64, max_length=16)
     size = unet.config.sample_size
     ids = paddle.randint(1, 64, [args.batch, 16])
     states = text_encoder(ids)[0]
     latents = paddle.randn([args.batch, unet.config.in_channels, size, size])
     timesteps = paddle.randint(0, 1000, [args.batch])
     (unet(latents, timesteps, encoder_hidden_states=states).sample ** 2).mean().backward()
+    parameters = [p for layer in (unet, text_encoder) for p in layer.parameters() if p.grad is not None]
     saved = [p.grad.clone() for p in parameters]
 
     def restore() -> None:
