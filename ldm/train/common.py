@@ -176,8 +176,9 @@ def clip_grad_norm(parameters, max_norm: float) -> paddle.Tensor:
     total = paddle.sqrt(paddle.add_n([_squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
     if math.isfinite(max_norm):
         scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
+        scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
         for g in grads:
-            g.multiply_(scale.astype(g.dtype))
+            g.multiply_(scales[g.dtype])
     return total
 
 
