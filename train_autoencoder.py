@@ -9,8 +9,6 @@ Runs on one card or many (`python -m paddle.distributed.launch`), with the hand-
 flags (checkpoints, --resume_from_checkpoint, logging). Captions are not read.
 """
 
-import sys
-
 from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, parse
 
 
@@ -25,4 +23,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldm.distributed import exit_process
+
+    exit_process(main())

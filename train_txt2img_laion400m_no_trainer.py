@@ -4,8 +4,6 @@
     python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_no_trainer.py ...
 """
 
-import sys
-
 from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments, parse
 
 
@@ -21,4 +19,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldm.distributed import exit_process
+
+    exit_process(main())

@@ -25,4 +25,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldm.distributed import exit_process
+
+    exit_process(main())

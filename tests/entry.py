@@ -14,7 +14,9 @@ def run_entry(script: str, args, launch: bool = False, cwd=None):
     """`python SCRIPT ARGS`, or under `paddle.distributed.launch` with 2 processes (logs in cwd/launch_logs)."""
     prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
               "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
-    return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT)
+    env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}  # glibc's abort messages to stderr, not to a terminal
+    return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT,
+                          env=env)
 
 
 def launch_report(result, cwd, tail: int = 2500) -> str:

@@ -9,6 +9,7 @@ from corpus import write_corpus
 from entry import launch_report, run_entry, weights
 
 from ldm.checkpoint import read_training_state
+from ldm.demo import read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,9 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
     assert len(os.listdir(out / "visualdl")) == 1
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "visualdl", "vqvae"]
+    # launched ranks leave with os._exit (ldm.distributed.exit_process): the last log lines and scalars are there
+    assert read_scalars(str(out / "visualdl"), "train/loss")[0] == [2, 4]
+    assert "exported" in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()[-1]
 
 
 @pytest.mark.skipif(paddle.amp.is_float16_supported(), reason="fp16 works on this device")
