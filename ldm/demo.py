@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from ldm.data.synth import caption
+from ldm.tracking import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet and LDMBert
@@ -209,18 +210,6 @@ def shown(path: str) -> str:
 def last_scalar(logdir: str, tag: str) -> float:
     steps, values = read_scalars(logdir, tag)
     return values[-1] if values else float("nan")
-
-
-def read_scalars(logdir: str, tag: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one scalar from a run's VisualDL log folder (every log file in it, by step)."""
-    from visualdl import LogReader
-
-    points: dict[int, float] = {}
-    for name in sorted(os.listdir(logdir)):
-        reader = LogReader(file_path=os.path.join(logdir, name))
-        if tag in reader.get_tags().get("scalar", []):
-            points.update({int(v.id): float(v.value) for v in reader.get_data("scalar", tag)})
-    return sorted(points), [points[k] for k in sorted(points)]
 
 
 def plot_losses(out: str, runs: dict[str, tuple[str, str]]) -> None:

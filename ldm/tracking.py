@@ -88,3 +88,15 @@ def quiet_libraries() -> None:
 
     paddlenlp_logger.set_level("WARNING")
     ppdiffusers_logging.set_verbosity_warning()
+
+
+def read_scalars(logdir: str, tag: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one scalar from a run's VisualDL log folder (every log file in it, by step)."""
+    from visualdl import LogReader
+
+    points: dict[int, float] = {}
+    for name in sorted(os.listdir(logdir)):
+        reader = LogReader(file_path=os.path.join(logdir, name))
+        if tag in reader.get_tags().get("scalar", []):
+            points.update({int(v.id): float(v.value) for v in reader.get_data("scalar", tag)})
+    return sorted(points), [points[k] for k in sorted(points)]

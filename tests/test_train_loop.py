@@ -9,7 +9,7 @@ from corpus import write_corpus
 from entry import launch_report, run_entry, weights
 
 from ldm.checkpoint import read_training_state
-from ldm.demo import read_scalars
+from ldm.tracking import read_scalars
 
 
 @pytest.fixture(scope="module")
