@@ -63,12 +63,15 @@ class DataArguments:
     caption_dropout_prob: float = arg(0.1, "probability of replacing a caption by '' (classifier-free guidance)")
     min_image_size: int = arg(0, "skip (and count) images whose shorter side is smaller")
     shuffle_buffer: int = arg(256, "records in each loader slot's shuffle buffer")
+    data_timeout: float = arg(600, "seconds without a batch before the run stops with stacks and the shards being "
+                                   "read (0: wait forever)")
 
     def __post_init__(self):
         _check(self.model_max_length >= 2, "--model_max_length must be at least 2")
         _check(self.resolution >= 8 and self.resolution % 8 == 0, "--resolution must be a multiple of 8")
         _check(0 <= self.caption_dropout_prob <= 1, "--caption_dropout_prob must be in [0, 1]")
         _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")
+        _check(self.data_timeout >= 0, "--data_timeout must be >= 0")
 
 
 @dataclass

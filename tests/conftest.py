@@ -17,3 +17,26 @@ def vocab_dir(tmp_path_factory):
     words = ["a", "an", "the", "photo", "of", "image", "red", "green", "blue", "circle", "square", "on", "background"]
     write_vocab(words, str(folder))
     return str(folder)
+
+
+def loader_leftovers() -> list[str]:
+    """Data loader threads and worker processes alive in this process."""
+    import multiprocessing
+    import threading
+
+    threads = [t.name for t in threading.enumerate() if "_thread_loop" in t.name or t.name == "ldm-data-watchdog"]
+    return threads + [f"process {p.pid} ({p.name})" for p in multiprocessing.active_children()]
+
+
+@pytest.fixture(autouse=True)
+def no_loader_left_behind():
+    """Fail a test that leaves loader threads or workers behind: a later loader forks its workers while
+    they run, and a worker that inherits a lock one of them held hangs (seen in this suite)."""
+    import time
+
+    before = set(loader_leftovers())
+    yield
+    deadline = time.monotonic() + 10  # worker processes take a moment to exit after the loader stops
+    while (left := set(loader_leftovers()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"the test left data loader threads or processes running: {sorted(left)}"

@@ -11,7 +11,7 @@ import pytest
 from corpus import write_corpus
 from test_data_plan import text_shards
 
-from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, stop_loader
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, SkipRecord
 from ldm.data.stream import NoUsableData, SlotStream
@@ -69,11 +69,15 @@ def make_stream(corpus, vocab_dir, state=None, num_workers=2, **kw):
 
 def consume(loader, tracker, n):
     out = []
-    for batch in loader:
-        batch = tracker.update(batch)
-        out.append((np.asarray(batch["pixel_values"]).copy(), np.asarray(batch["input_ids"]).copy()))
-        if len(out) == n:
-            break
+    iterator = iter(loader)
+    try:
+        for batch in iterator:
+            batch = tracker.update(batch)
+            out.append((np.asarray(batch["pixel_values"]).copy(), np.asarray(batch["input_ids"]).copy()))
+            if len(out) == n:
+                break
+    finally:
+        stop_loader(iterator)  # no reader thread may outlive its loader: later loaders fork workers
     return out
 
 
@@ -145,10 +149,57 @@ def test_fewer_records_than_slots_fails_at_start(tmp_path, vocab_dir):
         make_stream(listing, vocab_dir, num_workers=2, world_size=2)
 
 
-def test_nothing_readable_stops_with_a_clear_error(tmp_path, vocab_dir):
-    (tmp_path / "bad.gz").write_bytes(b"no tabs here\n" * 10)
-    (tmp_path / "f").write_text("bad.gz\nmissing.gz\n")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_data_error_reaches_the_training_loop_as_itself(tmp_path, num_workers):
+    """Paddle's DataLoader loses dataset exceptions (num_workers=0 hung forever): they must arrive."""
+    from ldm.args import DataArguments
+    from ldm.distributed import Distributed
+    from ldm.train.common import build_batches
+
+    for i in range(2):
+        (tmp_path / f"bad{i}.gz").write_bytes(b"no tabs here\n" * 10)
+    (tmp_path / "f").write_text("bad0.gz\nbad1.gz\nmissing.gz\n")
     (tmp_path / "list").write_text("f\n")
-    stream = make_stream(str(tmp_path / "list"), vocab_dir, num_workers=0)
-    with pytest.raises(NoUsableData, match="no usable record.*missing_columns.*unreadable_shard"):
-        next(iter(stream))
+    data = DataArguments(file_list=str(tmp_path / "list"), resolution=32, data_timeout=60)
+    batches = iter(build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=num_workers))
+    with pytest.raises(NoUsableData, match="no usable record.*missing_columns") as caught:
+        next(batches)
+    assert "raised in the data loader" in "\n".join(caught.value.__notes__)
+
+
+STALL_SCRIPT = """
+import sys
+from ldm.args import DataArguments
+from ldm.distributed import Distributed
+from ldm.train.common import build_batches
+data = DataArguments(file_list=sys.argv[1], resolution=32, data_timeout=float(sys.argv[3]))
+batches = build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=int(sys.argv[2]))
+for batch in batches:
+    print("got a batch", flush=True)
+"""
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stalled_shard_ends_the_run_with_stacks_and_where_it_stalled(tmp_path, num_workers):
+    """A shard whose read never returns (a named pipe nobody writes, like a hung object-store request)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for i in range(2):
+        os.mkfifo(tmp_path / f"stuck{i}.gz")
+    (tmp_path / "f").write_text("stuck0.gz\nstuck1.gz\n")
+    (tmp_path / "list").write_text("f\n")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", STALL_SCRIPT, str(tmp_path / "list"), str(num_workers), "3"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert time.monotonic() - start < 60
+    assert "no data batch for 3 s (--data_timeout)" in result.stderr
+    assert "slot 0 of " in result.stderr and ("stuck0.gz" in result.stderr or "stuck1.gz" in result.stderr)
+    assert "open_shard" in result.stderr  # the stack of the reader, wherever it runs
+    if num_workers:
+        assert "slot 1 of 2" in result.stderr
+        assert result.stderr.count("Current thread") + result.stderr.count("Thread 0x") >= 2

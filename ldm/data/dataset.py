@@ -23,6 +23,7 @@ from ldm.data.filelist import FileListError, Shard
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import ShardError, iter_lines
 from ldm.data.stream import Record, SlotStream
+from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 
 logger = logging.getLogger("ldm.data")
 
@@ -90,6 +91,7 @@ class CaptionImageStream(IterableDataset):
         self.workers = max(1, num_workers)
         self.shuffle_buffer = shuffle_buffer
         check_enough_records(shards, world_size * self.workers)
+        self.board = ReadingBoard(self.workers)
         self.slot_states: dict[int, dict] = {}
         self.first_role = 0
         self.start_pass = 0
@@ -134,8 +136,18 @@ class CaptionImageStream(IterableDataset):
     def __iter__(self):
         cv2.setNumThreads(1)  # one thread per loader slot; the slots are the parallelism
         info = get_worker_info()
+        if info is not None:
+            in_worker_process()
         worker = info.id if info is not None else 0
+        try:
+            yield from self.batches(worker)
+        except Exception as e:  # noqa: BLE001 - carried to the training loop and raised there (ldm.data.watchdog)
+            yield error_batch(e)
+
+    def batches(self, worker: int):
         stream = self.slot_stream((worker + self.first_role) % self.workers)
+        where = f"slot {stream.slot} of {stream.num_slots}"
+        stream.on_open = lambda path: self.board.post(worker, f"{where}: opening {path}")
         images, ids = [], []
         for image, input_ids in stream.samples(self.make_sample):
             images.append(image)
@@ -144,6 +156,7 @@ class CaptionImageStream(IterableDataset):
                 batch = {"pixel_values": to_pixel_values(images), "stream_state": json.dumps(stream.state_dict())}
                 if self.tokenize:
                     batch["input_ids"] = np.stack(ids)
+                self.board.post(worker, f"{where}: {stream.reading()}")
                 yield batch
                 images, ids = [], []
 

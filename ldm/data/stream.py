@@ -66,6 +66,8 @@ class SlotStream:
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
         self._units_in_pass = 0  # units of the pass `pass_records` last finished
+        self.on_open: Callable[[str], None] | None = None  # told each shard path before it is opened
+        self._reading = ""
         if state is not None:
             self.load_state_dict(state)
 
@@ -96,6 +98,10 @@ class SlotStream:
         self._to_reload = [(u, n) for u, n in state["buffer"]]
 
     # -- reading ---------------------------------------------------------------------------
+    def reading(self) -> str:
+        """Where the stream reads now, for messages: the shard and the last line taken from it."""
+        return f"reading {self._reading} (line {self.line_pos}, pass {self.pass_index})" if self._reading else "idle"
+
     def _count(self, reason: str, where: str, detail: str = "") -> None:
         self.counts[reason] += 1
         if self._logged[reason] < LOGGED_PER_REASON:
@@ -106,6 +112,9 @@ class SlotStream:
     def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes]]:
         path = self.shards[unit.shard].path
         number = 0
+        self._reading = path
+        if self.on_open is not None:
+            self.on_open(path)
         try:
             for number, line in enumerate(iter_lines(path), 1):
                 if until is not None and number > until:

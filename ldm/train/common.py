@@ -83,27 +83,39 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
 
 
 class TimedBatches:
-    """The training batches: records each batch's stream state and the time spent waiting for it."""
+    """The training batches: records each batch's stream state and the time spent waiting for it.
 
-    def __init__(self, loader, tracker):
+    A data-path exception is raised here as itself; a wait longer than `data_timeout` seconds ends
+    the process with stacks and the shards being read (`ldm.data.watchdog`).
+    """
+
+    def __init__(self, loader, tracker, data_timeout: float = 0):
         self.loader, self.tracker, self.clock = loader, tracker, StepClock()
+        self.data_timeout = data_timeout
 
     def __iter__(self):
         """Batches until the stream ends; closing the generator stops the loader at once."""
+        from ldm.data.dataset import stop_loader
+        from ldm.data.watchdog import StallWatchdog, raise_if_error
+
         iterator = iter(self.loader)
+        watchdog = StallWatchdog(self.data_timeout, self.loader.dataset.board)
         try:
             while True:
                 start = time.perf_counter()
+                watchdog.waiting()
                 try:
                     batch = next(iterator)
                 except StopIteration:
                     return
+                finally:
+                    watchdog.received()
+                raise_if_error(batch)
                 batch = self.tracker.update(batch)
                 self.clock.waited(time.perf_counter() - start, batch["pixel_values"].shape[0])
                 yield batch
         finally:
-            from ldm.data.dataset import stop_loader
-
+            watchdog.close()
             stop_loader(iterator)
 
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
@@ -147,7 +159,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     tracker = StreamState(num_workers)
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
-    return TimedBatches(build_dataloader(stream, num_workers), tracker)
+    return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout)
 
 
 def save_vae(output_dir: str, vae, dist: Distributed) -> str:

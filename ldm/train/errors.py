@@ -10,11 +10,12 @@ import sys
 def user_errors():
     from ldm.checkpoint import CheckpointError
     from ldm.data.filelist import FileListError
+    from ldm.data.stream import NoUsableData
     from ldm.data.tokenize import TokenizerError
     from ldm.models.build import ModelSourceError
 
     try:
         yield
-    except (CheckpointError, FileListError, TokenizerError, ModelSourceError) as e:
+    except (CheckpointError, FileListError, NoUsableData, TokenizerError, ModelSourceError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
