@@ -18,8 +18,8 @@ def main(argv=None) -> int:
     from ldm.train.errors import user_errors
 
     with user_errors():
-        train(loop_args, args, data_args)
-    return 0
+        result = train(loop_args, args, data_args)
+    return result["exit_code"]  # 128 + signal number after a graceful stop
 
 
 if __name__ == "__main__":

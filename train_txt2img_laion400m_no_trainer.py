@@ -14,8 +14,8 @@ def main(argv=None) -> int:
     from ldm.train.loop import train
 
     with user_errors():
-        train(loop_args, model_args, data_args, sampling_args)
-    return 0
+        result = train(loop_args, model_args, data_args, sampling_args)
+    return result["exit_code"]  # 128 + signal number after a graceful stop
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def main(argv=None) -> int:
     from ldm.train.trainer import train
 
     with user_errors():
-        train(training_args, model_args, data_args, sampling_args)
-    return 0
+        result = train(training_args, model_args, data_args, sampling_args)
+    return result["exit_code"]  # 128 + signal number after a graceful stop
 
 
 if __name__ == "__main__":

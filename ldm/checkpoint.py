@@ -1,13 +1,15 @@
-"""Checkpoint folders, and loading any checkpoint or pipeline folder for inference.
+"""What a checkpoint holds, and loading any checkpoint or pipeline folder for inference.
 
-A checkpoint folder (`<output_dir>/checkpoint-<step>/`) holds:
-  unet/, bert/          the trained weights (ppdiffusers / PaddleNLP `save_pretrained` layout)
+A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) holds:
+  unet/, bert/          the trained weights (ppdiffusers / PaddleNLP `save_pretrained` layout), once
   tokenizer/            the tokenizer, so the folder is self-describing
   scheduler/            the DDPM noise scheduler config (with prediction_type)
-  ldm_model.json        where the frozen autoencoder is (relative paths are relative to this folder)
+  ldm_model.json        where the frozen autoencoder is (relative to this folder) and its identity
   ema.pdparams          EMA weights and update counter (with --use_ema)
-  training_state.pkl, optimizer.pdopt   what a resume needs beyond the weights (training loops)
-An autoencoder run's checkpoints (`ldm.train.autoencoder`) hold `vqvae/` and the same two files.
+  training_state.pkl    step, data position, RNG states, per-rank weight checksums
+  optimizer.pdopt       the optimizer (the Trainer path adds PaddleNLP's scheduler, RNG and state files)
+  manifest.json         every file's size and sha256, written last
+An autoencoder run's checkpoints (`ldm.train.autoencoder`) hold `vqvae/` and the training files.
 The frozen autoencoder is written once per run to `<output_dir>/vqvae/` rather than into every
 checkpoint (330 MB for KL-f8, times `save_total_limit`).
 """
@@ -17,9 +19,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import tempfile
-from contextlib import contextmanager
+
+from ldm.run_folder import CheckpointError
 
 MODEL_JSON = "ldm_model.json"
 EMA_FILE = "ema.pdparams"
@@ -33,7 +34,7 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MODEL_JSON))
 
 
-def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str,
+def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str, vae_identity: dict,
                ema_state: dict | None = None, final_folder: str | None = None) -> None:
     """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
 
@@ -49,25 +50,9 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
     vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))
     with open(os.path.join(folder, MODEL_JSON), "w") as f:
-        json.dump({"vae": vae}, f, indent=2)
+        json.dump({"vae": vae, "vae_identity": vae_identity}, f, indent=2)
     if ema_state is not None:
         paddle.save(ema_state, os.path.join(folder, EMA_FILE))
-
-
-@contextmanager
-def atomic_folder(final: str):
-    """Yields a temporary sibling folder to fill; on success it replaces `final`, on error it is removed."""
-    parent = os.path.dirname(os.path.abspath(final))
-    os.makedirs(parent, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(final) + "-", dir=parent)
-    try:
-        yield path
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(path, final)
 
 
 def apply_ema(state: dict, unet, text_encoder) -> None:
@@ -99,11 +84,9 @@ def load_for_inference(path: str, use_ema: bool = True):
     tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     if is_pipeline(path):
-        vae_path = os.path.join(path, "vqvae")
+        vae = AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))
     else:
-        with open(os.path.join(path, MODEL_JSON)) as f:
-            vae_path = os.path.normpath(os.path.join(path, json.load(f)["vae"]))
-    vae = AutoencoderKL.from_pretrained(vae_path)
+        vae = checkpoint_autoencoder(path)
     used_ema = False
     ema_path = os.path.join(path, EMA_FILE)
     if use_ema and os.path.isfile(ema_path):
@@ -115,63 +98,53 @@ def load_for_inference(path: str, use_ema: bool = True):
 
 
 # -- training checkpoints ------------------------------------------------------------------------
-CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "training_state.pkl"
 OPTIMIZER_FILE = "optimizer.pdopt"
 
 
-class CheckpointError(RuntimeError):
-    pass
+def checkpoint_autoencoder(path: str):
+    """The frozen autoencoder a checkpoint was trained with, refused if it is not the recorded one."""
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.autoencoder import autoencoder_identity
+
+    with open(os.path.join(path, MODEL_JSON)) as f:
+        recorded = json.load(f)
+    vae_path = os.path.normpath(os.path.join(path, recorded["vae"]))
+    if not os.path.isfile(os.path.join(vae_path, "config.json")):
+        raise CheckpointError(f"{path} was trained with the autoencoder in {vae_path}, which is gone")
+    vae = AutoencoderKL.from_pretrained(vae_path)
+    check_autoencoder(path, recorded.get("vae_identity"), autoencoder_identity(vae), vae_path)
+    return vae
 
 
-def is_training_checkpoint(path: str) -> bool:
-    """A folder a run can resume from: the loop's (any model) or the Trainer path's (an LDM)."""
-    return os.path.isfile(os.path.join(path, STATE_FILE)) or is_checkpoint(path)
+def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, source: str) -> None:
+    if recorded is None:
+        raise CheckpointError(f"{checkpoint} does not record which autoencoder it was trained with")
+    if recorded != identity:
+        changed = " and ".join(k.split("_")[0] for k in ("config_sha256", "weights_sha256")
+                               if recorded.get(k) != identity.get(k))
+        raise CheckpointError(f"{checkpoint} was trained with another autoencoder than {source} (its {changed} "
+                              "differ): the UNet learned that autoencoder's latents")
 
 
-def checkpoint_dirs(output_dir: str) -> list[str]:
-    """checkpoint-<step> folders of `output_dir`, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        step, path = name[len(CHECKPOINT_PREFIX):], os.path.join(output_dir, name)
-        if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and is_training_checkpoint(path):
-            found.append((int(step), path))
-    return [path for _, path in sorted(found)]
+def recorded_autoencoder(path: str) -> dict | None:
+    with open(os.path.join(path, MODEL_JSON)) as f:
+        return json.load(f).get("vae_identity")
 
 
-def resolve_resume(output_dir: str, resume: str | None) -> str | None:
-    if not resume:
-        return None
-    if resume == "latest":
-        found = checkpoint_dirs(output_dir)
-        if not found:
-            raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}")
-        return found[-1]
-    if not is_training_checkpoint(resume):
-        raise CheckpointError(f"--resume_from_checkpoint {resume}: not a checkpoint folder")
-    return resume
+def training_state(step: int, dist, batches, trained, **extra) -> dict:
+    """The training-state dict of a checkpoint (both entry points): step, world size, every rank's data
+    position and a fingerprint of every rank's trained weights (ranks that drifted apart show here)."""
+    from ldm.distributed import weights_checksum
 
-
-def prepare_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
-    """Refuse to mix runs in one folder; returns the checkpoint to resume from, if any."""
-    checkpoint = resolve_resume(output_dir, resume)
-    if checkpoint is None and os.path.isdir(output_dir) and os.listdir(output_dir):
-        if not overwrite:
-            raise CheckpointError(
-                f"output_dir {output_dir} is not empty (an earlier run?): pass --resume_from_checkpoint latest "
-                "(or a checkpoint folder) to continue it, or --overwrite_output_dir to start afresh")
-        for path in checkpoint_dirs(output_dir):
-            shutil.rmtree(path, ignore_errors=True)  # every rank may get here
-    os.makedirs(output_dir, exist_ok=True)
-    return checkpoint
-
-
-def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
-    if limit:
-        for path in checkpoint_dirs(output_dir)[:-limit]:
-            shutil.rmtree(path, ignore_errors=True)
+    return {
+        "step": step,
+        "world_size": dist.world_size,
+        "stream": dist.gather(batches.tracker.state_dict()),
+        "weights_checksum": dist.gather(weights_checksum(trained)),
+        **extra,
+    }
 
 
 def write_training_state(folder: str, state: dict) -> None:
@@ -184,31 +157,16 @@ def read_training_state(folder: str) -> dict:
         return pickle.load(f)
 
 
-def save_training_checkpoint(output_dir: str, step: int, *, save_model, optimizer, training_state: dict,
-                             limit: int | None = None) -> str:
-    """Write checkpoint-<step> atomically (temp folder, then rename) and rotate old ones. Rank 0 only.
-
-    `save_model(folder, final_folder)` writes what is trained (its weights, EMA, configs) into `folder`.
-    """
+def save_optimizer(folder: str, optimizer) -> None:
     import paddle
 
-    final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
-    with atomic_folder(final) as folder:
-        save_model(folder, final)
-        paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
-        write_training_state(folder, training_state)
-    rotate_checkpoints(output_dir, limit)
-    return final
+    paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
 
 
-def load_training_checkpoint(path: str, *, load_model, optimizer=None) -> dict:
-    """Restore the trained weights (`load_model(path)`) and the optimizer; returns the training state."""
+def load_optimizer(folder: str, optimizer) -> None:
     import paddle
 
-    load_model(path)
-    if optimizer is not None:
-        optimizer.set_state_dict(paddle.load(os.path.join(path, OPTIMIZER_FILE)))
-    return read_training_state(path)
+    optimizer.set_state_dict(paddle.load(os.path.join(folder, OPTIMIZER_FILE)))
 
 
 def load_ema(path: str, ema) -> None:

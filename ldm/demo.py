@@ -105,7 +105,7 @@ class Demo:
         if n == 1:
             return [sys.executable, script]
         return [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(n),
-                "--log_dir", self.path(name, "launch_logs"), script]
+                "--log_dir", self.path("launch_logs", name), script]
 
     @staticmethod
     def batches(steps: int, batch: int, n: int = 1) -> str:
@@ -148,9 +148,9 @@ class Demo:
         self.summary("ldm", f"final loss {loss:.4f}; checkpoints and pipeline in ldm/")
 
     def export(self) -> None:
-        from ldm.checkpoint import checkpoint_dirs
+        from ldm.run_folder import latest_checkpoint
 
-        checkpoint = checkpoint_dirs(self.path("ldm"))[-1]
+        checkpoint = latest_checkpoint(self.path("ldm"))
         self.run("export", "the last checkpoint as an LDMTextToImagePipeline",
                  [sys.executable, "-m", "ldm.export", "--checkpoint", checkpoint, "--output", self.path("pipeline")])
         self.summary("export", f"{shown(self.path('pipeline'))} (loads with LDMTextToImagePipeline.from_pretrained)")

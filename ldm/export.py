@@ -15,7 +15,7 @@ import sys
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str) -> str:
     from ppdiffusers import LDMTextToImagePipeline
 
-    from ldm.checkpoint import atomic_folder
+    from ldm.run_folder import atomic_folder
     from ldm.sampling import ddim_scheduler
 
     pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
@@ -39,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the pipeline folder to write")
     parser.add_argument("--no_ema", action="store_true", help="export the raw weights even if EMA weights exist")
     args = parser.parse_args(argv)
+    from ldm.run_folder import CheckpointError
     from ldm.tracking import quiet_libraries
 
     quiet_libraries()
     try:
         output, used_ema = export_checkpoint(args.checkpoint, args.output, not args.no_ema)
-    except (FileNotFoundError, OSError, ValueError) as e:
+    except (FileNotFoundError, OSError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} ({'EMA' if used_ema else 'raw'} weights) to {output}")

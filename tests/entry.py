@@ -37,3 +37,41 @@ def weights(checkpoint):
     ema = paddle.load(os.path.join(checkpoint, "ema.pdparams"))
     out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
     return out, ema["num_updates"]
+
+
+def run_until(script: str, args, pattern: str, signum: int, launch: bool = False, cwd=None, delay: float = 0.0,
+              timeout: float = 240):
+    """Start an entry point in its own process group, and signal the whole group (as Ctrl-C, a scheduler or
+    the launcher would) `delay` seconds after `pattern` first appears in its output. Returns
+    (exit code, output)."""
+    import signal
+    import threading
+    import time
+
+    prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
+    proc = subprocess.Popen(prefix + [str(ROOT / script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=cwd or ROOT, start_new_session=True,
+                            env={**os.environ, "LIBC_FATAL_STDERR_": "1"})
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if pattern in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if seen.wait(timeout) and proc.poll() is None:
+            time.sleep(delay)
+            os.killpg(proc.pid, signum)
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=10)
+    return code, "".join(lines)

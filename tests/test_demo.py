@@ -37,11 +37,12 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     for name in ("object_colour", "background", "shape"):
         assert 0.0 <= report["generated"][name] <= 1.0
 
-    from ldm.checkpoint import checkpoint_dirs, read_training_state
+    from ldm.checkpoint import read_training_state
+    from ldm.run_folder import latest_checkpoint
 
     processes = report["settings"]["processes"]
     assert processes == min(2, os.cpu_count())  # the LDM trains in one process per core, up to two
-    state = read_training_state(checkpoint_dirs(str(out / "ldm"))[-1])
+    state = read_training_state(latest_checkpoint(str(out / "ldm")))
     assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
 
     samples = Image.open(out / "samples.png")

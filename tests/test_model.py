@@ -217,10 +217,11 @@ def test_hub_name_offline_fails_clearly_naming_the_preset():
         build_components("./no/such/folder")
 
 
-def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_path):
+def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_path, capsys):
     from ppdiffusers import LDMTextToImagePipeline
 
-    from ldm.export import export_checkpoint
+    from ldm.export import export_checkpoint, main
+    from ldm.models.autoencoder import autoencoder_identity
 
     c = tiny(tokenizer)
     model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
@@ -230,7 +231,8 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
         c.unet.conv_in.weight.set_value(c.unet.conv_in.weight + 1.0)  # raw weights now differ from EMA ones
     checkpoint = tmp_path / "checkpoint-1"
     save_model(str(checkpoint), unet=c.unet, text_encoder=c.text_encoder, tokenizer=tokenizer,
-               noise_scheduler=c.noise_scheduler, vae_folder=str(tmp_path / "vqvae"), ema_state=ema.state_dict())
+               noise_scheduler=c.noise_scheduler, vae_folder=str(tmp_path / "vqvae"),
+               vae_identity=autoencoder_identity(c.vae), ema_state=ema.state_dict())
 
     output, used_ema = export_checkpoint(str(checkpoint), str(tmp_path / "pipeline"))
     assert used_ema
@@ -256,3 +258,12 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     from PIL import Image
 
     assert Image.open(tmp_path / "samples" / "grid.png").size == (64, 64)
+
+    # another autoencoder in the checkpoint's vqvae folder: the UNet never saw its latents
+    with paddle.no_grad():
+        c.vae.decoder.conv_out.bias.set_value(c.vae.decoder.conv_out.bias + 0.5)
+    c.vae.save_pretrained(str(tmp_path / "vqvae"))
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "swapped")]) == 2
+    err = capsys.readouterr().err
+    assert "trained with another autoencoder" in err and "weights differ" in err
+    assert not os.path.exists(tmp_path / "swapped")

@@ -1,14 +1,18 @@
 """The hand-written loop, run as users run it: real entry point, tiny preset, generated shards."""
 
 import os
+import random
+import re
+import signal
 
 import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import launch_report, run_entry, weights
+from entry import launch_report, run_entry, run_until, weights
 
 from ldm.checkpoint import read_training_state
+from ldm.run_folder import checkpoint_problem, latest_checkpoint
 from ldm.tracking import read_scalars
 
 
@@ -20,32 +24,56 @@ def corpus(tmp_path_factory, vocab_dir):
             "--model_max_length", "16", "--resolution", "32", "--train_batch_size", "4"]
 
 
+SCRIPT = "train_txt2img_laion400m_no_trainer.py"
+
+
 def run(args, launch=False, cwd=None):
-    return run_entry("train_txt2img_laion400m_no_trainer.py", args, launch, cwd)
+    return run_entry(SCRIPT, args, launch, cwd)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers):
-    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "2", "--save_steps", "3",
+@pytest.mark.parametrize("workers, fault", [(0, "SIGKILL"), (2, "SIGTERM")])
+def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers, fault):
+    """SIGKILL lands at a random moment, often inside a checkpoint write (one per update); SIGTERM reaches
+    the process group (workers too) and must end in a checkpoint of the update it interrupted."""
+    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "1",
                        "--num_workers", str(workers), "--use_ema", "--lr_scheduler", "constant_with_warmup",
-                       "--lr_warmup_steps", "2", "--learning_rate", "1e-3", "--seed", "5"]
-    straight = run(common + ["--max_train_steps", "8", "--output_dir", str(tmp_path / "a")])
+                       "--lr_warmup_steps", "2", "--learning_rate", "1e-3", "--seed", "5", "--max_train_steps", "8"]
+    straight = run(common + ["--save_steps", "3", "--output_dir", str(tmp_path / "a")])
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = run(common + ["--max_train_steps", "4", "--output_dir", str(tmp_path / "b")])
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run(common + ["--max_train_steps", "8", "--output_dir", str(tmp_path / "b"),
-                            "--resume_from_checkpoint", "latest"])
+
+    out = tmp_path / "b"
+    if fault == "SIGKILL":
+        code, log = run_until(SCRIPT, common + ["--save_steps", "1", "--output_dir", str(out)], "step 3 ",
+                              signal.SIGKILL, delay=random.uniform(0, 0.3))
+        assert code == -signal.SIGKILL, log[-3000:]
+        # and the newest complete checkpoint is damaged afterwards: latest must skip it too
+        newest = latest_checkpoint(str(out))
+        with open(os.path.join(newest, "optimizer.pdopt"), "r+b") as f:
+            f.truncate(100)
+    else:
+        code, log = run_until(SCRIPT, common + ["--save_steps", "100", "--output_dir", str(out)], "step 3 ",
+                              signal.SIGTERM)
+        assert code == 128 + signal.SIGTERM, log[-3000:]
+        stopped = re.search(r"SIGTERM: stopped after update (\d+) and saved (\S+checkpoint-\d+)", log)
+        assert stopped, log[-3000:]
+        assert stopped.group(2).endswith(f"checkpoint-{stopped.group(1)}") and 3 <= int(stopped.group(1)) < 8
+        assert checkpoint_problem(stopped.group(2)) is None
+        assert "pipeline" not in os.listdir(out)  # a stopped run does not export
+    resumed = run(common + ["--save_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
+    if fault == "SIGKILL":
+        assert f"skipping {newest}: optimizer.pdopt has 100 bytes" in resumed.stderr
+    assert not [name for name in os.listdir(out) if name.startswith(".tmp-")]
 
     expected, expected_updates = weights(tmp_path / "a" / "checkpoint-8")
-    got, got_updates = weights(tmp_path / "b" / "checkpoint-8")
+    got, got_updates = weights(out / "checkpoint-8")
     assert got_updates == expected_updates == 8
     assert expected.keys() == got.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # and training moved the weights at all
-    start, _ = weights(tmp_path / "b" / "checkpoint-4")
+    start, _ = weights(tmp_path / "a" / "checkpoint-3")
     assert any(not np.array_equal(start[n], got[n]) for n in got if n.startswith("unet."))
 
 
@@ -110,7 +138,7 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert all(s["num_slots"] == 2 for stream in state["stream"] for s in stream["slots"].values())
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
     assert len(os.listdir(out / "visualdl")) == 1
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "visualdl", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "visualdl", "vqvae"]
     # launched ranks leave with os._exit (ldm.distributed.exit_process): the last log lines and scalars are there
     assert read_scalars(str(out / "visualdl"), "train/loss")[0] == [2, 4]
     assert "exported" in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()[-1]

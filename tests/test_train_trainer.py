@@ -90,7 +90,7 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert state["weights_checksum"][0] == state["weights_checksum"][1]
     slots = [set(stream["slots"]) for stream in state["stream"]]
     assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "runs", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "runs", "vqvae"]
     runs = [os.path.join(d, f) for d, _, files in os.walk(out / "runs") for f in files]
     assert len(runs) == 1  # one VisualDL file: rank 0's
 

@@ -50,3 +50,22 @@ def to_uint8(pixel_values: paddle.Tensor | np.ndarray) -> np.ndarray:
     """[-1, 1] NCHW pixels -> uint8 NHWC."""
     pixels = pixel_values.numpy() if isinstance(pixel_values, paddle.Tensor) else pixel_values
     return ((pixels / 2 + 0.5).clip(0, 1) * 255).round().astype(np.uint8).transpose(0, 2, 3, 1)
+
+
+def autoencoder_identity(vae: nn.Layer) -> dict:
+    """What makes two frozen autoencoders the same: a hash of the config and one of the weights.
+
+    Recorded in every LDM checkpoint; resuming or exporting with another autoencoder is refused,
+    because the UNet learned the latents of this one.
+    """
+    import hashlib
+    import json
+
+    config = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
+    weights = hashlib.sha256()
+    for name, tensor in sorted(vae.state_dict().items()):
+        array = np.ascontiguousarray(tensor.numpy())
+        weights.update(f"{name}:{array.dtype}:{array.shape};".encode())
+        weights.update(array.tobytes())
+    return {"config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+            "weights_sha256": weights.hexdigest()}

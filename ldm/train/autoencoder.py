@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
-from ldm.checkpoint import atomic_folder
+from ldm.run_folder import atomic_folder
 from ldm.train.loop import Objective, run
 
 logger = logging.getLogger("ldm.train")
@@ -39,7 +39,7 @@ class Autoencoder(Objective):
     def __init__(self, args: AutoencoderArguments, loop: LoopArguments):
         from ldm.models.autoencoder import AutoencoderTraining
 
-        self.args, self.output_dir = args, loop.output_dir
+        self.args = args
         vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
         self.vae = vae
         self.model = AutoencoderTraining(vae, args.kl_weight)
@@ -73,7 +73,7 @@ class Autoencoder(Objective):
         grid = image_grid(np.concatenate([to_uint8(np.asarray(pixels)), outputs]), rows=2)
         writer.image("reconstructions/inputs_vs_outputs", np.asarray(grid), step)
 
-    def finish(self, checkpoint, batches, dist):
+    def finish(self, checkpoint, batches, dist, run_dir):
         from ldm.models.autoencoder import latent_moments, scaling_factor
 
         self.vae.eval()
@@ -84,7 +84,7 @@ class Autoencoder(Objective):
         factor = scaling_factor(moments)
         self.vae.register_to_config(scaling_factor=factor)
         if dist.is_main:
-            final = os.path.join(self.output_dir, "vqvae")
+            final = run_dir.path("vqvae")
             with atomic_folder(final) as folder:
                 self.vae.save_pretrained(folder)
             logger.info("latent std %.4f over %d values: wrote %s with scaling_factor %.5f",

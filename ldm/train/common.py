@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -92,9 +91,21 @@ class TimedBatches:
     def __init__(self, loader, tracker, data_timeout: float = 0):
         self.loader, self.tracker, self.clock = loader, tracker, StepClock()
         self.data_timeout = data_timeout
+        self._iterators: list = []
 
     def __iter__(self):
-        """Batches until the stream ends; closing the generator stops the loader at once."""
+        """Batches until the stream ends; closing the iterator (or `close()`) stops the loader at once."""
+        iterator = self._batches()
+        self._iterators.append(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stop every loader this object started (a consumer such as the Trainer may not close its own)."""
+        for iterator in self._iterators:
+            iterator.close()
+        self._iterators = []
+
+    def _batches(self):
         from ldm.data.dataset import stop_loader
         from ldm.data.watchdog import StallWatchdog, raise_if_error
 
@@ -160,15 +171,6 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
     return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout)
-
-
-def save_vae(output_dir: str, vae, dist: Distributed) -> str:
-    """The frozen autoencoder, written once per run; checkpoints refer to it."""
-    folder = os.path.join(output_dir, "vqvae")
-    if dist.is_main and not os.path.isfile(os.path.join(folder, "config.json")):
-        vae.save_pretrained(folder)
-    dist.barrier()
-    return folder
 
 
 @paddle.no_grad()

@@ -8,11 +8,11 @@ import sys
 
 @contextlib.contextmanager
 def user_errors():
-    from ldm.checkpoint import CheckpointError
     from ldm.data.filelist import FileListError
     from ldm.data.stream import NoUsableData
     from ldm.data.tokenize import TokenizerError
     from ldm.models.build import ModelSourceError
+    from ldm.run_folder import CheckpointError
 
     try:
         yield

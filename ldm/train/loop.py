@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 
 import numpy as np
@@ -21,16 +20,22 @@ from tqdm import tqdm
 
 from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
 from ldm.checkpoint import (
+    check_autoencoder,
     load_ema,
     load_ldm_weights,
-    load_training_checkpoint,
-    prepare_output_dir,
+    load_optimizer,
+    read_training_state,
+    recorded_autoencoder,
     save_model,
-    save_training_checkpoint,
+    save_optimizer,
+    training_state,
+    write_training_state,
 )
-from ldm.distributed import Distributed, sync_gradients, weights_checksum
+from ldm.distributed import Distributed, sync_gradients
+from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import common
+from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
 
@@ -52,6 +57,12 @@ class Objective:
         """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
         raise NotImplementedError
 
+    def check_resume(self, checkpoint: str) -> None:
+        """Refuse a checkpoint this objective cannot continue (called before anything is written)."""
+
+    def start(self, run_dir: RunFolder) -> None:
+        """Write what the run needs before training (the folder exists now)."""
+
     def save(self, folder: str, final_folder: str) -> None:
         """Write the trained weights into a checkpoint folder (the optimizer and state are the loop's)."""
         raise NotImplementedError
@@ -62,7 +73,7 @@ class Objective:
     def log_images(self, writer: NullWriter, step: int, batch: dict) -> None:
         """Images for VisualDL every `image_logging_steps` (rank 0's writer only)."""
 
-    def finish(self, checkpoint: str | None, batches, dist: Distributed) -> None:
+    def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
 
@@ -71,14 +82,23 @@ class TextToImage(Objective):
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments,
                  loop: LoopArguments, dist: Distributed):
+        from ldm.models.autoencoder import autoencoder_identity
         from ldm.models.ema import EMA
 
-        self.data, self.sampling, self.output_dir = data, sampling, loop.output_dir
+        self.data, self.sampling = data, sampling
         self.tokenizer = common.build_tokenizer(data)
-        self.model, components = common.build_model(model_args, data, self.tokenizer, recompute=loop.recompute,
-                                                    seed=loop.seed)
+        self.model, self.components = common.build_model(model_args, data, self.tokenizer, recompute=loop.recompute,
+                                                         seed=loop.seed)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
-        self.vae_folder = common.save_vae(loop.output_dir, components.vae, dist)
+        self.vae_identity = autoencoder_identity(self.components.vae)
+        self.vae_folder = None
+
+    def check_resume(self, checkpoint):
+        check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
+                          f"this run's autoencoder ({self.components.vae_source})")
+
+    def start(self, run_dir):
+        self.vae_folder, _ = run_dir.write_vae(self.components.vae)
 
     def loss(self, net, batch):
         return net(batch["pixel_values"], batch["input_ids"]), {}
@@ -86,7 +106,8 @@ class TextToImage(Objective):
     def save(self, folder, final_folder):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
                    noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
-                   ema_state=self.ema.state_dict() if self.ema is not None else None, final_folder=final_folder)
+                   vae_identity=self.vae_identity, final_folder=final_folder,
+                   ema_state=self.ema.state_dict() if self.ema is not None else None)
 
     def load(self, folder):
         load_ldm_weights(folder, self.model)
@@ -98,12 +119,9 @@ class TextToImage(Objective):
         common.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
                            self.sampling.num_inference_steps)
 
-    def finish(self, checkpoint, batches, dist):
+    def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
-            from ldm.export import export_checkpoint
-
-            pipeline, used_ema = export_checkpoint(checkpoint, os.path.join(self.output_dir, "pipeline"))
-            logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
+            run_dir.export(checkpoint)
 
 
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
@@ -113,26 +131,39 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
 
 
 def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0) -> dict:
-    """Train `build_objective(dist)` on the streamed shards; returns {"step", "checkpoint"}."""
+    """Train `build_objective(dist)` on the streamed shards; returns {"step", "checkpoint", "exit_code"}.
+
+    Every input (folder policy, checkpoint, model, tokenizer, file list) is checked before the first
+    write, so a failed start leaves nothing behind.
+    """
     dist = Distributed.init()
     common.setup_logging(dist)
-    resume = prepare_output_dir(loop.output_dir, loop.resume_from_checkpoint, loop.overwrite_output_dir)
-    dist.barrier()  # every rank has checked the folder before any writes into it
-    writer = make_writer(os.path.join(loop.output_dir, "visualdl"), dist.is_main)
+    run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
+    resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
+    state = read_training_state(resume) if resume else None
     precision = common.resolve_precision(loop.mixed_precision)
 
     objective = build_objective(dist)
+    if resume:
+        objective.check_resume(resume)
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = common.lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
     optimizer = paddle.optimizer.AdamW(lr, parameters=trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
+    data_stream = common.build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
+                                       dist=dist, num_workers=loop.num_workers,
+                                       saved_streams=state["stream"] if state else None)
 
-    step, saved_streams = 0, None
+    run_dir.create(loop.overwrite_output_dir, resuming=resume is not None)  # the first write
+    objective.start(run_dir)
+    writer = make_writer(run_dir.path("visualdl"), dist.is_main)
+    step = 0
     if resume:
-        state = load_training_checkpoint(resume, load_model=objective.load, optimizer=optimizer)
-        step, saved_streams = state["step"], state["stream"]
+        objective.load(resume)
+        load_optimizer(resume, optimizer)
+        step = state["step"]
         lr.set_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
         if state["world_size"] == dist.world_size:
@@ -147,85 +178,86 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     else:
         paddle.seed(loop.seed + 1000 * dist.rank)  # the same weights everywhere, different noise per rank
 
-    data_stream = common.build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
-                                       dist=dist, num_workers=loop.num_workers, saved_streams=saved_streams)
-    batches = iter(data_stream)
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
 
     def save(step: int) -> str | None:
-        training_state = {
-            "step": step,
-            "world_size": dist.world_size,
-            "stream": dist.gather(data_stream.tracker.state_dict()),
-            "rng": dist.gather(paddle.get_rng_state()),
-            "numpy": dist.gather(np.random.get_state()),
-            "python": dist.gather(random.getstate()),
-            "lr_scheduler": lr.state_dict(),
-            "scaler": scaler.state_dict(),
-            # per-rank fingerprint of the trained weights: ranks that drifted apart show here
-            "weights_checksum": dist.gather(weights_checksum(trained)),
-        }
+        state = training_state(
+            step, dist, data_stream, trained,
+            rng=dist.gather(paddle.get_rng_state()), numpy=dist.gather(np.random.get_state()),
+            python=dist.gather(random.getstate()), lr_scheduler=lr.state_dict(), scaler=scaler.state_dict())
+
+        def write(folder: str, final_folder: str) -> None:
+            objective.save(folder, final_folder)
+            save_optimizer(folder, optimizer)
+            write_training_state(folder, state)
+
         path = None
         if dist.is_main:
-            path = save_training_checkpoint(loop.output_dir, step, save_model=objective.save, optimizer=optimizer,
-                                            training_state=training_state, limit=loop.checkpoints_total_limit)
+            path = run_dir.save(step, write)
             logger.info("saved %s", path)
         dist.barrier()
         return path
 
+    batches = iter(data_stream)
     model.train()
     # loss and gradient norm stay on the device until logged: no host sync per micro-step
     window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
     accumulation = loop.gradient_accumulation_steps
     progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
-    last_checkpoint = None
-    while step < loop.max_train_steps:
-        for _ in range(accumulation):
-            batch = next(batches)
-            with no_sync(), autocast(precision):
-                loss, extra = objective.loss(ddp, batch)
-            scaler.scale(loss / accumulation).backward()
-            window["loss"] += loss.detach() / accumulation
-            for name, value in extra.items():
-                window["extra"][name] = window["extra"].get(name, 0.0) + value.detach() / accumulation
-        sync_gradients(trained, dist.world_size)
-        scaler.unscale_(optimizer)
-        max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
-        window["grad_norm"] += common.clip_grad_norm(trained, max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.clear_grad()
-        lr.step()
-        if ema is not None:
-            ema.update()
-        step += 1
-        progress.update(1)
-        window["updates"] += 1
+    last_checkpoint, stopping = None, False
+    try:
+        with GracefulStop(dist) as stop:
+            while step < loop.max_train_steps and not stopping:
+                for _ in range(accumulation):
+                    batch = next(batches)
+                    with no_sync(), autocast(precision):
+                        loss, extra = objective.loss(ddp, batch)
+                    scaler.scale(loss / accumulation).backward()
+                    window["loss"] += loss.detach() / accumulation
+                    for name, value in extra.items():
+                        window["extra"][name] = window["extra"].get(name, 0.0) + value.detach() / accumulation
+                sync_gradients(trained, dist.world_size)
+                scaler.unscale_(optimizer)
+                max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
+                window["grad_norm"] += common.clip_grad_norm(trained, max_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.clear_grad()
+                lr.step()
+                if ema is not None:
+                    ema.update()
+                step += 1
+                progress.update(1)
+                window["updates"] += 1
+                stopping = stop.requested()
 
-        if step % loop.logging_steps == 0 or step == loop.max_train_steps:
-            samples_per_second, wait_fraction, counts = data_stream.window(dist)
-            metrics = {
-                "train/loss": dist.mean(float(window["loss"]) / window["updates"]),
-                "train/learning_rate": optimizer.get_lr(),
-                "train/grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
-                "train/samples_per_second": samples_per_second,
-                "train/data_wait_fraction": wait_fraction,
-            }
-            metrics.update({f"train/{name}": dist.mean(float(value) / window["updates"])
-                            for name, value in sorted(window["extra"].items())})
-            metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
-            writer.scalars(metrics, step)
-            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
-        if image_logging_steps and step % image_logging_steps == 0 and writer.active:
-            objective.log_images(writer, step, batch)
-        if step % loop.save_steps == 0 or step == loop.max_train_steps:
-            last_checkpoint = save(step)
-    progress.close()
-
-    objective.finish(last_checkpoint, batches, dist)
-    batches.close()  # loader workers and reader thread stop here, not during interpreter exit
+                if step % loop.logging_steps == 0 or step == loop.max_train_steps or stopping:
+                    samples_per_second, wait_fraction, counts = data_stream.window(dist)
+                    metrics = {
+                        "train/loss": dist.mean(float(window["loss"]) / window["updates"]),
+                        "train/learning_rate": optimizer.get_lr(),
+                        "train/grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
+                        "train/samples_per_second": samples_per_second,
+                        "train/data_wait_fraction": wait_fraction,
+                    }
+                    metrics.update({f"train/{name}": dist.mean(float(value) / window["updates"])
+                                    for name, value in sorted(window["extra"].items())})
+                    metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
+                    writer.scalars(metrics, step)
+                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
+                if image_logging_steps and step % image_logging_steps == 0 and writer.active:
+                    objective.log_images(writer, step, batch)
+                if step % loop.save_steps == 0 or step == loop.max_train_steps or stopping:
+                    last_checkpoint = save(step)
+            progress.close()
+            if stopping:
+                stop.announce(step, last_checkpoint)
+            else:
+                objective.finish(last_checkpoint, batches, dist, run_dir)
+    finally:
+        batches.close()  # loader workers and reader thread stop here, not during interpreter exit
+        writer.close()
     dist.barrier()
-    writer.close()
-    return {"step": step, "checkpoint": last_checkpoint}
+    return {"step": step, "checkpoint": last_checkpoint, "exit_code": stop.exit_code}

@@ -1,10 +1,13 @@
 """The PaddleNLP `Trainer` path (`train_txt2img_laion400m_trainer.py`).
 
 PaddleNLP runs the loop, mixed precision, sharding, gradient accumulation and its own checkpoint
-files (model, optimizer, scheduler, RNG). The subclass overrides only the loss, the dataloader
-over the streaming dataset, and checkpoint saving (to add the data position, EMA and the
-pipeline-layout parts `ldm.export` reads). Resuming restores the data position from the
-checkpoint (`ignore_data_skip` is forced on: no batch is replayed).
+files (optimizer, scheduler, RNG, trainer state). The subclass overrides the loss, the dataloader
+over the streaming dataset, and the model part of checkpoints: the trained weights are written
+once, in the pipeline layout `ldm.export` reads (not also as the whole wrapper's
+`model_state.pdparams`, which would repeat them and add the frozen autoencoder), with the data
+position and EMA; `ldm.run_folder` seals each checkpoint with its manifest and rotates.
+Resuming restores the data position from the checkpoint (`ignore_data_skip` is forced on: no
+batch is replayed).
 """
 
 from __future__ import annotations
@@ -15,9 +18,19 @@ import os
 import paddle
 from paddlenlp.trainer import Trainer, TrainerCallback
 
-from ldm.checkpoint import read_training_state, save_model, write_training_state
-from ldm.distributed import Distributed, weights_checksum
+from ldm.checkpoint import (
+    check_autoencoder,
+    load_ldm_weights,
+    read_training_state,
+    recorded_autoencoder,
+    save_model,
+    training_state,
+    write_training_state,
+)
+from ldm.distributed import Distributed
+from ldm.run_folder import RunFolder, remove
 from ldm.train import common
+from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
 
@@ -53,20 +66,21 @@ class LDMCallback(TrainerCallback):
         if steps and state.global_step % steps == 0:
             common.log_samples(t.writer, state.global_step, t.ldm, t.ldm_tokenizer, t.data.model_max_length,
                                t.sampling.num_inference_steps)
+        if t.stop is not None and t.stop.requested():  # SIGTERM/SIGINT: save this update, then stop
+            control.should_save = control.should_training_stop = True
 
 
 class LDMTrainer(Trainer):
-    def __init__(self, *, model, args, tokenizer, data, sampling, dist: Distributed, vae_folder: str, ema=None,
-                 writer=None, resume_checkpoint: str | None = None):
+    def __init__(self, *, model, args, tokenizer, data, sampling, dist: Distributed, run_dir: RunFolder,
+                 data_stream, vae_folder: str, vae_identity: dict, ema=None, writer=None,
+                 resume_checkpoint: str | None = None):
         super().__init__(model=model, args=args)
         self.ldm, self.ldm_tokenizer, self.data, self.sampling = model, tokenizer, data, sampling
-        self.dist, self.vae_folder, self.ema, self.writer = dist, vae_folder, ema, writer
+        self.dist, self.run_dir, self.data_stream = dist, run_dir, data_stream
+        self.vae_folder, self.vae_identity, self.ema, self.writer = vae_folder, vae_identity, ema, writer
         self.resume_checkpoint = resume_checkpoint
+        self.stop: GracefulStop | None = None
         self.grad_norms: list[paddle.Tensor] = []
-        saved = read_training_state(resume_checkpoint)["stream"] if resume_checkpoint else None
-        self.data_stream = common.build_batches(data, tokenizer, batch_size=args.per_device_train_batch_size,
-                                                seed=args.seed, dist=dist, num_workers=args.dataloader_num_workers,
-                                                saved_streams=saved)
         self.add_callback(LDMCallback(self))
 
     def get_train_dataloader(self):
@@ -86,28 +100,44 @@ class LDMTrainer(Trainer):
             logs.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
         super().log(logs, **kwargs)
 
-    def _save_checkpoint(self, model, metrics=None):
-        super()._save_checkpoint(model, metrics)
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        state = {
-            "step": self.state.global_step,
-            "world_size": self.dist.world_size,
-            "stream": self.dist.gather(self.data_stream.tracker.state_dict()),
-            "weights_checksum": self.dist.gather(weights_checksum(p for p in self.ldm.parameters()
-                                                                  if not p.stop_gradient)),
-        }
-        if self.dist.is_main and os.path.isdir(folder):
-            save_model(folder, unet=self.ldm.unet, text_encoder=self.ldm.text_encoder,
+    def _save(self, output_dir: str | None = None, state_dict=None, merge_tensor_parallel=False):
+        """The model part of a checkpoint: UNet, LDMBert (and EMA) once, no frozen autoencoder."""
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            paddle.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            save_model(output_dir, unet=self.ldm.unet, text_encoder=self.ldm.text_encoder,
                        tokenizer=self.ldm_tokenizer, noise_scheduler=self.ldm.noise_scheduler,
-                       vae_folder=self.vae_folder, ema_state=self.ema.state_dict() if self.ema else None)
+                       vae_folder=self.vae_folder, vae_identity=self.vae_identity,
+                       ema_state=self.ema.state_dict() if self.ema else None)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint=None):
+        if resume_from_checkpoint:
+            load_ldm_weights(resume_from_checkpoint, self.ldm)
+
+    def _rotate_checkpoints(self, *args, **kwargs):
+        """`RunFolder.complete` rotates, counting complete checkpoints only."""
+
+    def _save_checkpoint(self, model, metrics=None):
+        folder = self.run_dir.path(f"checkpoint-{self.state.global_step}")
+        if self.dist.is_main and os.path.exists(folder):  # an incomplete one of an earlier try
+            remove(folder)
+        self.dist.barrier()
+        super()._save_checkpoint(model, metrics)
+        state = training_state(self.state.global_step, self.dist, self.data_stream,
+                               [p for p in self.ldm.parameters() if not p.stop_gradient])
+        if self.dist.is_main:
             write_training_state(folder, state)
+            self.run_dir.complete(folder)
+            logger.info("saved %s", folder)
         self.dist.barrier()
 
 
 def train(training_args, model_args, data, sampling) -> dict:
+    """The LDM through PaddleNLP's Trainer; ends with `<output_dir>/pipeline`. Inputs are checked before
+    anything is written (see `ldm.train.loop.run`)."""
     import paddle.distributed as pdist
 
-    from ldm.checkpoint import checkpoint_dirs, prepare_output_dir
+    from ldm.models.autoencoder import autoencoder_identity
     from ldm.models.ema import EMA
     from ldm.tracking import make_writer
 
@@ -116,8 +146,8 @@ def train(training_args, model_args, data, sampling) -> dict:
     resume = training_args.resume_from_checkpoint
     if resume in ("True", "true", True):
         resume = "latest"
-    checkpoint = prepare_output_dir(training_args.output_dir, resume, training_args.overwrite_output_dir)
-    dist.barrier()
+    run_dir = RunFolder(training_args.output_dir, dist, training_args.save_total_limit)
+    checkpoint = run_dir.check(resume, training_args.overwrite_output_dir)
     requested = "fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no"
     if common.resolve_precision(requested) == "no":
         training_args.fp16 = training_args.bf16 = False
@@ -127,26 +157,42 @@ def train(training_args, model_args, data, sampling) -> dict:
     tokenizer = common.build_tokenizer(data)
     model, components = common.build_model(model_args, data, tokenizer, recompute=training_args.recompute,
                                            seed=training_args.seed)
+    vae_identity = autoencoder_identity(components.vae)
+    if checkpoint:
+        check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), vae_identity,
+                          f"this run's autoencoder ({components.vae_source})")
+    data_stream = common.build_batches(data, tokenizer, batch_size=training_args.per_device_train_batch_size,
+                                       seed=training_args.seed, dist=dist,
+                                       num_workers=training_args.dataloader_num_workers,
+                                       saved_streams=read_training_state(checkpoint)["stream"] if checkpoint else None)
+
+    run_dir.create(training_args.overwrite_output_dir, resuming=checkpoint is not None)  # the first write
+    vae_folder, _ = run_dir.write_vae(components.vae)
     ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
-    vae_folder = common.save_vae(training_args.output_dir, components.vae, dist)
     # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
-    writer = make_writer(os.path.join(training_args.output_dir, "visualdl_samples"),
-                         dist.is_main and sampling.image_logging_steps > 0)
+    writer = make_writer(run_dir.path("visualdl_samples"), dist.is_main and sampling.image_logging_steps > 0)
     trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
-                         dist=dist, vae_folder=vae_folder, ema=ema, writer=writer, resume_checkpoint=checkpoint)
+                         dist=dist, run_dir=run_dir, data_stream=data_stream, vae_folder=vae_folder,
+                         vae_identity=vae_identity, ema=ema, writer=writer, resume_checkpoint=checkpoint)
     if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
         from paddlenlp.utils.log import logger as paddlenlp_logger
 
         paddlenlp_logger.set_level("INFO")
-    trainer.train(resume_from_checkpoint=checkpoint)
-    if trainer.state.global_step % training_args.save_steps != 0:
-        trainer._save_checkpoint(trainer.model_wrapped, metrics=None)
-    last = checkpoint_dirs(training_args.output_dir)[-1] if dist.is_main else None
-    if dist.is_main:
-        from ldm.export import export_checkpoint
-
-        pipeline, used_ema = export_checkpoint(last, os.path.join(training_args.output_dir, "pipeline"))
-        logger.info("exported %s (%s weights) to %s", last, "EMA" if used_ema else "raw", pipeline)
+    try:
+        with GracefulStop(dist) as stop:
+            trainer.stop = stop
+            trainer.train(resume_from_checkpoint=checkpoint)
+        step = trainer.state.global_step
+        last = run_dir.path(f"checkpoint-{step}")
+        if stop.signum:
+            stop.announce(step, last)
+        else:
+            if step % training_args.save_steps != 0:
+                trainer._save_checkpoint(trainer.model_wrapped, metrics=None)
+            if dist.is_main:
+                run_dir.export(last)
+    finally:
+        data_stream.close()
+        writer.close()
     dist.barrier()
-    writer.close()
-    return {"step": trainer.state.global_step, "checkpoint": last}
+    return {"step": step, "checkpoint": last, "exit_code": stop.exit_code}

@@ -1,0 +1,277 @@
+"""A training run's output folder, shared by every entry point: what may be written where, and when.
+
+    <output_dir>/
+      run.json              marks a folder this project made (only such a folder is ever emptied)
+      vqvae/                the frozen autoencoder of an LDM run, written once; checkpoints refer to it
+      visualdl*/            logs
+      checkpoint-<step>/    one resumable state; its manifest.json is written last
+      pipeline/ or vqvae/   the export at the end
+
+Rules:
+- Nothing is written before every input has been checked (`check` reads only): a failed start
+  leaves nothing that blocks the corrected retry.
+- A non-empty folder is refused unless the run resumes (`--resume_from_checkpoint`) or starts over
+  (`--overwrite_output_dir`, which empties it: nothing of the earlier run survives or is reused).
+- A checkpoint is complete when its `manifest.json` (every file's size and sha256) is there and
+  matches. `latest` resumes from the newest complete checkpoint and names any it skips; a damaged
+  checkpoint named explicitly is an error. The loop's checkpoints are written into a temporary
+  sibling and renamed; the Trainer's are written in place by PaddleNLP, and the manifest is what
+  makes them count.
+- Rotation keeps the `limit` newest complete checkpoints and never the newest one's only copy;
+  a folder it cannot delete is reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+logger = logging.getLogger("ldm.train")
+
+RUN_MARKER = "run.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+MANIFEST = "manifest.json"
+TEMP_PREFIX = ".tmp-"
+VAE_FOLDER = "vqvae"
+
+
+class CheckpointError(RuntimeError):
+    """The output folder or a checkpoint cannot be used as asked."""
+
+
+# -- files -----------------------------------------------------------------------------------------
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: str) -> dict:
+    """Record every file of `folder` (size, sha256), flushed to disk, then write the manifest last."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel == MANIFEST:
+                continue
+            _fsync(path)
+            files[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    manifest = {"files": dict(sorted(files.items())), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    temp = os.path.join(folder, MANIFEST + ".partial")
+    with open(temp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, os.path.join(folder, MANIFEST))
+    _fsync(folder)
+    return manifest
+
+
+def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
+    """Why `folder` is not a complete checkpoint (None when it is)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return "incomplete: no manifest.json (its writing was interrupted)"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable manifest.json ({e})"
+    for rel, expected in files.items():
+        file = os.path.join(folder, rel)
+        if not os.path.isfile(file):
+            return f"{rel} is missing"
+        size = os.path.getsize(file)
+        if size != expected["size"]:
+            return f"{rel} has {size} bytes, the manifest says {expected['size']}"
+        if checksums and sha256_file(file) != expected["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+@contextmanager
+def atomic_folder(final: str):
+    """Yields a temporary sibling folder to fill; on success it replaces `final`, on error it is removed."""
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=TEMP_PREFIX + os.path.basename(final) + "-", dir=parent)
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(path, final)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def checkpoint_dirs(output_dir: str) -> list[str]:
+    """checkpoint-<step> folders of `output_dir`, complete or not, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        step, path = name[len(CHECKPOINT_PREFIX):], os.path.join(output_dir, name)
+        if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and os.path.isdir(path):
+            found.append((int(step), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint; every newer one that is not complete is named in a warning."""
+    for path in reversed(checkpoint_dirs(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning("skipping %s: %s", path, problem)
+    return None
+
+
+def resolve_resume(output_dir: str, resume: str | None) -> str | None:
+    """The checkpoint `--resume_from_checkpoint` names ('latest' or a folder), verified."""
+    if not resume:
+        return None
+    if resume == "latest":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
+        return found
+    if not os.path.isdir(resume):
+        raise CheckpointError(f"--resume_from_checkpoint {resume}: no such folder")
+    problem = checkpoint_problem(resume)
+    if problem is not None:
+        raise CheckpointError(f"--resume_from_checkpoint {resume}: not a usable checkpoint: {problem}")
+    return resume
+
+
+class RunFolder:
+    """The output folder of one run, on every rank; only rank 0 writes."""
+
+    def __init__(self, output_dir: str, dist, save_total_limit: int | None = None):
+        self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.output_dir, *parts)
+
+    # -- before anything is written ------------------------------------------------------------
+    def check(self, resume: str | None, overwrite: bool) -> str | None:
+        """Apply the folder policy without writing; returns the checkpoint to resume from, if any."""
+        checkpoint = resolve_resume(self.output_dir, resume)
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise CheckpointError(f"output_dir {self.output_dir} is a file")
+        entries = os.listdir(self.output_dir) if os.path.isdir(self.output_dir) else []
+        if checkpoint is not None or not entries:
+            return checkpoint
+        if not overwrite:
+            raise CheckpointError(
+                f"output_dir {self.output_dir} is not empty (an earlier run?): pass --resume_from_checkpoint latest "
+                "(or a checkpoint folder) to continue it, or --overwrite_output_dir to start afresh")
+        if RUN_MARKER not in entries:
+            raise CheckpointError(
+                f"--overwrite_output_dir: {self.output_dir} holds files this project did not write (no {RUN_MARKER}); "
+                "it is not emptied: choose another --output_dir or empty it yourself")
+        return None
+
+    # -- start ---------------------------------------------------------------------------------
+    def create(self, overwrite: bool, resuming: bool) -> None:
+        """Make the folder (emptied first when starting over); call after `check` and the inputs."""
+        if self.dist.is_main:
+            if overwrite and not resuming and os.path.isdir(self.output_dir):
+                for name in os.listdir(self.output_dir):
+                    remove(self.path(name))
+                logger.info("--overwrite_output_dir: emptied %s", self.output_dir)
+            os.makedirs(self.output_dir, exist_ok=True)
+            for name in os.listdir(self.output_dir):
+                if name.startswith(TEMP_PREFIX):  # what a killed save left behind
+                    remove(self.path(name))
+            if not os.path.isfile(self.path(RUN_MARKER)):
+                with open(self.path(RUN_MARKER), "w") as f:
+                    json.dump({"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+        self.dist.barrier()
+
+    def write_vae(self, vae) -> tuple[str, dict]:
+        """The frozen autoencoder, written once per run: (its folder, its identity).
+
+        A resumed run finds it there and checks that it is the same autoencoder.
+        """
+        from ldm.models.autoencoder import autoencoder_identity
+
+        folder, identity = self.path(VAE_FOLDER), autoencoder_identity(vae)
+        if self.dist.is_main:
+            written = os.path.isfile(os.path.join(folder, "config.json"))
+            if written:
+                from ppdiffusers import AutoencoderKL
+
+                if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
+                    raise CheckpointError(
+                        f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
+                        "autoencoder the run started with")
+            else:
+                with atomic_folder(folder) as temp:
+                    vae.save_pretrained(temp)
+        self.dist.barrier()
+        return folder, identity
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, step: int, write: Callable[[str, str], None]) -> str:
+        """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder, then the manifest, the
+        rename and the rotation. Rank 0 only."""
+        final = self.path(f"{CHECKPOINT_PREFIX}{step}")
+        with atomic_folder(final) as folder:
+            write(folder, final)
+            write_manifest(folder)
+        _fsync(self.output_dir)
+        self.rotate()
+        return final
+
+    def complete(self, folder: str) -> None:
+        """Seal a checkpoint written in place (the Trainer's): manifest last, then rotation. Rank 0 only."""
+        write_manifest(folder)
+        self.rotate()
+
+    def rotate(self) -> None:
+        """Delete all but the `limit` newest complete checkpoints (incomplete ones older than those go too)."""
+        if not self.limit:
+            return
+        folders = checkpoint_dirs(self.output_dir)
+        complete = [f for f in folders if checkpoint_problem(f, checksums=False) is None]
+        if len(complete) <= self.limit:
+            return
+        oldest_kept = complete[-self.limit]
+        for folder in folders[:folders.index(oldest_kept)]:
+            remove(folder)
+
+    def export(self, checkpoint: str) -> str:
+        """The inference pipeline of a checkpoint, as `<output_dir>/pipeline`. Rank 0 only."""
+        from ldm.export import export_checkpoint
+
+        pipeline, used_ema = export_checkpoint(checkpoint, self.path("pipeline"))
+        logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
+        return pipeline
+
+
+def remove(path: str) -> None:
+    """Delete a file or folder; a failure is reported, not ignored."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+    except OSError as e:
+        logger.warning("could not delete %s: %s", path, e)

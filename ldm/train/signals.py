@@ -1,0 +1,83 @@
+"""Stopping on SIGTERM or SIGINT without losing work: finish the update, save it, exit.
+
+Cluster schedulers (SLURM, Kubernetes, spot instances) send SIGTERM some time before they kill.
+The first SIGTERM or SIGINT only sets a flag; every rank asks `requested()` once per optimizer
+update, all ranks agree (an all-reduce of the flag), save a checkpoint of that update and exit with
+128 + the signal number (143 for SIGTERM), the shell's convention for "ended by a signal".
+
+A second signal ends the process at once, without a checkpoint. Repeats within `REPEAT_SECONDS`
+of the first count as the same request: `paddle.distributed.launch` passes a signal on to its
+ranks' process groups and repeats SIGTERM up to three times, 0.2 s apart; Ctrl-C reaches the
+launcher and the ranks together. The launcher kills ranks 30 s after its own SIGTERM, so a
+checkpoint that takes longer than that is lost there; signal the training processes directly
+(for example `scancel --signal=TERM --full`) to give them the scheduler's whole grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+logger = logging.getLogger("ldm.train")
+
+REPEAT_SECONDS = 2.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """A context that turns SIGTERM/SIGINT into a stop request the loop acts on between updates."""
+
+    def __init__(self, dist):
+        self.dist = dist
+        self.signum: int | None = None
+        self._first = 0.0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers there only
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        # only flags here: logging or printing from a handler can re-enter a write the main thread is in
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first = signum, now
+        elif now - self._first > REPEAT_SECONDS:
+            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())
+            os._exit(128 + signum)
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled; every rank calls this after the same update."""
+        flag = self.signum is not None
+        if self.dist.world_size > 1:
+            import paddle
+            import paddle.distributed as pdist
+
+            votes = paddle.to_tensor([int(flag)], dtype="int32")
+            pdist.all_reduce(votes, op=pdist.ReduceOp.MAX)
+            flag = bool(votes.item())
+        if flag and self.signum is None:
+            self.signum = signal.SIGTERM  # another rank was signalled: stop the same way
+        return flag
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+    def announce(self, step: int, checkpoint: str | None) -> None:
+        logger.warning("%s: stopped after update %d and saved %s; continue with --resume_from_checkpoint latest",
+                       self.name, step, checkpoint)
