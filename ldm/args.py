@@ -36,7 +36,8 @@ class ModelArguments:
         "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny), folder of configs, pipeline folder or hub name",
         aliases=["--pretrained_model_name_or_path"])
     vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder folder (default: the model's vqvae/)")
-    prediction_type: str = arg("epsilon", "epsilon or v_prediction")
+    prediction_type: Optional[str] = arg(None, "epsilon or v_prediction (default: the model source's scheduler, "
+                                               "else epsilon)")
     noise_offset: float = arg(0.0, "noise offset (0: off)")
     snr_gamma: Optional[float] = arg(None, "min-SNR loss weighting gamma (e.g. 5.0; default off)")
     freeze_text_encoder: bool = arg(False, "train the UNet only")
@@ -44,7 +45,7 @@ class ModelArguments:
     ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
 
     def __post_init__(self):
-        _check(self.prediction_type in ("epsilon", "v_prediction"),
+        _check(self.prediction_type in (None, "epsilon", "v_prediction"),
                f"--prediction_type must be epsilon or v_prediction, not {self.prediction_type!r}")
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -267,3 +268,22 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     err = capsys.readouterr().err
     assert "trained with another autoencoder" in err and "weights differ" in err
     assert not os.path.exists(tmp_path / "swapped")
+
+
+def test_continuing_from_a_pipeline_keeps_its_noise_schedule_unless_a_flag_says_otherwise(tokenizer, tmp_path):
+    """An exported pipeline stores a DDIM config: its betas and prediction type must carry over to training."""
+    source = tmp_path / "pipeline"
+    shutil.copytree(PRESETS_DIR / "ldm-tiny", source)
+    (source / "scheduler").mkdir(exist_ok=True)
+    (source / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+        "_class_name": "DDIMScheduler", "beta_start": 0.001, "beta_end": 0.02, "beta_schedule": "scaled_linear",
+        "num_train_timesteps": 1000, "prediction_type": "v_prediction", "steps_offset": 1, "clip_sample": False}))
+    kept = build_components(str(source), vocab_size=tokenizer.vocab_size, model_max_length=MAX_LENGTH)
+    assert type(kept.noise_scheduler).__name__ == "DDPMScheduler"
+    assert kept.noise_scheduler.config.prediction_type == "v_prediction"
+    assert kept.noise_scheduler.config.beta_end == 0.02
+    flagged = build_components(str(source), vocab_size=tokenizer.vocab_size, model_max_length=MAX_LENGTH,
+                               prediction_type="epsilon")
+    assert flagged.noise_scheduler.config.prediction_type == "epsilon"
+    assert build_components("ldm-tiny", vocab_size=tokenizer.vocab_size).noise_scheduler.config.prediction_type == \
+        "epsilon"

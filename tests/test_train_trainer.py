@@ -1,13 +1,17 @@
 """The PaddleNLP Trainer path, run as users run it: real entry point, tiny preset, generated shards."""
 
+import json
 import os
+import re
+import signal
 
 import numpy as np
 import pytest
 from corpus import write_corpus
-from entry import launch_report, run_entry, weights
+from entry import launch_report, run_entry, run_until, weights
 
 from ldm.checkpoint import read_training_state
+from ldm.run_folder import checkpoint_problem
 
 
 @pytest.fixture(scope="module")
@@ -18,20 +22,33 @@ def corpus(tmp_path_factory, vocab_dir):
             "--model_max_length", "16", "--resolution", "32", "--per_device_train_batch_size", "4"]
 
 
+SCRIPT = "train_txt2img_laion400m_trainer.py"
+
+
 def run(args, launch=False, cwd=None):
-    return run_entry("train_txt2img_laion400m_trainer.py", args, launch, cwd)
+    return run_entry(SCRIPT, args, launch, cwd)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers):
-    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "2", "--save_steps", "4",
+@pytest.mark.parametrize("workers, stop", [(0, "max_steps"), (2, "SIGTERM")])
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers, stop):
+    common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "1", "--save_steps", "4",
                        "--dataloader_num_workers", str(workers), "--use_ema", "--lr_scheduler_type",
                        "constant_with_warmup", "--warmup_steps", "2", "--learning_rate", "1e-3", "--seed", "5"]
-    for args in (["--max_steps", "8", "--output_dir", str(tmp_path / "a")],
-                 ["--max_steps", "4", "--output_dir", str(tmp_path / "b")],
-                 ["--max_steps", "8", "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint", "latest"]):
-        result = run(common + args)
+    result = run(common + ["--max_steps", "8", "--output_dir", str(tmp_path / "a")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    if stop == "SIGTERM":  # to the process group, workers included, as a scheduler or Ctrl-C would
+        code, log = run_until(SCRIPT, common + ["--max_steps", "8", "--output_dir", str(tmp_path / "b")],
+                              "global_step: 2,", signal.SIGTERM)
+        assert code == 128 + signal.SIGTERM, log[-3000:]
+        stopped = re.search(r"SIGTERM: stopped after update (\d+) and saved (\S+checkpoint-\d+)", log)
+        assert stopped and 2 <= int(stopped.group(1)) < 8, log[-3000:]
+        assert checkpoint_problem(stopped.group(2)) is None
+    else:
+        result = run(common + ["--max_steps", "4", "--output_dir", str(tmp_path / "b")])
         assert result.returncode == 0, result.stderr[-3000:]
+    result = run(common + ["--max_steps", "8", "--output_dir", str(tmp_path / "b"), "--resume_from_checkpoint",
+                           "latest"])
+    assert result.returncode == 0, result.stderr[-3000:]
     expected, expected_updates = weights(tmp_path / "a" / "checkpoint-8")
     got, got_updates = weights(tmp_path / "b" / "checkpoint-8")
     assert got_updates == expected_updates == 8
@@ -39,6 +56,12 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_p
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # the data position came from the checkpoint: 8 updates x 2 micro-steps, no batch replayed
     assert read_training_state(tmp_path / "b" / "checkpoint-8")["stream"][0]["batches"] == 16
+    # each trained weight once, no frozen autoencoder: not PaddleNLP's whole-wrapper model_state.pdparams
+    with open(tmp_path / "b" / "checkpoint-8" / "manifest.json") as f:
+        files = json.load(f)["files"]
+    assert not [name for name in files if name.endswith((".pdparams", ".safetensors"))
+                and not name.startswith(("unet/", "bert/", "ema.", "scheduler."))]
+    assert "optimizer.pdopt" in files and "trainer_state.json" in files
 
 
 def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):

@@ -64,3 +64,22 @@ def read_file_list(path: str) -> list[Shard]:
     if not shards:
         raise FileListError(f"no shards listed in {path}")
     return shards
+
+
+def check_shards(shards: list[Shard], file_list: str) -> None:
+    """Before a run writes anything: no local shard there at all is an error, some missing a warning.
+
+    Missing shards are otherwise counted as unreadable while training. Remote paths (`scheme://`)
+    are not checked: a listing request per shard costs minutes for a LAION-sized corpus.
+    """
+    import logging
+
+    local = [s.path for s in shards if "://" not in s.path]
+    missing = [path for path in local if not os.path.exists(path)]
+    if local and len(missing) == len(local):
+        raise FileListError(f"none of the {len(local)} shard(s) named by {file_list} exists (the first: "
+                            f"{missing[0]}); relative paths resolve against the current folder, else the filelist's")
+    if missing:
+        logging.getLogger("ldm.data").warning(
+            "%d of the %d shards named by %s do not exist (the first: %s); they are counted as unreadable",
+            len(missing), len(local), file_list, missing[0])

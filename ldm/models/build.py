@@ -133,12 +133,16 @@ def vae_folder(name_or_path: str) -> str:
     raise ModelSourceError(f"no autoencoder config in {name_or_path} (looked in ., vqvae/, vae/)")
 
 
-def noise_scheduler_config(source: str) -> dict:
+def noise_scheduler_config(source: str, prediction_type: str | None = None) -> dict:
+    """The training noise schedule: the source's own settings (a pipeline continued keeps its betas and
+    prediction type), the reference's where it has none; `prediction_type` overrides when given."""
     folder = os.path.join(source, "scheduler")
-    config = dict(DDPM_DEFAULTS)
+    config = {**DDPM_DEFAULTS, "prediction_type": "epsilon"}
     if os.path.isfile(os.path.join(folder, "scheduler_config.json")):
         saved = read_config(folder, "scheduler_config.json")
-        config.update({k: saved[k] for k in DDPM_DEFAULTS if k in saved})
+        config.update({k: v for k, v in saved.items() if not k.startswith("_")})
+    if prediction_type is not None:
+        config["prediction_type"] = prediction_type
     return config
 
 
@@ -149,7 +153,7 @@ def build_components(
     vocab_size: int | None = None,
     model_max_length: int | None = None,
     pad_token_id: int = 0,
-    prediction_type: str = "epsilon",
+    prediction_type: str | None = None,
     seed: int | None = None,
 ) -> Components:
     """Build or load the UNet, LDMBert, frozen VAE and DDPM noise scheduler of a model source."""
@@ -177,6 +181,6 @@ def build_components(
             "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random "
             "projections and the\n!! diffusion model will learn nothing useful. This is only acceptable in tests. Pass "
             "--vae_name_or_path\n!! with a pretrained KL autoencoder folder.\n" + "!" * 100, vae_source)
-    scheduler = DDPMScheduler(**noise_scheduler_config(source), prediction_type=prediction_type)
+    scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})

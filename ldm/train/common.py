@@ -148,13 +148,15 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read.
     """
     from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
-    from ldm.data.filelist import read_file_list
+    from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.record import ImageTransform
     from ldm.data.tokenize import CaptionTokenizer
 
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
+    shards = read_file_list(data.file_list)
+    check_shards(shards, data.file_list)
     stream = CaptionImageStream(
-        read_file_list(data.file_list),
+        shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
                                  min_image_size=data.min_image_size),

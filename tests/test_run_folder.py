@@ -1,0 +1,108 @@
+"""The run folder: which checkpoint resumes, what rotation deletes, what starting over removes."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+
+from ldm.distributed import Distributed
+from ldm.run_folder import (
+    RUN_MARKER,
+    CheckpointError,
+    RunFolder,
+    checkpoint_problem,
+    latest_checkpoint,
+    resolve_resume,
+    write_manifest,
+)
+
+
+def make_checkpoint(output_dir, step, complete=True, payload=b"weights" * 100):
+    folder = output_dir / f"checkpoint-{step}"
+    (folder / "unet").mkdir(parents=True)
+    (folder / "unet" / "model.safetensors").write_bytes(payload + bytes([step]))
+    (folder / "optimizer.pdopt").write_bytes(payload * 2)
+    if complete:
+        write_manifest(str(folder))
+    return folder
+
+
+def test_latest_skips_incomplete_and_damaged_checkpoints_and_names_them(tmp_path, caplog):
+    make_checkpoint(tmp_path, 1)
+    good = make_checkpoint(tmp_path, 2)
+    truncated = make_checkpoint(tmp_path, 3)
+    with open(truncated / "optimizer.pdopt", "r+b") as f:
+        f.truncate(10)
+    flipped = make_checkpoint(tmp_path, 4)
+    data = bytearray((flipped / "unet" / "model.safetensors").read_bytes())
+    data[5] ^= 0x01  # same size: only the checksum can tell
+    (flipped / "unet" / "model.safetensors").write_bytes(bytes(data))
+    unfinished = make_checkpoint(tmp_path, 5, complete=False)
+
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        assert latest_checkpoint(str(tmp_path)) == str(good)
+    skipped = "\n".join(caplog.messages)
+    for folder, why in ((unfinished, "no manifest.json"), (flipped, "does not match its checksum"),
+                        (truncated, "optimizer.pdopt has 10 bytes")):
+        assert f"skipping {folder}: " in skipped and why in skipped
+    assert resolve_resume(str(tmp_path), "latest") == str(good)
+    with pytest.raises(CheckpointError, match="checkpoint-4: not a usable checkpoint: .*checksum"):
+        resolve_resume(str(tmp_path), str(flipped))
+
+
+def test_latest_with_no_complete_checkpoint_is_an_error(tmp_path):
+    make_checkpoint(tmp_path, 7, complete=False)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_resume(str(tmp_path), "latest")
+
+
+def test_rotation_keeps_the_newest_complete_ones_and_reports_failed_deletes(tmp_path, monkeypatch, caplog):
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 4, complete=False)  # a newer, interrupted one does not count
+    RunFolder(str(tmp_path), Distributed(), save_total_limit=1).rotate()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4"]
+    assert checkpoint_problem(str(tmp_path / "checkpoint-3")) is None
+
+    make_checkpoint(tmp_path, 5)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        RunFolder(str(tmp_path), Distributed(), save_total_limit=1).rotate()
+    assert any("could not delete" in m and "checkpoint-3" in m for m in caplog.messages)
+
+
+def test_starting_over_empties_only_a_folder_this_project_made(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    folder = RunFolder(str(out), Distributed())
+    with pytest.raises(CheckpointError, match="is not empty"):
+        folder.check(None, overwrite=False)
+    with pytest.raises(CheckpointError, match="did not write"):
+        folder.check(None, overwrite=True)
+    assert (out / "notes.txt").exists()
+
+    (out / RUN_MARKER).write_text(json.dumps({}))
+    make_checkpoint(out, 3)
+    (out / "visualdl").mkdir()
+    (out / "visualdl" / "vdlrecords.1.log").write_text("old curves")
+    assert folder.check(None, overwrite=True) is None
+    folder.create(overwrite=True, resuming=False)
+    assert os.listdir(out) == [RUN_MARKER]
+
+
+def test_create_removes_what_a_killed_save_left(tmp_path):
+    out = tmp_path / "run"
+    (out / ".tmp-checkpoint-9-abc").mkdir(parents=True)
+    (out / RUN_MARKER).write_text("{}")
+    good = make_checkpoint(out, 8)
+    folder = RunFolder(str(out), Distributed())
+    assert folder.check("latest", overwrite=False) == str(good)
+    folder.create(overwrite=False, resuming=True)
+    assert sorted(os.listdir(out)) == ["checkpoint-8", RUN_MARKER]
