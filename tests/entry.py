@@ -19,6 +19,10 @@ def run_entry(script: str, args, launch: bool = False, cwd=None):
                           env=env)
 
 
+def subprocess_result(code: int, output: str) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess([], code, output, "")
+
+
 def launch_report(result, cwd, tail: int = 2500) -> str:
     """The end of the launcher's output and of each rank's log: what a failed two-process run prints."""
     folder = cwd / "launch_logs"
@@ -40,10 +44,10 @@ def weights(checkpoint):
 
 
 def run_until(script: str, args, pattern: str, signum: int, launch: bool = False, cwd=None, delay: float = 0.0,
-              timeout: float = 240):
+              timeout: float = 240, act=None):
     """Start an entry point in its own process group, and signal the whole group (as Ctrl-C, a scheduler or
-    the launcher would) `delay` seconds after `pattern` first appears in its output. Returns
-    (exit code, output)."""
+    the launcher would) `delay` seconds after `pattern` first appears in its output; `act(process)` replaces
+    that signal when given. Returns (exit code, output)."""
     import signal
     import threading
     import time
@@ -67,7 +71,10 @@ def run_until(script: str, args, pattern: str, signum: int, launch: bool = False
     try:
         if seen.wait(timeout) and proc.poll() is None:
             time.sleep(delay)
-            os.killpg(proc.pid, signum)
+            if act is not None:
+                act(proc)
+            else:
+                os.killpg(proc.pid, signum)
         code = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -75,3 +82,22 @@ def run_until(script: str, args, pattern: str, signum: int, launch: bool = False
             proc.wait()
         reader.join(timeout=10)
     return code, "".join(lines)
+
+
+def launched_rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of one rank that `paddle.distributed.launch` runs (its child with that PADDLE_TRAINER_ID)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                parent = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        if f"PADDLE_TRAINER_ID={rank}".encode() in environ:
+            return int(name)
+    raise LookupError(f"rank {rank} of launcher {launcher_pid} not found")

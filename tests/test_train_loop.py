@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import launch_report, run_entry, run_until, weights
+from entry import launch_report, run_entry, run_until, subprocess_result, weights
 
 from ldm.checkpoint import read_training_state
 from ldm.run_folder import checkpoint_problem, latest_checkpoint
@@ -121,6 +121,7 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     result = run(corpus + ["--max_train_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
@@ -171,3 +172,77 @@ def test_clip_grad_norm_matches_paddles(max_norm):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
     total = np.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
     assert total == pytest.approx(min(norm, max_norm), rel=1e-4)  # clipped to max_norm, or untouched
+
+
+def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus, tmp_path):
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.build import PRESETS_DIR
+
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--num_workers", "0",
+                     "--output_dir", str(out)]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = AutoencoderKL.from_config(AutoencoderKL.load_config(str(PRESETS_DIR / "ldm-tiny" / "vqvae")))
+    other.save_pretrained(str(tmp_path / "other_vae"))
+    again = run(args + ["--overwrite_output_dir", "--vae_name_or_path", str(tmp_path / "other_vae")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    # nothing of the first run survives or is reused: one VisualDL record, the new autoencoder everywhere
+    assert len(os.listdir(out / "visualdl")) == 1
+    wanted = autoencoder_identity(other)
+    for folder in (out / "vqvae", out / "pipeline" / "vqvae"):
+        assert autoencoder_identity(AutoencoderKL.from_pretrained(str(folder))) == wanted, folder
+
+    refused = run(args + ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # the preset's autoencoder
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "was trained with another autoencoder" in refused.stderr
+    with open(out / "checkpoint-2" / "optimizer.pdopt", "r+b") as f:
+        f.truncate(100)
+    named = run(args + ["--max_train_steps", "3", "--vae_name_or_path", str(tmp_path / "other_vae"),
+                        "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    assert named.returncode == 2 and "Traceback" not in named.stderr
+    assert "not a usable checkpoint: optimizer.pdopt has 100 bytes" in named.stderr
+
+
+def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_path):
+    """Kubernetes signals the container's first process, here the launcher, which passes SIGTERM on (three
+    times, 0.2 s apart): both ranks must finish the same update, save it once and exit."""
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "40", "--save_steps", "100", "--logging_steps", "1", "--num_workers", "1",
+                     "--output_dir", str(out)]
+    code, log = run_until(SCRIPT, args, "step 2 ", signal.SIGTERM, launch=True, cwd=tmp_path,
+                          act=lambda proc: proc.send_signal(signal.SIGTERM))
+    assert code != 0, log[-3000:]
+    rank0 = (tmp_path / "launch_logs" / "workerlog.0").read_text()
+    stopped = re.search(r"SIGTERM: stopped after update (\d+) and saved (\S+checkpoint-\d+)", rank0)
+    assert stopped, launch_report(subprocess_result(code, log), tmp_path)
+    checkpoint = stopped.group(2)
+    assert checkpoint_problem(checkpoint) is None
+    state = read_training_state(checkpoint)
+    assert state["step"] == int(stopped.group(1)) and len(set(state["weights_checksum"])) == 1
+    resumed = run(args[:-2] + ["--output_dir", str(out), "--max_train_steps", str(state["step"] + 2),
+                               "--resume_from_checkpoint", "latest"], launch=True, cwd=tmp_path)
+    assert resumed.returncode == 0, launch_report(resumed, tmp_path)
+    assert len(set(read_training_state(out / f"checkpoint-{state['step'] + 2}")["weights_checksum"])) == 1
+
+
+def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpus, tmp_path):
+    import time
+
+    from entry import launched_rank_pid
+
+    killed = {}
+
+    def kill_rank_1(proc):
+        os.kill(launched_rank_pid(proc.pid, 1), signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    args = corpus + ["--max_train_steps", "100000", "--save_steps", "100000", "--logging_steps", "1",
+                     "--num_workers", "1", "--output_dir", str(tmp_path / "run")]
+    code, log = run_until(SCRIPT, args, "step 2 ", signal.SIGKILL, launch=True, cwd=tmp_path, act=kill_rank_1,
+                          timeout=120)
+    waited = time.monotonic() - killed["at"]
+    assert code != 0 and "Container rank 1 status failed" in log, log[-3000:]
+    assert waited < 30, f"the launcher took {waited:.0f} s to end the run"
