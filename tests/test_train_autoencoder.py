@@ -78,3 +78,4 @@ def test_a_bad_flag_is_one_line_and_exit_2(setup, tmp_path):
     assert result.returncode == 2 and "--kl_weight must be >= 0" in result.stderr
     result = run(common + ["--model_name_or_path", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "y")])
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: model not found")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -244,5 +244,6 @@ def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpu
     code, log = run_until(SCRIPT, args, "step 2 ", signal.SIGKILL, launch=True, cwd=tmp_path, act=kill_rank_1,
                           timeout=120)
     waited = time.monotonic() - killed["at"]
+    print(f"the launched run ended {waited:.1f} s after rank 1 was killed")
     assert code != 0 and "Container rank 1 status failed" in log, log[-3000:]
     assert waited < 30, f"the launcher took {waited:.0f} s to end the run"

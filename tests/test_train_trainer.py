@@ -100,6 +100,7 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     result = run(corpus + ["--max_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):

@@ -81,6 +81,17 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     return model, components
 
 
+def warn_if_loader_threads_run() -> None:
+    """Workers forked while another loader's reader thread runs can inherit a lock that thread holds (a
+    log handler's, stderr's) and hang on their first log line: seen in this project's test suite."""
+    import threading
+
+    others = [t.name for t in threading.enumerate() if "_thread_loop" in t.name]
+    if others:
+        logger.warning("starting data loader workers while %d other loader thread(s) run (%s): a worker can hang "
+                       "on a lock one of them holds; close the other loader first", len(others), ", ".join(others))
+
+
 class TimedBatches:
     """The training batches: records each batch's stream state and the time spent waiting for it.
 
@@ -109,8 +120,10 @@ class TimedBatches:
         from ldm.data.dataset import stop_loader
         from ldm.data.watchdog import StallWatchdog, raise_if_error
 
-        iterator = iter(self.loader)
-        watchdog = StallWatchdog(self.data_timeout, self.loader.dataset.board)
+        if self.loader.num_workers:
+            warn_if_loader_threads_run()
+        iterator = iter(self.loader)  # forks the workers
+        watchdog = StallWatchdog(self.data_timeout, self.loader.dataset.board)  # its thread starts after that
         try:
             while True:
                 start = time.perf_counter()
