@@ -203,3 +203,85 @@ def test_a_stalled_shard_ends_the_run_with_stacks_and_where_it_stalled(tmp_path,
     if num_workers:
         assert "slot 1 of 2" in result.stderr
         assert result.stderr.count("Current thread") + result.stderr.count("Thread 0x") >= 2
+
+
+def test_closing_stops_a_worker_stuck_inside_a_record_in_bounded_time(tmp_path, monkeypatch):
+    """A worker blocked in a read never looks at its queue again: closing must kill it, not wait forever."""
+    import os
+
+    from ldm.args import DataArguments
+    from ldm.data import dataset
+    from ldm.data.plan import slot_units
+    from ldm.distributed import Distributed
+    from ldm.train.common import build_batches
+
+    monkeypatch.setattr(dataset, "WORKER_EXIT_SECONDS", 2)
+    write_corpus(str(tmp_path / "good"), num_records=8, records_per_shard=8)
+    good = str(tmp_path / "good" / "train-00000.gz")
+    os.mkfifo(tmp_path / "stuck.gz")
+    listing = tmp_path / "f"
+    listing.write_text(f"{good}\n{tmp_path / 'stuck.gz'}\n")
+    (tmp_path / "list").write_text(f"{listing}\n")
+    shards = read_file_list(str(tmp_path / "list"))
+    if shards[slot_units(shards, 0, 2, 0, 0)[0].shard].path != good:  # worker 0 (first batch) reads the good one
+        listing.write_text(f"{tmp_path / 'stuck.gz'}\n{good}\n")
+        assert read_file_list(str(tmp_path / "list"))[slot_units(shards, 0, 2, 0, 0)[0].shard].path == good
+    data = DataArguments(file_list=str(tmp_path / "list"), resolution=32, data_timeout=0)
+    batches = iter(build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=2))
+    next(batches)
+    workers = multiprocessing.active_children()
+    start = time.monotonic()
+    batches.close()
+    assert time.monotonic() - start < 15
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_loader_workers_die_with_a_killed_training_process(tmp_path):
+    """kill -9 of the training process while its workers hang in a read must not leave them running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for i in range(2):
+        os.mkfifo(tmp_path / f"stuck{i}.gz")
+    (tmp_path / "f").write_text("stuck0.gz\nstuck1.gz\n")
+    (tmp_path / "list").write_text("f\n")
+    trainer = subprocess.Popen([sys.executable, "-c", STALL_SCRIPT, str(tmp_path / "list"), "2", "0"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children():
+        found = []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    if any(line.split()[1:] == [str(trainer.pid)] for line in f if line.startswith("PPid:")):
+                        found.append(int(name))
+            except OSError:
+                continue
+        return found
+
+    deadline = time.monotonic() + 60
+    while len(children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = children()
+    assert len(workers) >= 2
+    time.sleep(1)  # the workers are blocked opening their shards by now
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "zombie" not in f.read()
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in workers if running(pid)]
+    for pid in alive:  # do not leave them behind if the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive

@@ -194,6 +194,9 @@ class StreamState:
 # How often Paddle's reader thread wakes from waiting on the workers' queue (its default is 5 s);
 # it is also the longest `stop_loader` waits for that thread.
 READER_POLL_SECONDS = 1
+# How long `stop_loader` waits for a worker to leave before it kills it: a worker stuck inside one
+# record (a hung read) never looks at its queue again.
+WORKER_EXIT_SECONDS = 10
 
 
 def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader:
@@ -202,11 +205,12 @@ def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader
 
 
 def stop_loader(iterator) -> None:
-    """Stop a Paddle DataLoader iterator now: its reader thread first, then its workers and queues.
+    """Stop a Paddle DataLoader iterator now, in a bounded time: its reader thread first, then its workers
+    and queues; a worker that has not left after `WORKER_EXIT_SECONDS` is killed.
 
-    Left alone, Paddle stops the last iterator in an atexit hook, during interpreter shutdown, and
-    closes the workers' queue while its reader thread may still be reading it. Here that thread is
-    told to stop and joined first, then Paddle's own shutdown joins the workers and closes the queues.
+    Left alone, Paddle stops the last iterator in an atexit hook, during interpreter shutdown, closes
+    the workers' queue while its reader thread may still be reading it, and joins each worker without
+    a time limit.
     """
     if not hasattr(iterator, "_try_shutdown_all"):  # Paddle's own __del__ calls it
         return
@@ -216,4 +220,14 @@ def stop_loader(iterator) -> None:
         thread.join(timeout=READER_POLL_SECONDS + 10)
         if thread.is_alive():
             logger.warning("the data loader's reader thread did not stop; closing its queues anyway")
-    iterator._try_shutdown_all()
+    workers = list(getattr(iterator, "_workers", None) or ())
+    if not workers:
+        iterator._try_shutdown_all()
+        return
+    iterator._try_shutdown_all(timeout=WORKER_EXIT_SECONDS / len(workers))
+    for worker in workers:
+        if worker.is_alive():
+            logger.warning("data loader worker %d did not stop within %g s (stuck inside a record?): killing it",
+                           worker.pid, WORKER_EXIT_SECONDS)
+            worker.kill()
+            worker.join(timeout=10)

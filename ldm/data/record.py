@@ -29,6 +29,12 @@ REASONS = (
 )
 
 
+# The tokenizer reads a whole caption before it truncates it to its 77 tokens, at ~3 s per MB: one
+# corrupt caption of a few MB stalls a loader worker (a line may hold 256 MB). 77 tokens of text
+# whose words are shorter than WordPiece's 100-character limit fit in far fewer characters.
+MAX_CAPTION_CHARS = 8192
+
+
 class SkipRecord(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason, detail)
@@ -54,7 +60,7 @@ def parse_record(line: bytes) -> tuple[str, bytes]:
         raise SkipRecord("bad_base64", str(e)) from None
     if not image_bytes:
         raise SkipRecord("empty_image")
-    return caption, image_bytes
+    return caption[:MAX_CAPTION_CHARS], image_bytes
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

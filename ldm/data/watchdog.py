@@ -32,6 +32,7 @@ STALL_EXIT_CODE = 124  # as coreutils `timeout`
 # and the watchdog thread cannot run; it fires this much later than the watchdog.
 BACKSTOP_SECONDS = 60
 STACK_SIGNAL = signal.SIGUSR1
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def error_batch(error: BaseException) -> dict:
@@ -98,6 +99,19 @@ def in_worker_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(STACK_SIGNAL, all_threads=True)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when the training process dies, even in the middle of a hung
+    read (Paddle's own parent check runs only between batches, so a stuck worker outlived a killed run)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the request took effect
+        os._exit(1)
 
 
 class StallWatchdog:
