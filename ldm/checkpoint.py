@@ -17,6 +17,7 @@ checkpoint (330 MB for KL-f8, times `save_total_limit`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 
@@ -119,8 +120,10 @@ def checkpoint_autoencoder(path: str):
 
 
 def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, source: str) -> None:
-    if recorded is None:
-        raise CheckpointError(f"{checkpoint} does not record which autoencoder it was trained with")
+    if recorded is None:  # written before checkpoints recorded it
+        logging.getLogger("ldm.train").warning(
+            "%s does not record which autoencoder it was trained with: make sure %s is that one", checkpoint, source)
+        return
     if recorded != identity:
         changed = " and ".join(k.split("_")[0] for k in ("config_sha256", "weights_sha256")
                                if recorded.get(k) != identity.get(k))

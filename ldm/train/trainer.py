@@ -20,6 +20,7 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 
 from ldm.checkpoint import (
     check_autoencoder,
+    load_ema,
     load_ldm_weights,
     read_training_state,
     recorded_autoencoder,
@@ -46,7 +47,7 @@ class LDMCallback(TrainerCallback):
         if t.resume_checkpoint:
             t._load_rng_state(t.resume_checkpoint)  # the Trainer skips this when ignore_data_skip is on
             if t.ema is not None:
-                t.ema.load_state_dict(paddle.load(os.path.join(t.resume_checkpoint, "ema.pdparams")))
+                load_ema(t.resume_checkpoint, t.ema)
         else:
             paddle.seed(args.seed + 1000 * t.dist.rank)  # same weights everywhere, different noise per rank
 
