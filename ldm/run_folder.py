@@ -179,6 +179,9 @@ class RunFolder:
         if checkpoint is not None or not entries:
             return checkpoint
         if not overwrite:
+            if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir):
+                raise CheckpointError(f"output_dir {self.output_dir} holds a run that saved no checkpoint (it failed "
+                                      "early?): pass --overwrite_output_dir to start afresh")
             raise CheckpointError(
                 f"output_dir {self.output_dir} is not empty (an earlier run?): pass --resume_from_checkpoint latest "
                 "(or a checkpoint folder) to continue it, or --overwrite_output_dir to start afresh")

@@ -124,6 +124,19 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
+def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, tmp_path):
+    """Every record bad, in-process reading (Paddle's loader thread used to die on it and the run hung)."""
+    for i in range(2):
+        (tmp_path / f"bad{i}.gz").write_bytes(b"no tabs here\n" * 20)
+    (tmp_path / "f").write_text("bad0.gz\nbad1.gz\n")
+    (tmp_path / "list").write_text("f\n")
+    result = run(corpus + ["--file_list", str(tmp_path / "list"), "--num_workers", "0", "--max_train_steps", "2",
+                           "--output_dir", str(tmp_path / "x")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: slot 0 of 1 read no usable record")
+    assert not (tmp_path / "x").exists()
+
+
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     out = tmp_path / "run"
     result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",

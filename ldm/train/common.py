@@ -3,6 +3,7 @@ schedule, sample-image logging, the frozen autoencoder's folder."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -103,9 +104,21 @@ class TimedBatches:
         self.loader, self.tracker, self.clock = loader, tracker, StepClock()
         self.data_timeout = data_timeout
         self._iterators: list = []
+        self._first = None
+
+    def start(self) -> None:
+        """Read the first batch now: a run calls this before it writes anything, so that data it cannot use
+        fails the start and leaves nothing behind. The next iteration begins with that batch."""
+        iterator = self._batches()
+        self._iterators.append(iterator)
+        self._first = (iterator, next(iterator))
 
     def __iter__(self):
-        """Batches until the stream ends; closing the iterator (or `close()`) stops the loader at once."""
+        """Batches until the stream ends; `close()` stops the loader at once."""
+        if self._first is not None:
+            iterator, batch = self._first
+            self._first = None
+            return itertools.chain([batch], iterator)
         iterator = self._batches()
         self._iterators.append(iterator)
         return iterator
@@ -114,7 +127,7 @@ class TimedBatches:
         """Stop every loader this object started (a consumer such as the Trainer may not close its own)."""
         for iterator in self._iterators:
             iterator.close()
-        self._iterators = []
+        self._iterators, self._first = [], None
 
     def _batches(self):
         from ldm.data.dataset import stop_loader

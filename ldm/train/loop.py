@@ -156,57 +156,59 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                        dist=dist, num_workers=loop.num_workers,
                                        saved_streams=state["stream"] if state else None)
 
-    run_dir.create(loop.overwrite_output_dir, resuming=resume is not None)  # the first write
-    objective.start(run_dir)
-    writer = make_writer(run_dir.path("visualdl"), dist.is_main)
-    step = 0
-    if resume:
-        objective.load(resume)
-        load_optimizer(resume, optimizer)
-        step = state["step"]
-        lr.set_state_dict(state["lr_scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        if state["world_size"] == dist.world_size:
-            paddle.set_rng_state(state["rng"][dist.rank])
-            np.random.set_state(state["numpy"][dist.rank])
-            random.setstate(state["python"][dist.rank])
-        else:
-            logger.warning("resuming a %d-rank run on %d ranks: data stream and noise restart from new seeds",
-                           state["world_size"], dist.world_size)
-            paddle.seed(loop.seed + 1000 * dist.rank + step)
-        logger.info("resumed from %s at update %d", resume, step)
-    else:
-        paddle.seed(loop.seed + 1000 * dist.rank)  # the same weights everywhere, different noise per rank
-
-    ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
-    no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
-
-    def save(step: int) -> str | None:
-        state = training_state(
-            step, dist, data_stream, trained,
-            rng=dist.gather(paddle.get_rng_state()), numpy=dist.gather(np.random.get_state()),
-            python=dist.gather(random.getstate()), lr_scheduler=lr.state_dict(), scaler=scaler.state_dict())
-
-        def write(folder: str, final_folder: str) -> None:
-            objective.save(folder, final_folder)
-            save_optimizer(folder, optimizer)
-            write_training_state(folder, state)
-
-        path = None
-        if dist.is_main:
-            path = run_dir.save(step, write)
-            logger.info("saved %s", path)
-        dist.barrier()
-        return path
-
-    batches = iter(data_stream)
-    model.train()
-    # loss and gradient norm stay on the device until logged: no host sync per micro-step
-    window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
-    accumulation = loop.gradient_accumulation_steps
-    progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
-    last_checkpoint, stopping = None, False
+    data_stream.start()  # unusable data fails here, before the first write
+    writer = NullWriter()
     try:
+        run_dir.create(loop.overwrite_output_dir, resuming=resume is not None)  # the first write
+        objective.start(run_dir)
+        writer = make_writer(run_dir.path("visualdl"), dist.is_main)
+        step = 0
+        if resume:
+            objective.load(resume)
+            load_optimizer(resume, optimizer)
+            step = state["step"]
+            lr.set_state_dict(state["lr_scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            if state["world_size"] == dist.world_size:
+                paddle.set_rng_state(state["rng"][dist.rank])
+                np.random.set_state(state["numpy"][dist.rank])
+                random.setstate(state["python"][dist.rank])
+            else:
+                logger.warning("resuming a %d-rank run on %d ranks: data stream and noise restart from new seeds",
+                               state["world_size"], dist.world_size)
+                paddle.seed(loop.seed + 1000 * dist.rank + step)
+            logger.info("resumed from %s at update %d", resume, step)
+        else:
+            paddle.seed(loop.seed + 1000 * dist.rank)  # the same weights everywhere, different noise per rank
+
+        ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
+        no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
+
+        def save(step: int) -> str | None:
+            state = training_state(
+                step, dist, data_stream, trained,
+                rng=dist.gather(paddle.get_rng_state()), numpy=dist.gather(np.random.get_state()),
+                python=dist.gather(random.getstate()), lr_scheduler=lr.state_dict(), scaler=scaler.state_dict())
+
+            def write(folder: str, final_folder: str) -> None:
+                objective.save(folder, final_folder)
+                save_optimizer(folder, optimizer)
+                write_training_state(folder, state)
+
+            path = None
+            if dist.is_main:
+                path = run_dir.save(step, write)
+                logger.info("saved %s", path)
+            dist.barrier()
+            return path
+
+        model.train()
+        # loss and gradient norm stay on the device until logged: no host sync per micro-step
+        window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
+        accumulation = loop.gradient_accumulation_steps
+        progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
+        last_checkpoint, stopping = None, False
+        batches = iter(data_stream)
         with GracefulStop(dist) as stop:
             while step < loop.max_train_steps and not stopping:
                 for _ in range(accumulation):
@@ -257,7 +259,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
             else:
                 objective.finish(last_checkpoint, batches, dist, run_dir)
     finally:
-        batches.close()  # loader workers and reader thread stop here, not during interpreter exit
+        data_stream.close()  # loader workers and reader thread stop here, not during interpreter exit
         writer.close()
     dist.barrier()
-    return {"step": step, "checkpoint": last_checkpoint, "exit_code": stop.exit_code}
+    # a signal after the last update changed nothing: the run is complete
+    return {"step": step, "checkpoint": last_checkpoint, "exit_code": stop.exit_code if stopping else 0}

@@ -140,7 +140,7 @@ def train(training_args, model_args, data, sampling) -> dict:
 
     from ldm.models.autoencoder import autoencoder_identity
     from ldm.models.ema import EMA
-    from ldm.tracking import make_writer
+    from ldm.tracking import NullWriter, make_writer
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     common.setup_logging(dist)
@@ -167,25 +167,28 @@ def train(training_args, model_args, data, sampling) -> dict:
                                        num_workers=training_args.dataloader_num_workers,
                                        saved_streams=read_training_state(checkpoint)["stream"] if checkpoint else None)
 
-    run_dir.create(training_args.overwrite_output_dir, resuming=checkpoint is not None)  # the first write
-    vae_folder, _ = run_dir.write_vae(components.vae)
-    ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
-    # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
-    writer = make_writer(run_dir.path("visualdl_samples"), dist.is_main and sampling.image_logging_steps > 0)
-    trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
-                         dist=dist, run_dir=run_dir, data_stream=data_stream, vae_folder=vae_folder,
-                         vae_identity=vae_identity, ema=ema, writer=writer, resume_checkpoint=checkpoint)
-    if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
-        from paddlenlp.utils.log import logger as paddlenlp_logger
-
-        paddlenlp_logger.set_level("INFO")
+    data_stream.start()  # unusable data fails here, before the first write
+    writer = NullWriter()
     try:
+        run_dir.create(training_args.overwrite_output_dir, resuming=checkpoint is not None)  # the first write
+        vae_folder, _ = run_dir.write_vae(components.vae)
+        ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
+        # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
+        writer = make_writer(run_dir.path("visualdl_samples"), dist.is_main and sampling.image_logging_steps > 0)
+        trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
+                             dist=dist, run_dir=run_dir, data_stream=data_stream, vae_folder=vae_folder,
+                             vae_identity=vae_identity, ema=ema, writer=writer, resume_checkpoint=checkpoint)
+        if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
+            from paddlenlp.utils.log import logger as paddlenlp_logger
+
+            paddlenlp_logger.set_level("INFO")
         with GracefulStop(dist) as stop:
             trainer.stop = stop
             trainer.train(resume_from_checkpoint=checkpoint)
         step = trainer.state.global_step
         last = run_dir.path(f"checkpoint-{step}")
-        if stop.signum:
+        stopped = stop.signum is not None and step < trainer.state.max_steps  # a later signal changed nothing
+        if stopped:
             stop.announce(step, last)
         else:
             if step % training_args.save_steps != 0:
@@ -196,4 +199,4 @@ def train(training_args, model_args, data, sampling) -> dict:
         data_stream.close()
         writer.close()
     dist.barrier()
-    return {"step": step, "checkpoint": last, "exit_code": stop.exit_code}
+    return {"step": step, "checkpoint": last, "exit_code": stop.exit_code if stopped else 0}
