@@ -222,6 +222,11 @@ def stop_loader(iterator) -> None:
             logger.warning("the data loader's reader thread did not stop; closing its queues anyway")
     workers = list(getattr(iterator, "_workers", None) or ())
     if not workers:
+        # in-process reading: Paddle's shutdown polls its reader thread in 1 s sleeps; stop it first
+        if thread is not None and thread.is_alive():
+            iterator._thread_done_event.set()
+            iterator._blocking_queue.close()
+            thread.join(timeout=READER_POLL_SECONDS + 10)
         iterator._try_shutdown_all()
         return
     iterator._try_shutdown_all(timeout=WORKER_EXIT_SECONDS / len(workers))
