@@ -91,7 +91,9 @@ class LoopArguments:
 
     output_dir: str = arg("./outputs/ldm_no_trainer", "checkpoints, logs and the exported pipeline")
     overwrite_output_dir: bool = arg(False, "start afresh in a non-empty output_dir")
-    resume_from_checkpoint: Optional[str] = arg(None, "a checkpoint folder, or 'latest' in output_dir")
+    resume_from_checkpoint: Optional[str] = arg(
+        None, "a checkpoint folder, 'latest' (newest complete one in output_dir) or 'auto' (the same, or a fresh "
+        "start when there is none)")
     train_batch_size: int = arg(6, "images per card per micro-step")
     gradient_accumulation_steps: int = arg(1, "micro-steps per optimizer update")
     learning_rate: float = arg(4.6875e-5, "peak learning rate")

@@ -6,7 +6,7 @@ A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) ho
   scheduler/            the DDPM noise scheduler config (with prediction_type)
   ldm_model.json        where the frozen autoencoder is (relative to this folder) and its identity
   ema.pdparams          EMA weights and update counter (with --use_ema)
-  training_state.pkl    step, data position, RNG states, per-rank weight checksums
+  training_state.pkl    step, data position, per-rank weight checksums (the loop's also RNG, LR, scaler)
   optimizer.pdopt       the optimizer (the Trainer path adds PaddleNLP's scheduler, RNG and state files)
   manifest.json         every file's size and sha256, written last
 An autoencoder run's checkpoints (`ldm.train.autoencoder`) hold `vqvae/` and the training files.

@@ -74,6 +74,25 @@ class Distributed:
         dist.all_gather_object(out, obj)
         return out
 
+    def from_main(self, fn):
+        """`fn()` run on rank 0 only; its result, or its exception raised, on every rank (a collective).
+
+        For decisions and writes that only rank 0 makes: the other ranks learn the outcome instead of
+        waiting in a barrier for a rank that failed.
+        """
+        if self.world_size == 1:
+            return fn()
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = ("value", fn())
+            except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+                outcome = ("error", e)
+        kind, value = self.gather(outcome)[0]
+        if kind == "error":
+            raise value
+        return value
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     auto.add_argument("--grid", help="save inputs (top row) vs reconstructions (bottom row)")
     auto.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    from ldm.run_folder import CheckpointError
     from ldm.tracking import quiet_libraries
 
     quiet_libraries()
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = evaluate_autoencoder(args.vqvae, resolution=args.resolution, num_images=args.num_images,
                                           grid=args.grid)
-    except (FileNotFoundError, OSError) as e:
+    except (OSError, CheckpointError) as e:  # CheckpointError: another autoencoder than the one trained with
         parser.exit(2, f"error: {e}\n")
     if args.json:
         print(json.dumps(result, indent=2))

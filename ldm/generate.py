@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     from ldm.checkpoint import load_for_inference
     from ldm.data.tokenize import CaptionTokenizer
+    from ldm.run_folder import CheckpointError
     from ldm.sampling import ddim_scheduler, generate, image_grid
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
-    except (FileNotFoundError, OSError) as e:
+    except (OSError, CheckpointError) as e:  # CheckpointError: another autoencoder than the one trained with
         parser.exit(2, f"error: {e}\n")
     tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
     repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]

@@ -17,8 +17,17 @@ Rules:
   checkpoint named explicitly is an error. The loop's checkpoints are written into a temporary
   sibling and renamed; the Trainer's are written in place by PaddleNLP, and the manifest is what
   makes them count.
-- Rotation keeps the `limit` newest complete checkpoints and never the newest one's only copy;
-  a folder it cannot delete is reported.
+- `auto` resumes from the newest complete checkpoint when there is one and otherwise starts afresh
+  (emptying a run folder that holds none): one command for a job that is requeued after preemption.
+- Resuming from an older checkpoint while newer ones exist (they were skipped as damaged, or the
+  user named an older one) renames the newer ones `checkpoint-<step>.abandoned`, so that neither
+  `latest` nor rotation ever mixes the two histories.
+- Rotation keeps the `limit` newest complete checkpoints and never the one just written; a folder it
+  cannot delete is reported.
+- Rank 0 decides and writes; the other ranks learn its verdict (`Distributed.from_main`), so an
+  error raised on rank 0 ends every rank with the same message instead of leaving them in a barrier.
+- Checkpoints of runs made before manifests existed (their folder has no `run.json`) are accepted
+  without one, with a warning.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 logger = logging.getLogger("ldm.train")
@@ -62,15 +72,17 @@ def _fsync(path: str) -> None:
 
 def write_manifest(folder: str) -> dict:
     """Record every file of `folder` (size, sha256), flushed to disk, then write the manifest last."""
-    files = {}
-    for root, _, names in os.walk(folder):
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder)
-            if rel == MANIFEST:
-                continue
-            _fsync(path)
-            files[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+                   if os.path.relpath(os.path.join(root, name), folder) != MANIFEST)
+
+    def describe(path: str) -> dict:
+        _fsync(path)
+        return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+
+    # hashlib and fsync release the GIL: the big files of a checkpoint are hashed side by side
+    with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
+        infos = list(pool.map(describe, paths))
+    files = {os.path.relpath(path, folder): info for path, info in zip(paths, infos, strict=True)}
     manifest = {"files": dict(sorted(files.items())), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     temp = os.path.join(folder, MANIFEST + ".partial")
     with open(temp, "w") as f:
@@ -82,10 +94,20 @@ def write_manifest(folder: str) -> dict:
     return manifest
 
 
+STATE_FILE = "training_state.pkl"  # the last file a checkpoint of an earlier version wrote
+
+
+def is_legacy_run(output_dir: str) -> bool:
+    """A run folder made before checkpoints had manifests (and run folders a marker)."""
+    return not os.path.isfile(os.path.join(output_dir, RUN_MARKER))
+
+
 def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
     """Why `folder` is not a complete checkpoint (None when it is)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
+        if is_legacy_run(os.path.dirname(os.path.abspath(folder))) and os.path.isfile(os.path.join(folder, STATE_FILE)):
+            return None  # written before checkpoints had manifests: complete as far as can be told
         return "incomplete: no manifest.json (its writing was interrupted)"
     try:
         with open(path) as f:
@@ -121,6 +143,12 @@ def atomic_folder(final: str):
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
+def checkpoint_step(path: str) -> int | None:
+    name = os.path.basename(os.path.normpath(path))
+    step = name[len(CHECKPOINT_PREFIX):]
+    return int(step) if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() else None
+
+
 def checkpoint_dirs(output_dir: str) -> list[str]:
     """checkpoint-<step> folders of `output_dir`, complete or not, oldest first."""
     if not os.path.isdir(output_dir):
@@ -147,17 +175,21 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     """The checkpoint `--resume_from_checkpoint` names ('latest' or a folder), verified."""
     if not resume:
         return None
-    if resume == "latest":
+    if resume in ("latest", "auto"):
         found = latest_checkpoint(output_dir)
-        if found is None:
-            raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
-        return found
-    if not os.path.isdir(resume):
-        raise CheckpointError(f"--resume_from_checkpoint {resume}: no such folder")
-    problem = checkpoint_problem(resume)
-    if problem is not None:
-        raise CheckpointError(f"--resume_from_checkpoint {resume}: not a usable checkpoint: {problem}")
-    return resume
+        if found is None and resume == "latest":
+            raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} (use "
+                                  "'auto' to start afresh when there is none)")
+    else:
+        if not os.path.isdir(resume):
+            raise CheckpointError(f"--resume_from_checkpoint {resume}: no such folder")
+        problem = checkpoint_problem(resume)
+        if problem is not None:
+            raise CheckpointError(f"--resume_from_checkpoint {resume}: not a usable checkpoint: {problem}")
+        found = resume
+    if found is not None and not os.path.isfile(os.path.join(found, MANIFEST)):
+        logger.warning("%s predates checkpoint manifests: resuming it unverified", found)
+    return found
 
 
 class RunFolder:
@@ -165,19 +197,34 @@ class RunFolder:
 
     def __init__(self, output_dir: str, dist, save_total_limit: int | None = None):
         self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit
+        self.empty_first = False  # `check` decided that the run starts over (rank 0's decision)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.output_dir, *parts)
 
     # -- before anything is written ------------------------------------------------------------
     def check(self, resume: str | None, overwrite: bool) -> str | None:
-        """Apply the folder policy without writing; returns the checkpoint to resume from, if any."""
+        """Apply the folder policy without writing; returns the checkpoint to resume from, if any.
+
+        Decided on rank 0 (one read of the checkpoints, one verdict for every rank).
+        """
+        return self.dist.from_main(lambda: self._check(resume, overwrite))
+
+    def _check(self, resume: str | None, overwrite: bool) -> str | None:
         checkpoint = resolve_resume(self.output_dir, resume)
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise CheckpointError(f"output_dir {self.output_dir} is a file")
         entries = os.listdir(self.output_dir) if os.path.isdir(self.output_dir) else []
-        if checkpoint is not None or not entries:
+        ours = RUN_MARKER in entries or bool(checkpoint_dirs(self.output_dir))
+        if not entries:
             return checkpoint
+        if checkpoint is not None:
+            if not ours:
+                raise CheckpointError(f"output_dir {self.output_dir} holds files this project did not write: resume "
+                                      "into an empty folder or into the run's own folder")
+            return checkpoint
+        if resume == "auto":
+            overwrite = True  # nothing to resume: start afresh
         if not overwrite:
             if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir):
                 raise CheckpointError(f"output_dir {self.output_dir} holds a run that saved no checkpoint (it failed "
@@ -189,24 +236,39 @@ class RunFolder:
             raise CheckpointError(
                 f"--overwrite_output_dir: {self.output_dir} holds files this project did not write (no {RUN_MARKER}); "
                 "it is not emptied: choose another --output_dir or empty it yourself")
+        self.empty_first = True
         return None
 
     # -- start ---------------------------------------------------------------------------------
-    def create(self, overwrite: bool, resuming: bool) -> None:
-        """Make the folder (emptied first when starting over); call after `check` and the inputs."""
-        if self.dist.is_main:
-            if overwrite and not resuming and os.path.isdir(self.output_dir):
-                for name in os.listdir(self.output_dir):
+    def create(self, resume: str | None) -> None:
+        """Make the folder (emptied first when `check` decided to start over); call after `check` and the inputs."""
+        def make() -> None:
+            if self.empty_first:
+                names = os.listdir(self.output_dir)
+                for name in sorted(names, key=lambda n: n == RUN_MARKER):  # the marker last: a retry may finish
                     remove(self.path(name))
                 logger.info("--overwrite_output_dir: emptied %s", self.output_dir)
             os.makedirs(self.output_dir, exist_ok=True)
             for name in os.listdir(self.output_dir):
                 if name.startswith(TEMP_PREFIX):  # what a killed save left behind
                     remove(self.path(name))
+            if resume is not None:
+                self._abandon_after(resume)
             if not os.path.isfile(self.path(RUN_MARKER)):
                 with open(self.path(RUN_MARKER), "w") as f:
                     json.dump({"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
-        self.dist.barrier()
+
+        self.dist.from_main(make)
+
+    def _abandon_after(self, resume: str) -> None:
+        """Checkpoints of this folder newer than the one resumed belong to another history: set them aside."""
+        step = checkpoint_step(resume)
+        for folder in checkpoint_dirs(self.output_dir):
+            if step is not None and checkpoint_step(folder) > step:
+                target = folder + ".abandoned"
+                remove(target)
+                os.replace(folder, target)
+                logger.warning("resuming from %s: set the newer %s aside as %s", resume, folder, target)
 
     def write_vae(self, vae) -> tuple[str, dict]:
         """The frozen autoencoder, written once per run: (its folder, its identity).
@@ -216,9 +278,9 @@ class RunFolder:
         from ldm.models.autoencoder import autoencoder_identity
 
         folder, identity = self.path(VAE_FOLDER), autoencoder_identity(vae)
-        if self.dist.is_main:
-            written = os.path.isfile(os.path.join(folder, "config.json"))
-            if written:
+
+        def write() -> None:
+            if os.path.isfile(os.path.join(folder, "config.json")):
                 from ppdiffusers import AutoencoderKL
 
                 if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
@@ -228,7 +290,8 @@ class RunFolder:
             else:
                 with atomic_folder(folder) as temp:
                     vae.save_pretrained(temp)
-        self.dist.barrier()
+
+        self.dist.from_main(write)
         return folder, identity
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -240,16 +303,17 @@ class RunFolder:
             write(folder, final)
             write_manifest(folder)
         _fsync(self.output_dir)
-        self.rotate()
+        self.rotate(keep=final)
         return final
 
     def complete(self, folder: str) -> None:
         """Seal a checkpoint written in place (the Trainer's): manifest last, then rotation. Rank 0 only."""
         write_manifest(folder)
-        self.rotate()
+        self.rotate(keep=folder)
 
-    def rotate(self) -> None:
-        """Delete all but the `limit` newest complete checkpoints (incomplete ones older than those go too)."""
+    def rotate(self, keep: str | None = None) -> None:
+        """Delete all but the `limit` newest complete checkpoints (incomplete ones older than those go too);
+        `keep`, the checkpoint just written, stays whatever the others look like."""
         if not self.limit:
             return
         folders = checkpoint_dirs(self.output_dir)
@@ -258,7 +322,8 @@ class RunFolder:
             return
         oldest_kept = complete[-self.limit]
         for folder in folders[:folders.index(oldest_kept)]:
-            remove(folder)
+            if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
+                remove(folder)
 
     def export(self, checkpoint: str) -> str:
         """The inference pipeline of a checkpoint, as `<output_dir>/pipeline`. Rank 0 only."""

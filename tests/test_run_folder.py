@@ -22,7 +22,7 @@ from ldm.run_folder import (
 def make_checkpoint(output_dir, step, complete=True, payload=b"weights" * 100):
     folder = output_dir / f"checkpoint-{step}"
     (folder / "unet").mkdir(parents=True)
-    (folder / "unet" / "model.safetensors").write_bytes(payload + bytes([step]))
+    (folder / "unet" / "model.safetensors").write_bytes(payload + str(step).encode())
     (folder / "optimizer.pdopt").write_bytes(payload * 2)
     if complete:
         write_manifest(str(folder))
@@ -93,7 +93,7 @@ def test_starting_over_empties_only_a_folder_this_project_made(tmp_path):
     (out / "visualdl").mkdir()
     (out / "visualdl" / "vdlrecords.1.log").write_text("old curves")
     assert folder.check(None, overwrite=True) is None
-    folder.create(overwrite=True, resuming=False)
+    folder.create(resume=None)
     assert os.listdir(out) == [RUN_MARKER]
 
 
@@ -104,5 +104,60 @@ def test_create_removes_what_a_killed_save_left(tmp_path):
     good = make_checkpoint(out, 8)
     folder = RunFolder(str(out), Distributed())
     assert folder.check("latest", overwrite=False) == str(good)
-    folder.create(overwrite=False, resuming=True)
+    folder.create(resume=str(good))
     assert sorted(os.listdir(out)) == ["checkpoint-8", RUN_MARKER]
+
+
+def test_resuming_an_older_checkpoint_sets_newer_ones_aside_and_the_next_save_survives_rotation(tmp_path):
+    """checkpoint-300 is damaged, latest resumes 100: the run's next save (200) must not be rotated away
+    in favour of 300, and 300 must not come back as `latest`."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_MARKER).write_text("{}")
+    make_checkpoint(out, 100)
+    damaged = make_checkpoint(out, 300)
+    (damaged / "optimizer.pdopt").write_bytes(b"x" * len((damaged / "optimizer.pdopt").read_bytes()))  # same size
+    folder = RunFolder(str(out), Distributed(), save_total_limit=1)
+    resume = folder.check("latest", overwrite=False)
+    assert resume == str(out / "checkpoint-100")
+    folder.create(resume=resume)
+    assert (out / "checkpoint-300.abandoned").is_dir()
+
+    def write(temp, final):
+        (tmp_path / "payload").write_bytes(b"new")
+        shutil.copy(tmp_path / "payload", os.path.join(temp, "unet.safetensors"))
+
+    saved = folder.save(200, write)
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-200",
+                                                                                 "checkpoint-300.abandoned"]
+    assert latest_checkpoint(str(out)) == saved
+
+
+def test_auto_resumes_when_it_can_and_starts_afresh_when_it_cannot(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_MARKER).write_text("{}")
+    (out / "visualdl").mkdir()  # a requeued job preempted before its first checkpoint
+    make_checkpoint(out, 5, complete=False)
+    folder = RunFolder(str(out), Distributed())
+    assert folder.check("auto", overwrite=False) is None
+    folder.create(resume=None)
+    assert os.listdir(out) == [RUN_MARKER]
+    good = make_checkpoint(out, 7)
+    assert folder.check("auto", overwrite=False) == str(good)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="did not write"):
+        RunFolder(str(tmp_path / "theirs"), Distributed()).check("auto", overwrite=False)
+
+
+def test_checkpoints_of_runs_before_manifests_still_resume(tmp_path, caplog):
+    legacy = make_checkpoint(tmp_path, 40, complete=False)
+    (legacy / "training_state.pkl").write_bytes(b"state")
+    make_checkpoint(tmp_path, 50, complete=False)  # interrupted: no training state
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        assert resolve_resume(str(tmp_path), "latest") == str(legacy)
+    assert any("predates checkpoint manifests" in m for m in caplog.messages)
+    (tmp_path / RUN_MARKER).write_text("{}")  # a run of this version: a manifest is required
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_resume(str(tmp_path), "latest")

@@ -1,5 +1,5 @@
 """Building blocks both entry points use: logging set-up, tokenizer, model, data stream, optimizer
-schedule, sample-image logging, the frozen autoencoder's folder."""
+schedule, gradient clipping, sample-image logging."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
 
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
-    check_shards(shards, data.file_list)
+    dist.from_main(lambda: check_shards(shards, data.file_list))
     stream = CaptionImageStream(
         shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,

@@ -159,7 +159,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     data_stream.start()  # unusable data fails here, before the first write
     writer = NullWriter()
     try:
-        run_dir.create(loop.overwrite_output_dir, resuming=resume is not None)  # the first write
+        run_dir.create(resume)  # the first write
         objective.start(run_dir)
         writer = make_writer(run_dir.path("visualdl"), dist.is_main)
         step = 0
@@ -195,11 +195,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 save_optimizer(folder, optimizer)
                 write_training_state(folder, state)
 
-            path = None
-            if dist.is_main:
-                path = run_dir.save(step, write)
-                logger.info("saved %s", path)
-            dist.barrier()
+            path = dist.from_main(lambda: run_dir.save(step, write))
+            logger.info("saved %s", path)
             return path
 
         model.train()
@@ -207,7 +204,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
         accumulation = loop.gradient_accumulation_steps
         progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
-        last_checkpoint, stopping = None, False
+        last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
         batches = iter(data_stream)
         with GracefulStop(dist) as stop:
             while step < loop.max_train_steps and not stopping:

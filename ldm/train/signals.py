@@ -5,6 +5,9 @@ The first SIGTERM or SIGINT only sets a flag; every rank asks `requested()` once
 update, all ranks agree (an all-reduce of the flag), save a checkpoint of that update and exit with
 128 + the signal number (143 for SIGTERM), the shell's convention for "ended by a signal".
 
+A rank that has not stopped `STOP_GRACE_SECONDS` after the first signal (stuck in a collective with
+a dead peer, where Python signal handlers never run) prints its stacks and exits.
+
 A second signal ends the process at once, without a checkpoint. Repeats within `REPEAT_SECONDS`
 of the first count as the same request: `paddle.distributed.launch` passes a signal on to its
 ranks' process groups and repeats SIGTERM up to three times, 0.2 s apart; Ctrl-C reaches the
@@ -15,6 +18,7 @@ checkpoint that takes longer than that is lost there; signal the training proces
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -24,6 +28,7 @@ import time
 logger = logging.getLogger("ldm.train")
 
 REPEAT_SECONDS = 2.0
+STOP_GRACE_SECONDS = 600
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -33,19 +38,28 @@ class GracefulStop:
     def __init__(self, dist):
         self.dist = dist
         self.signum: int | None = None
+        self.agreed = False  # every rank knows it stops after this update
         self._first = 0.0
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():  # Python allows handlers there only
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            # started here, not in the handler: a handler must not take locks the main thread may hold
+            self._watcher = threading.Thread(target=self._watch, name="ldm-stop-deadline", daemon=True)
+            self._watcher.start()
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join()
 
     def _handle(self, signum, frame) -> None:
         # only flags here: logging or printing from a handler can re-enter a write the main thread is in
@@ -55,6 +69,16 @@ class GracefulStop:
         elif now - self._first > REPEAT_SECONDS:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())
             os._exit(128 + signum)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(1.0):
+            if self.signum is not None and time.monotonic() - self._first > STOP_GRACE_SECONDS:
+                self._expire()
+
+    def _expire(self) -> None:
+        os.write(2, f"\nnot stopped {STOP_GRACE_SECONDS} s after {self.name}: stacks follow, then exit\n".encode())
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(128 + (self.signum or signal.SIGTERM))
 
     def requested(self) -> bool:
         """Whether any rank was signalled; every rank calls this after the same update."""
@@ -68,6 +92,7 @@ class GracefulStop:
             flag = bool(votes.item())
         if flag and self.signum is None:
             self.signum = signal.SIGTERM  # another rank was signalled: stop the same way
+        self.agreed = self.agreed or flag
         return flag
 
     @property

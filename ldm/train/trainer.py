@@ -29,7 +29,7 @@ from ldm.checkpoint import (
     write_training_state,
 )
 from ldm.distributed import Distributed
-from ldm.run_folder import RunFolder, remove
+from ldm.run_folder import RunFolder, checkpoint_problem, remove
 from ldm.train import common
 from ldm.train.signals import GracefulStop
 
@@ -120,17 +120,19 @@ class LDMTrainer(Trainer):
 
     def _save_checkpoint(self, model, metrics=None):
         folder = self.run_dir.path(f"checkpoint-{self.state.global_step}")
-        if self.dist.is_main and os.path.exists(folder):  # an incomplete one of an earlier try
-            remove(folder)
-        self.dist.barrier()
+        if self.dist.from_main(lambda: checkpoint_problem(folder, checksums=False) is None):
+            return  # already saved at this update (a stop at the last update, or a resume of the last checkpoint)
+        self.dist.from_main(lambda: remove(folder))  # an incomplete one of an earlier try: PaddleNLP writes in place
         super()._save_checkpoint(model, metrics)
         state = training_state(self.state.global_step, self.dist, self.data_stream,
                                [p for p in self.ldm.parameters() if not p.stop_gradient])
-        if self.dist.is_main:
+
+        def seal() -> None:
             write_training_state(folder, state)
             self.run_dir.complete(folder)
-            logger.info("saved %s", folder)
-        self.dist.barrier()
+
+        self.dist.from_main(seal)
+        logger.info("saved %s", folder)
 
 
 def train(training_args, model_args, data, sampling) -> dict:
@@ -170,7 +172,7 @@ def train(training_args, model_args, data, sampling) -> dict:
     data_stream.start()  # unusable data fails here, before the first write
     writer = NullWriter()
     try:
-        run_dir.create(training_args.overwrite_output_dir, resuming=checkpoint is not None)  # the first write
+        run_dir.create(checkpoint)  # the first write
         vae_folder, _ = run_dir.write_vae(components.vae)
         ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
         # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
@@ -187,12 +189,11 @@ def train(training_args, model_args, data, sampling) -> dict:
             trainer.train(resume_from_checkpoint=checkpoint)
         step = trainer.state.global_step
         last = run_dir.path(f"checkpoint-{step}")
-        stopped = stop.signum is not None and step < trainer.state.max_steps  # a later signal changed nothing
+        stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update changed nothing
         if stopped:
             stop.announce(step, last)
         else:
-            if step % training_args.save_steps != 0:
-                trainer._save_checkpoint(trainer.model_wrapped, metrics=None)
+            trainer._save_checkpoint(trainer.model_wrapped, metrics=None)  # returns at once if saved already
             if dist.is_main:
                 run_dir.export(last)
     finally:
