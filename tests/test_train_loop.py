@@ -223,8 +223,9 @@ def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_
     """Kubernetes signals the container's first process, here the launcher, which passes SIGTERM on (three
     times, 0.2 s apart): both ranks must finish the same update, save it once and exit."""
     out = tmp_path / "run"
-    args = corpus + ["--max_train_steps", "40", "--save_steps", "100", "--logging_steps", "1", "--num_workers", "1",
-                     "--output_dir", str(out)]
+    # far more updates than run before the signal: the launcher passes rank 0's output on only every 2 s
+    args = corpus + ["--max_train_steps", "100000", "--save_steps", "100000", "--logging_steps", "1",
+                     "--num_workers", "1", "--output_dir", str(out)]
     code, log = run_until(SCRIPT, args, "step 2 ", signal.SIGTERM, launch=True, cwd=tmp_path,
                           act=lambda proc: proc.send_signal(signal.SIGTERM))
     assert code != 0, log[-3000:]
