@@ -80,15 +80,16 @@ class Objective:
 class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
 
-    def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments,
-                 loop: LoopArguments, dist: Distributed):
+    def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
+                 recompute: bool, seed: int):
+        """Also the Trainer path's model (`ldm.train.trainer`): built, checked, saved and loaded the same way."""
         from ldm.models.autoencoder import autoencoder_identity
         from ldm.models.ema import EMA
 
         self.data, self.sampling = data, sampling
         self.tokenizer = common.build_tokenizer(data)
-        self.model, self.components = common.build_model(model_args, data, self.tokenizer, recompute=loop.recompute,
-                                                         seed=loop.seed)
+        self.model, self.components = common.build_model(model_args, data, self.tokenizer, recompute=recompute,
+                                                         seed=seed)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.vae_folder = None
@@ -126,7 +127,8 @@ class TextToImage(Objective):
 
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
-    return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, loop, dist),
+    return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, recompute=loop.recompute,
+                                                    seed=loop.seed),
                image_logging_steps=sampling.image_logging_steps)
 
 

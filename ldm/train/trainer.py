@@ -18,19 +18,11 @@ import os
 import paddle
 from paddlenlp.trainer import Trainer, TrainerCallback
 
-from ldm.checkpoint import (
-    check_autoencoder,
-    load_ema,
-    load_ldm_weights,
-    read_training_state,
-    recorded_autoencoder,
-    save_model,
-    training_state,
-    write_training_state,
-)
+from ldm.checkpoint import read_training_state, training_state, write_training_state
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem, remove
 from ldm.train import common
+from ldm.train.loop import TextToImage
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
@@ -46,40 +38,34 @@ class LDMCallback(TrainerCallback):
         t = self.trainer
         if t.resume_checkpoint:
             t._load_rng_state(t.resume_checkpoint)  # the Trainer skips this when ignore_data_skip is on
-            if t.ema is not None:
-                load_ema(t.resume_checkpoint, t.ema)
         else:
             paddle.seed(args.seed + 1000 * t.dist.rank)  # same weights everywhere, different noise per rank
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
         t = self.trainer
-        grads = [p.grad for p in t.ldm.parameters() if p.grad is not None]
+        grads = [p.grad for p in t.objective.model.parameters() if p.grad is not None]
         if grads:  # kept on the device until logged
             norm = paddle.sqrt(sum((g.astype("float32") ** 2).sum() for g in grads))
             t.grad_norms.append(norm / scaler._scale if scaler is not None else norm)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        if t.ema is not None:
-            t.ema.update()
-        steps = t.sampling.image_logging_steps
+        if t.objective.ema is not None:
+            t.objective.ema.update()
+        steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
-            common.log_samples(t.writer, state.global_step, t.ldm, t.ldm_tokenizer, t.data.model_max_length,
-                               t.sampling.num_inference_steps)
+            t.objective.log_images(t.writer, state.global_step, None)
         if t.stop is not None and t.stop.requested():  # SIGTERM/SIGINT: save this update, then stop
             control.should_save = control.should_training_stop = True
 
 
 class LDMTrainer(Trainer):
-    def __init__(self, *, model, args, tokenizer, data, sampling, dist: Distributed, run_dir: RunFolder,
-                 data_stream, vae_folder: str, vae_identity: dict, ema=None, writer=None,
-                 resume_checkpoint: str | None = None):
-        super().__init__(model=model, args=args)
-        self.ldm, self.ldm_tokenizer, self.data, self.sampling = model, tokenizer, data, sampling
-        self.dist, self.run_dir, self.data_stream = dist, run_dir, data_stream
-        self.vae_folder, self.vae_identity, self.ema, self.writer = vae_folder, vae_identity, ema, writer
-        self.resume_checkpoint = resume_checkpoint
+    def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
+                 writer=None, resume_checkpoint: str | None = None):
+        super().__init__(model=objective.model, args=args)
+        self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
+        self.writer, self.resume_checkpoint = writer, resume_checkpoint
         self.stop: GracefulStop | None = None
         self.grad_norms: list[paddle.Tensor] = []
         self.add_callback(LDMCallback(self))
@@ -106,14 +92,11 @@ class LDMTrainer(Trainer):
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             paddle.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            save_model(output_dir, unet=self.ldm.unet, text_encoder=self.ldm.text_encoder,
-                       tokenizer=self.ldm_tokenizer, noise_scheduler=self.ldm.noise_scheduler,
-                       vae_folder=self.vae_folder, vae_identity=self.vae_identity,
-                       ema_state=self.ema.state_dict() if self.ema else None)
+            self.objective.save(output_dir, output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
-            load_ldm_weights(resume_from_checkpoint, self.ldm)
+            self.objective.load(resume_from_checkpoint)
 
     def _rotate_checkpoints(self, *args, **kwargs):
         """`RunFolder.complete` rotates, counting complete checkpoints only."""
@@ -125,7 +108,7 @@ class LDMTrainer(Trainer):
         self.dist.from_main(lambda: remove(folder))  # an incomplete one of an earlier try: PaddleNLP writes in place
         super()._save_checkpoint(model, metrics)
         state = training_state(self.state.global_step, self.dist, self.data_stream,
-                               [p for p in self.ldm.parameters() if not p.stop_gradient])
+                               [p for p in self.objective.model.parameters() if not p.stop_gradient])
 
         def seal() -> None:
             write_training_state(folder, state)
@@ -140,8 +123,6 @@ def train(training_args, model_args, data, sampling) -> dict:
     anything is written (see `ldm.train.loop.run`)."""
     import paddle.distributed as pdist
 
-    from ldm.models.autoencoder import autoencoder_identity
-    from ldm.models.ema import EMA
     from ldm.tracking import NullWriter, make_writer
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
@@ -157,14 +138,10 @@ def train(training_args, model_args, data, sampling) -> dict:
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
 
-    tokenizer = common.build_tokenizer(data)
-    model, components = common.build_model(model_args, data, tokenizer, recompute=training_args.recompute,
-                                           seed=training_args.seed)
-    vae_identity = autoencoder_identity(components.vae)
+    objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
     if checkpoint:
-        check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), vae_identity,
-                          f"this run's autoencoder ({components.vae_source})")
-    data_stream = common.build_batches(data, tokenizer, batch_size=training_args.per_device_train_batch_size,
+        objective.check_resume(checkpoint)
+    data_stream = common.build_batches(data, objective.tokenizer, batch_size=training_args.per_device_train_batch_size,
                                        seed=training_args.seed, dist=dist,
                                        num_workers=training_args.dataloader_num_workers,
                                        saved_streams=read_training_state(checkpoint)["stream"] if checkpoint else None)
@@ -173,13 +150,11 @@ def train(training_args, model_args, data, sampling) -> dict:
     writer = NullWriter()
     try:
         run_dir.create(checkpoint)  # the first write
-        vae_folder, _ = run_dir.write_vae(components.vae)
-        ema = EMA(model, model_args.ema_decay) if model_args.use_ema else None
+        objective.start(run_dir)
         # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
         writer = make_writer(run_dir.path("visualdl_samples"), dist.is_main and sampling.image_logging_steps > 0)
-        trainer = LDMTrainer(model=model, args=training_args, tokenizer=tokenizer, data=data, sampling=sampling,
-                             dist=dist, run_dir=run_dir, data_stream=data_stream, vae_folder=vae_folder,
-                             vae_identity=vae_identity, ema=ema, writer=writer, resume_checkpoint=checkpoint)
+        trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
+                             data_stream=data_stream, writer=writer, resume_checkpoint=checkpoint)
         if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
             from paddlenlp.utils.log import logger as paddlenlp_logger
 
@@ -194,8 +169,7 @@ def train(training_args, model_args, data, sampling) -> dict:
             stop.announce(step, last)
         else:
             trainer._save_checkpoint(trainer.model_wrapped, metrics=None)  # returns at once if saved already
-            if dist.is_main:
-                run_dir.export(last)
+            objective.finish(last, data_stream, dist, run_dir)
     finally:
         data_stream.close()
         writer.close()
