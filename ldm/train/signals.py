@@ -39,7 +39,8 @@ class GracefulStop:
         self.dist = dist
         self.signum: int | None = None
         self.agreed = False  # every rank knows it stops after this update
-        self._first = 0.0
+        self._first = 0.0  # when the stop was requested, here or on another rank
+        self._received: float | None = None  # when this process got its first signal
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._previous: dict[int, object] = {}
@@ -64,9 +65,11 @@ class GracefulStop:
     def _handle(self, signum, frame) -> None:
         # only flags here: logging or printing from a handler can re-enter a write the main thread is in
         now = time.monotonic()
-        if self.signum is None:
-            self.signum, self._first = signum, now
-        elif now - self._first > REPEAT_SECONDS:
+        if self._received is None:  # this process's first signal (the request may have come from another rank)
+            self._received = now
+            if self.signum is None:
+                self._first, self.signum = now, signum  # _first before signum: the watcher reads them unlocked
+        elif now - self._received > REPEAT_SECONDS:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())
             os._exit(128 + signum)
 
@@ -90,8 +93,8 @@ class GracefulStop:
             votes = paddle.to_tensor([int(flag)], dtype="int32")
             pdist.all_reduce(votes, op=pdist.ReduceOp.MAX)
             flag = bool(votes.item())
-        if flag and self.signum is None:
-            self.signum = signal.SIGTERM  # another rank was signalled: stop the same way
+        if flag and self.signum is None:  # another rank was signalled: stop the same way, from now
+            self._first, self.signum = time.monotonic(), signal.SIGTERM  # _first before signum: read unlocked
         self.agreed = self.agreed or flag
         return flag
 
