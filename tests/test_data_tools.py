@@ -54,7 +54,9 @@ def test_bench_prints_both_rates_and_the_ratio_last(corpus):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert "naive" in lines[0] and "ldm" in lines[1]
-    assert lines[-1].startswith("ratio") and float(lines[-1].split()[1].rstrip("x")) > 0
+    naive, ours = (float(line.split("images/s")[0].split()[-1]) for line in lines[:2])
+    assert lines[-1].startswith("ratio")
+    assert float(lines[-1].split()[1].rstrip("x")) == pytest.approx(ours / naive, rel=0.01, abs=0.01)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -5,6 +5,7 @@ import os
 import subprocess
 
 import numpy as np
+import paddle
 from conftest import ROOT
 from PIL import Image
 
@@ -34,14 +35,14 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     assert report["generated"]["images"] == 24 * report["num_images_per_prompt"]
     assert report["classifier_on_corpus"]["all_three"] >= 0.99
     assert 0 < report["autoencoder"]["scaling_factor"] != 1.0  # measured, not the preset's
-    for name in ("object_colour", "background", "shape"):
-        assert 0.0 <= report["generated"][name] <= 1.0
 
     from ldm.checkpoint import read_training_state
     from ldm.run_folder import latest_checkpoint
 
     processes = report["settings"]["processes"]
-    assert processes == min(2, os.cpu_count())  # the LDM trains in one process per core, up to two
+    # the LDM trains in one process per core up to two on a CPU, in one process on a GPU
+    on_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    assert processes == (1 if on_gpu else min(2, os.cpu_count()))
     state = read_training_state(latest_checkpoint(str(out / "ldm")))
     assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
 
