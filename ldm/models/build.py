@@ -51,28 +51,68 @@ def resolve_source(name_or_path: str) -> str:
     return download(name_or_path)
 
 
-def download(name: str) -> str:
-    """Fetch the configs (and any weights) of a hub model into the ppdiffusers cache."""
-    from ppdiffusers.utils.download_utils import bos_aistudio_hf_download
+HUB_ATTEMPTS = 3
+HUB_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt
 
+
+class HubDownloadError(ModelSourceError):
+    pass
+
+
+def hub_file(name: str, filename: str, subfolder: str) -> str | None:
+    """A file of a hub model in the local cache; None when the repository does not have it.
+
+    ppdiffusers reports a missing file and a failed download as the same EnvironmentError, and a
+    part trained from scratch because of a network blip costs a run. So when its download fails,
+    the file's URL is asked directly: 404 means missing; anything else (no connection, 5xx, a
+    broken transfer) is retried with backoff, then raised as HubDownloadError.
+    """
+    import time
+
+    import requests
+    from ppdiffusers.utils.download_utils import bos_aistudio_hf_download, ppdiffusers_bos_url
+
+    url = ppdiffusers_bos_url(name, filename, subfolder=subfolder)
+    problem = ""
+    for attempt in range(HUB_ATTEMPTS):
+        if attempt:
+            time.sleep(HUB_BACKOFF_SECONDS * 2 ** (attempt - 1))
+        try:
+            return bos_aistudio_hf_download(name, filename, subfolder=subfolder)
+        except Exception as e:  # noqa: BLE001 - classified below by asking the URL itself
+            problem = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        try:
+            status = requests.head(url, timeout=30, allow_redirects=True).status_code
+        except requests.RequestException as e:
+            problem = f"{type(e).__name__} for {url}"
+            continue
+        if status == 404:
+            return None
+        problem = f"HTTP {status} for {url}" if status != 200 else problem
+    raise HubDownloadError(f"cannot download {subfolder}/{filename} of {name!r} from the model hub after "
+                           f"{HUB_ATTEMPTS} attempts ({problem})")
+
+
+def download(name: str) -> str:
+    """Fetch the configs and the weights each part has of a hub model into the ppdiffusers cache."""
     try:
-        config = bos_aistudio_hf_download(name, "config.json", subfolder="unet")
+        config = hub_file(name, "config.json", "unet")
+        if config is None:
+            raise ModelSourceError(f"{name!r} on the model hub has no unet/config.json: not an LDM pipeline")
         for part, filename in (("bert", "config.json"), ("vqvae", "config.json"),
                                ("scheduler", "scheduler_config.json")):
-            bos_aistudio_hf_download(name, filename, subfolder=part)
-    except Exception as e:  # noqa: BLE001 - no network, no such repo, no access: all mean "unavailable"
+            if hub_file(name, filename, part) is None and part != "scheduler":
+                raise ModelSourceError(f"{name!r} on the model hub has no {part}/{filename}: not an LDM pipeline")
+    except HubDownloadError as e:
         same = HUB_PRESETS.get(name)
         hint = (f" The shipped preset '{same}' has the same architecture: pass it instead, with "
                 "--vae_name_or_path set to a pretrained autoencoder folder." if same else
                 f" Offline, pass a preset ({', '.join(PRESETS)}) or a local folder.")
-        raise ModelSourceError(f"cannot fetch {name!r} from the model hub ({type(e).__name__}).{hint}") from None
+        raise ModelSourceError(f"{e}.{hint}") from None
     for part in ("unet", "bert", "vqvae"):
-        for weights in WEIGHT_FILES:
-            try:
-                bos_aistudio_hf_download(name, weights, subfolder=part)
-                break
-            except Exception:  # noqa: BLE001, S112 - a part without weights is trained from scratch
-                continue
+        if not any(hub_file(name, weights, part) for weights in WEIGHT_FILES):  # a failed download raises
+            logger.warning("%s on the model hub has no weights for %s/ (none of %s): that part is built from its "
+                           "config and trained from scratch", name, part, ", ".join(WEIGHT_FILES))
     return os.path.dirname(os.path.dirname(config))
 
 

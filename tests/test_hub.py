@@ -1,0 +1,89 @@
+"""Loading a model by hub name, against a real HTTP server started here that answers as the hub's storage
+does: a part with no weights is built from scratch with a warning; a failing download is retried and then
+fails; it never silently becomes "no weights"."""
+
+import functools
+import logging
+import shutil
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ldm.models import build
+from ldm.models.build import PRESETS_DIR, ModelSourceError, build_components
+
+REPO = "org/tiny"
+
+
+class FlakyHandler(SimpleHTTPRequestHandler):
+    """Static files; a path listed in `server.failures` answers 503 that many times first."""
+
+    def send_head(self):
+        failures = self.server.failures
+        if failures.get(self.path, 0) > 0:
+            failures[self.path] -= 1
+            self.send_error(503, "Slow Down")
+            return None
+        return super().send_head()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A hub holding the ldm-tiny configs as `org/tiny`; returns (repo folder, failures by URL path)."""
+    from ppdiffusers.utils import download_utils
+
+    root = tmp_path / "hub"
+    repo = root / "models" / "community" / REPO
+    shutil.copytree(PRESETS_DIR / "ldm-tiny", repo)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(FlakyHandler, directory=str(root)))
+    server.failures = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(download_utils, "PPDIFFUSERS_BOS_URL_TEMPLATE",
+                        endpoint + "/{repo_type}/community/{repo_id}/{revision}/{filename}")
+    monkeypatch.setattr(download_utils, "PPDIFFUSERS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "HUB_BACKOFF_SECONDS", 0.01)
+    yield repo, server.failures
+    server.shutdown()
+    server.server_close()
+
+
+def test_parts_the_repository_has_no_weights_for_are_built_from_scratch_loudly(hub, caplog):
+    with caplog.at_level(logging.WARNING, logger="ldm.models"):
+        components = build_components(REPO)
+    assert components.pretrained == {"unet": False, "text_encoder": False, "vae": False}
+    for part in ("unet", "bert", "vqvae"):
+        assert f"{REPO} on the model hub has no weights for {part}/" in caplog.text
+
+
+def test_a_failing_download_is_retried_and_then_fails_instead_of_training_from_scratch(hub, tmp_path, monkeypatch):
+    from ppdiffusers import UNet2DConditionModel
+    from ppdiffusers.utils import download_utils
+
+    repo, failures = hub
+    UNet2DConditionModel.from_config(build.read_config(repo / "unet")).save_pretrained(str(repo / "unet"))
+    weights = [name for name in build.WEIGHT_FILES if (repo / "unet" / name).exists()]
+    assert weights, list((repo / "unet").iterdir())
+    path = f"/models/community/{REPO}/unet/{weights[0]}"
+
+    failures[path] = 3  # a blip: the first attempt and part of the second fail
+    assert build_components(REPO).pretrained["unet"] is True
+    assert failures[path] == 0
+
+    monkeypatch.setattr(download_utils, "PPDIFFUSERS_CACHE", str(tmp_path / "cache2"))
+    failures[path] = 1000  # down for good
+    with pytest.raises(ModelSourceError, match=rf"cannot download unet/{weights[0]} .* after 3 attempts .*HTTP 503"):
+        build_components(REPO)
+
+
+def test_a_hub_name_offline_fails_clearly_naming_the_preset(monkeypatch):
+    monkeypatch.setattr(build, "HUB_BACKOFF_SECONDS", 0.01)
+    with pytest.raises(ModelSourceError, match="ldm-32layer"):
+        build_components("CompVis/ldm_laion400M_pretrain")
+    with pytest.raises(ModelSourceError, match="model not found"):
+        build_components("./no/such/folder")
