@@ -41,3 +41,28 @@ def test_eval_prompts_cover_every_colour_background_and_shape():
     assert all(c != b for c, _, b in parsed)
     with pytest.raises(ValueError):
         parse_caption("a photo of a cat")
+
+
+def test_autoencoder_command_scores_the_reconstructions_not_the_inputs(tmp_path, capsys):
+    """`python -m ldm.eval autoencoder` with an untrained autoencoder: its reconstructions carry no shape, so
+    the scores must be far below the classifier's on the inputs (>= 99%, above)."""
+    import json
+
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.eval import main
+    from ldm.models.build import PRESETS_DIR, read_config
+
+    folder = tmp_path / "vqvae"
+    AutoencoderKL.from_config(read_config(PRESETS_DIR / "ldm-tiny" / "vqvae")).save_pretrained(str(folder))
+    grid = tmp_path / "grid.png"
+    assert main(["autoencoder", "--vqvae", str(folder), "--resolution", "32", "--num_images", "40",
+                 "--grid", str(grid), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["vqvae"] == str(folder) and result["reconstructions"]["images"] == 40
+    assert result["reconstructions"]["all_three"] < 0.5 and result["reconstructions"]["mean_abs_error"] > 0.05
+    assert Image.open(grid).size == (32 * 16, 32 * 2)  # inputs above reconstructions
+
+    with pytest.raises(SystemExit) as error:
+        main(["autoencoder", "--vqvae", str(tmp_path / "missing"), "--resolution", "32"])
+    assert error.value.code == 2 and "error:" in capsys.readouterr().err

@@ -137,13 +137,16 @@ def test_loss_target_is_the_schedulers(tokenizer, prediction_type):
     assert float(model(pixels, ids)) == pytest.approx(expected, rel=1e-5)
 
 
-def test_min_snr_weights(tokenizer):
-    c = tiny(tokenizer)
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_weights(tokenizer, prediction_type):
+    """Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon targets, / (SNR + 1) for v."""
+    c = tiny(tokenizer, prediction_type)
     model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, snr_gamma=5.0)
     t = paddle.to_tensor([10, 500, 990])
     alphas = c.noise_scheduler.alphas_cumprod.numpy()[[10, 500, 990]]
     snr = alphas / (1 - alphas)
-    np.testing.assert_allclose(model.loss_weights(t).numpy(), np.minimum(snr, 5.0) / snr, rtol=1e-5)
+    expected = np.minimum(snr, 5.0) / (snr + 1 if prediction_type == "v_prediction" else snr)
+    np.testing.assert_allclose(model.loss_weights(t).numpy(), expected, rtol=1e-5)
 
 
 def test_recompute_gives_the_same_loss_and_gradients(tokenizer):

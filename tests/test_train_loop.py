@@ -82,7 +82,8 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     result = run(corpus + ["--max_train_steps", "5", "--save_steps", "2", "--logging_steps", "3",
                            "--checkpoints_total_limit", "2", "--gradient_accumulation_steps", "2",
                            "--num_workers", "0", "--output_dir", str(out), "--use_ema",
-                           "--image_logging_steps", "2", "--num_inference_steps", "2"])
+                           "--image_logging_steps", "2", "--num_inference_steps", "2", "--freeze_text_encoder",
+                           "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--learning_rate", "1e-3"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]
     state = read_training_state(out / "checkpoint-5")
@@ -103,6 +104,14 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                 "train/data_wait_fraction", "data/ok", "data/missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
+    # the schedule counts optimizer updates, not micro-steps: after update 3 of 5 (warm-up 2), 2/3 of the peak
+    rates = [r.value for r in reader.get_data("scalar", "train/learning_rate")]
+    np.testing.assert_allclose(rates, [1e-3 * 2 / 3, 0.0], rtol=1e-5, atol=1e-12)
+    # --freeze_text_encoder: update 5 moved the UNet and left LDMBert as it was
+    before, _ = weights(out / "checkpoint-4")
+    after, _ = weights(out / "checkpoint-5")
+    assert all(np.array_equal(before[n], after[n]) for n in after if n.startswith("bert."))
+    assert any(not np.array_equal(before[n], after[n]) for n in after if n.startswith("unet."))
     assert {"samples/guidance_1.0", "samples/guidance_7.5"} <= set(reader.get_tags()["image"])
     assert [r.id for r in reader.get_data("image", "samples/guidance_7.5")] == [2, 4]
 
