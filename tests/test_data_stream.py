@@ -106,6 +106,27 @@ def test_dataloader_resume_sees_exactly_the_uninterrupted_batches(corpus, vocab_
     assert sum(v for k, v in tracker.counts().items() if k != "ok") > 0
 
 
+@pytest.mark.parametrize("saved_world, resumed_world", [(1, 1), (2, 1)])
+def test_resume_with_another_layout_starts_the_next_pass(corpus, vocab_dir, caplog, saved_world, resumed_world):
+    """Saved with 2 workers (on 1 or 2 ranks), resumed with 0 workers on 1 rank: the slots differ, so no slot
+    can continue another's position; the stream says so and starts the pass after the saved one."""
+    from ldm.data.dataset import rank_stream_state
+
+    first = StreamState(2)
+    consume(build_dataloader(make_stream(corpus, vocab_dir, num_workers=2, world_size=saved_world), 2), first, 3)
+    saved = [json.loads(json.dumps(first.state_dict()))] * saved_world  # one state per saved rank
+    assert max(s["pass"] for s in saved[0]["slots"].values()) == 0
+
+    state = rank_stream_state(saved, 0, resumed_world)
+    with caplog.at_level("WARNING", logger="ldm.data"):
+        stream = make_stream(corpus, vocab_dir, state, num_workers=0, world_size=resumed_world)
+    assert "saved with another rank/worker layout; starting pass 1" in caplog.text
+    assert stream.start_pass == 1 and not stream.resumes_exactly
+    resumed = StreamState(0)
+    consume(build_dataloader(stream, 0), resumed, 1)
+    assert [s["pass"] for s in resumed.slots.values()] == [1]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_closing_the_batches_stops_the_loader_workers_and_threads(corpus, num_workers):
     from ldm.args import DataArguments
