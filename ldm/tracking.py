@@ -23,9 +23,6 @@ class NullWriter:
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
         pass
 
-    def text(self, message: str) -> None:
-        pass
-
     def close(self) -> None:
         pass
 
@@ -48,9 +45,6 @@ class VisualDLWriter(NullWriter):
 
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
         self.writer.add_image(tag=tag, img=image, step=step)
-
-    def text(self, message: str) -> None:
-        logger.info(message)
 
     def close(self) -> None:
         self.writer.close()

@@ -114,6 +114,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     assert any(not np.array_equal(before[n], after[n]) for n in after if n.startswith("unet."))
     assert {"samples/guidance_1.0", "samples/guidance_7.5"} <= set(reader.get_tags()["image"])
     assert [r.id for r in reader.get_data("image", "samples/guidance_7.5")] == [2, 4]
+    assert [r.id for r in reader.get_data("image", "samples_ema/guidance_7.5")] == [2, 4]  # --use_ema
 
     again = run(corpus + ["--max_train_steps", "1", "--output_dir", str(out)])
     assert again.returncode == 2

@@ -233,7 +233,7 @@ def lr_schedule(name: str, learning_rate: float, warmup_steps: int, total_steps:
 
 
 def log_samples(writer, step: int, model, tokenizer, model_max_length: int, num_inference_steps: int,
-                seed: int = 0) -> None:
+                seed: int = 0, tag: str = "samples") -> None:
     """Sample images at guidance 1.0 and 7.5 for the fixed prompts (on the writing rank only)."""
     if not writer.active:
         return
@@ -245,4 +245,4 @@ def log_samples(writer, step: int, model, tokenizer, model_max_length: int, num_
     for guidance in (1.0, 7.5):
         images = generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, SAMPLE_PROMPTS,
                           guidance_scale=guidance, num_inference_steps=num_inference_steps, seed=seed)
-        writer.image(f"samples/guidance_{guidance}", np.asarray(image_grid(images, 1)), step)
+        writer.image(f"{tag}/guidance_{guidance}", np.asarray(image_grid(images, 1)), step)

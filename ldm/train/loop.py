@@ -116,9 +116,15 @@ class TextToImage(Objective):
             load_ema(folder, self.ema)
 
     def log_images(self, writer, step, batch):
-        # generate() puts every part back in the mode it found it in
-        common.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
-                           self.sampling.num_inference_steps)
+        # generate() puts every part back in the mode it found it in; with EMA, its weights sample too
+        def log(tag: str) -> None:
+            common.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
+                               self.sampling.num_inference_steps, tag=tag)
+
+        log("samples")
+        if self.ema is not None and writer.active:
+            with self.ema.swapped(self.model):  # the trained weights are put back exactly afterwards
+                log("samples_ema")
 
     def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
