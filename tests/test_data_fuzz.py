@@ -31,7 +31,8 @@ from conftest import ROOT
 from corpus import GOOD_KINDS, bomb_png, image_bytes
 from PIL import Image
 
-from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, stop_loader
+from ldm.compat import stop_loader
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.plan import slot_units
 from ldm.data.record import REASONS, ImageTransform, SkipRecord, parse_record, sample_rng

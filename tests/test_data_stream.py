@@ -11,7 +11,8 @@ import pytest
 from corpus import write_corpus
 from test_data_plan import text_shards
 
-from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, stop_loader
+from ldm.compat import stop_loader
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, SkipRecord
 from ldm.data.stream import NoUsableData, SlotStream
@@ -230,13 +231,13 @@ def test_closing_stops_a_worker_stuck_inside_a_record_in_bounded_time(tmp_path, 
     """A worker blocked in a read never looks at its queue again: closing must kill it, not wait forever."""
     import os
 
+    from ldm import compat
     from ldm.args import DataArguments
-    from ldm.data import dataset
     from ldm.data.plan import slot_units
     from ldm.distributed import Distributed
     from ldm.train.common import build_batches
 
-    monkeypatch.setattr(dataset, "WORKER_EXIT_SECONDS", 2)
+    monkeypatch.setattr(compat, "WORKER_EXIT_SECONDS", 2)
     write_corpus(str(tmp_path / "good"), num_records=8, records_per_shard=8)
     good = str(tmp_path / "good" / "train-00000.gz")
     os.mkfifo(tmp_path / "stuck.gz")

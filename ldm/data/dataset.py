@@ -19,6 +19,7 @@ import cv2
 import numpy as np
 from paddle.io import DataLoader, IterableDataset, get_worker_info
 
+from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import ShardError, iter_lines
@@ -191,48 +192,7 @@ class StreamState:
         self.batches = state["batches"]
 
 
-# How often Paddle's reader thread wakes from waiting on the workers' queue (its default is 5 s);
-# it is also the longest `stop_loader` waits for that thread.
-READER_POLL_SECONDS = 1
-# How long `stop_loader` waits for a worker to leave before it kills it: a worker stuck inside one
-# record (a hung read) never looks at its queue again.
-WORKER_EXIT_SECONDS = 10
-
-
 def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader:
+    check_loader_classes()  # `compat.stop_loader` will need Paddle's iterator internals
     return DataLoader(stream, batch_size=None, num_workers=num_workers, use_shared_memory=False,
                       timeout=READER_POLL_SECONDS)  # only the poll interval: no batch ever times out
-
-
-def stop_loader(iterator) -> None:
-    """Stop a Paddle DataLoader iterator now, in a bounded time: its reader thread first, then its workers
-    and queues; a worker that has not left after `WORKER_EXIT_SECONDS` is killed.
-
-    Left alone, Paddle stops the last iterator in an atexit hook, during interpreter shutdown, closes
-    the workers' queue while its reader thread may still be reading it, and joins each worker without
-    a time limit.
-    """
-    if not hasattr(iterator, "_try_shutdown_all"):  # Paddle's own __del__ calls it
-        return
-    thread = getattr(iterator, "_thread", None)
-    if getattr(iterator, "_data_queue", None) is not None and thread is not None and thread.is_alive():
-        iterator._exit_thread_expectedly()
-        thread.join(timeout=READER_POLL_SECONDS + 10)
-        if thread.is_alive():
-            logger.warning("the data loader's reader thread did not stop; closing its queues anyway")
-    workers = list(getattr(iterator, "_workers", None) or ())
-    if not workers:
-        # in-process reading: Paddle's shutdown polls its reader thread in 1 s sleeps; stop it first
-        if thread is not None and thread.is_alive():
-            iterator._thread_done_event.set()
-            iterator._blocking_queue.close()
-            thread.join(timeout=READER_POLL_SECONDS + 10)
-        iterator._try_shutdown_all()
-        return
-    iterator._try_shutdown_all(timeout=WORKER_EXIT_SECONDS / len(workers))
-    for worker in workers:
-        if worker.is_alive():
-            logger.warning("data loader worker %d did not stop within %g s (stuck inside a record?): killing it",
-                           worker.pid, WORKER_EXIT_SECONDS)
-            worker.kill()
-            worker.join(timeout=10)

@@ -130,7 +130,7 @@ class TimedBatches:
         self._iterators, self._first = [], None
 
     def _batches(self):
-        from ldm.data.dataset import stop_loader
+        from ldm.compat import stop_loader
         from ldm.data.watchdog import StallWatchdog, raise_if_error
 
         if self.loader.num_workers:
@@ -210,12 +210,12 @@ def clip_grad_norm(parameters, max_norm: float) -> paddle.Tensor:
     per gradient, a stack and a second norm; no rescaling pass when `max_norm` is infinite. Per-op
     cost dominates for small models on a CPU: see `scripts/bench_step.py`.
     """
-    from paddle.nn.clip import _squared_l2_norm
+    from ldm.compat import squared_l2_norm
 
     grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
     if not grads:
         return paddle.zeros([], dtype="float32")
-    total = paddle.sqrt(paddle.add_n([_squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
+    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
     if math.isfinite(max_norm):
         scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
         scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype

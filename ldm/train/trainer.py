@@ -19,6 +19,7 @@ import paddle
 from paddlenlp.trainer import Trainer, TrainerCallback
 
 from ldm.checkpoint import read_training_state, training_state, write_training_state
+from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem, remove
 from ldm.train import common
@@ -37,7 +38,7 @@ class LDMCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
         if t.resume_checkpoint:
-            t._load_rng_state(t.resume_checkpoint)  # the Trainer skips this when ignore_data_skip is on
+            load_trainer_rng_state(t, t.resume_checkpoint)  # the Trainer skips this when ignore_data_skip is on
         else:
             paddle.seed(args.seed + 1000 * t.dist.rank)  # same weights everywhere, different noise per rank
 
@@ -47,7 +48,7 @@ class LDMCallback(TrainerCallback):
         grads = [p.grad for p in t.objective.model.parameters() if p.grad is not None]
         if grads:  # kept on the device until logged
             norm = paddle.sqrt(sum((g.astype("float32") ** 2).sum() for g in grads))
-            t.grad_norms.append(norm / scaler._scale if scaler is not None else norm)
+            t.grad_norms.append(norm / loss_scale(scaler) if scaler is not None else norm)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
@@ -63,6 +64,7 @@ class LDMCallback(TrainerCallback):
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
                  writer=None, resume_checkpoint: str | None = None):
+        check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
         super().__init__(model=objective.model, args=args)
         self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
         self.writer, self.resume_checkpoint = writer, resume_checkpoint
@@ -168,7 +170,7 @@ def train(training_args, model_args, data, sampling) -> dict:
         if stopped:
             stop.announce(step, last)
         else:
-            trainer._save_checkpoint(trainer.model_wrapped, metrics=None)  # returns at once if saved already
+            save_trainer_checkpoint(trainer)  # returns at once if saved already
             objective.finish(last, data_stream, dist, run_dir)
     finally:
         data_stream.close()

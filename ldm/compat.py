@@ -1,0 +1,137 @@
+"""Every use of a private Paddle or PaddleNLP API, in one place, checked against an upgrade.
+
+The project is tested with the versions in requirements.lock (`SUPPORTED`). Each function here
+names the private attributes it relies on; when an upgrade has removed one, it raises
+`CompatibilityError` naming them and the supported versions, at start-up where possible, instead of
+an AttributeError deep in a run, or (worse) a subclass hook that is silently never called.
+tests/test_compat.py checks every shim against the installed versions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("ldm.data")
+
+SUPPORTED = "paddlepaddle 3.3, paddlenlp 2.8.1, ppdiffusers 0.29.0"
+
+
+class CompatibilityError(RuntimeError):
+    pass
+
+
+def installed_versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("paddlepaddle", "paddlepaddle-gpu", "paddlenlp", "ppdiffusers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def private(owner, name: str, use: str):
+    """`owner.name`, or a CompatibilityError saying what needs it and which versions have it."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__qualname__", type(owner).__qualname__)
+        raise CompatibilityError(f"{use} needs {where}.{name}, which the installed {installed_versions()} lacks; "
+                                 f"this project supports {SUPPORTED} (requirements.lock)") from None
+
+
+# --- Paddle: gradient clipping and loss scaling -------------------------------------------------
+
+def squared_l2_norm(tensor):
+    """Sum of squares of a tensor in one kernel: the one Paddle's `ClipGradByGlobalNorm` uses."""
+    import paddle.nn.clip
+
+    return private(paddle.nn.clip, "_squared_l2_norm", "gradient clipping")(tensor)
+
+
+def loss_scale(scaler):
+    """The factor `scaler.scale()` multiplies a loss by now (no public getter): a tensor, or 1.0 when the
+    scaler is disabled (no fp16, or a device without it)."""
+    scale = private(scaler, "_scale", "logging the gradient norm under fp16")
+    return 1.0 if scale is None or not private(scaler, "_enable", "logging the gradient norm under fp16") else scale
+
+
+# --- PaddleNLP Trainer: the hooks `ldm.train.trainer.LDMTrainer` overrides or calls ----------------
+
+TRAINER_HOOKS = ("_save", "_save_checkpoint", "_load_from_checkpoint", "_rotate_checkpoints", "_load_rng_state")
+
+
+def check_trainer_hooks() -> None:
+    """An override of a hook the Trainer no longer has would never be called: fail at start instead."""
+    from paddlenlp.trainer import Trainer
+
+    for name in TRAINER_HOOKS:
+        private(Trainer, name, "the Trainer path (checkpoint layout, resume)")
+
+
+def load_trainer_rng_state(trainer, checkpoint: str) -> None:
+    """The Trainer restores random states only when it replays data; this run restores data exactly."""
+    private(trainer, "_load_rng_state", "resuming the Trainer path")(checkpoint)
+
+
+def save_trainer_checkpoint(trainer) -> None:
+    private(trainer, "_save_checkpoint", "the Trainer path's final checkpoint")(trainer.model_wrapped, metrics=None)
+
+
+# --- Paddle DataLoader: stopping its iterator in bounded time -----------------------------------
+
+LOADER_METHODS = ("_try_shutdown_all", "_exit_thread_expectedly")
+LOADER_ATTRIBUTES = ("_thread", "_thread_done_event", "_blocking_queue")  # + "_workers", "_data_queue" with workers
+
+
+def check_loader_classes() -> None:
+    from paddle.io.dataloader import dataloader_iter
+
+    for cls in ("_DataLoaderIterSingleProcess", "_DataLoaderIterMultiProcess"):
+        iterator_class = private(dataloader_iter, cls, "stopping the data loader")
+        for name in LOADER_METHODS:
+            private(iterator_class, name, "stopping the data loader")
+
+
+# How often Paddle's reader thread wakes from waiting on the workers' queue (its default is 5 s);
+# it is also the longest `stop_loader` waits for that thread.
+READER_POLL_SECONDS = 1
+# How long `stop_loader` waits for a worker to leave before it kills it: a worker stuck inside one
+# record (a hung read) never looks at its queue again.
+WORKER_EXIT_SECONDS = 10
+
+
+def stop_loader(iterator) -> None:
+    """Stop a Paddle DataLoader iterator now, in a bounded time: its reader thread first, then its workers
+    and queues; a worker that has not left after `WORKER_EXIT_SECONDS` is killed.
+
+    Left alone, Paddle stops the last iterator in an atexit hook, during interpreter shutdown, closes
+    the workers' queue while its reader thread may still be reading it, and joins each worker without
+    a time limit.
+    """
+    if not hasattr(iterator, "_try_shutdown_all"):  # Paddle's own __del__ calls it
+        return
+    thread = getattr(iterator, "_thread", None)
+    if getattr(iterator, "_data_queue", None) is not None and thread is not None and thread.is_alive():
+        iterator._exit_thread_expectedly()
+        thread.join(timeout=READER_POLL_SECONDS + 10)
+        if thread.is_alive():
+            logger.warning("the data loader's reader thread did not stop; closing its queues anyway")
+    workers = list(getattr(iterator, "_workers", None) or ())
+    if not workers:
+        # in-process reading: Paddle's shutdown polls its reader thread in 1 s sleeps; stop it first
+        if thread is not None and thread.is_alive():
+            iterator._thread_done_event.set()
+            iterator._blocking_queue.close()
+            thread.join(timeout=READER_POLL_SECONDS + 10)
+        iterator._try_shutdown_all()
+        return
+    iterator._try_shutdown_all(timeout=WORKER_EXIT_SECONDS / len(workers))
+    for worker in workers:
+        if worker.is_alive():
+            logger.warning("data loader worker %d did not stop within %g s (stuck inside a record?): killing it",
+                           worker.pid, WORKER_EXIT_SECONDS)
+            worker.kill()
+            worker.join(timeout=10)
