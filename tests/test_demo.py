@@ -6,6 +6,7 @@ import subprocess
 
 import numpy as np
 import paddle
+import pytest
 from conftest import ROOT
 from PIL import Image
 
@@ -20,6 +21,8 @@ def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
     assert sorted(background for _, _, background in words) == sorted(COLOURS)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
     result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out)],

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 from entry import launch_report
 
@@ -73,6 +74,7 @@ def test_a_process_that_does_not_stop_prints_its_stacks_and_exits_after_the_dead
     assert result.returncode == 128 + signal.SIGTERM
 
 
+@pytest.mark.distributed
 def test_a_rank_told_by_another_stops_with_it_and_counts_its_deadline_from_then(tmp_path):
     """Rank 0 is signalled; rank 1 learns it from the vote, then gets its own signal 2.5 s later (a scheduler
     signalling ranks one by one). Rank 1 must neither take that for a second signal nor expire at once."""

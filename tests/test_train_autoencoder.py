@@ -55,6 +55,7 @@ def test_trains_writes_vqvae_with_the_measured_scaling_factor(setup, tmp_path):
     assert vae.config.scaling_factor != 0.18215
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(setup, tmp_path):
     _, common = setup
     common = common + ["--logging_steps", "2", "--save_steps", "3", "--lr_scheduler", "constant"]

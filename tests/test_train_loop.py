@@ -31,6 +31,7 @@ def run(args, launch=False, cwd=None):
     return run_entry(SCRIPT, args, launch, cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, fault", [(0, "SIGKILL"), (2, "SIGTERM")])
 def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers, fault):
     """SIGKILL lands at a random moment, often inside a checkpoint write (one per update); SIGTERM reaches
@@ -147,6 +148,7 @@ def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, 
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     out = tmp_path / "run"
     result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",
@@ -197,6 +199,7 @@ def test_clip_grad_norm_matches_paddles(max_norm):
     assert total == pytest.approx(min(norm, max_norm), rel=1e-4)  # clipped to max_norm, or untouched
 
 
+@pytest.mark.slow
 def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus, tmp_path):
     from ppdiffusers import AutoencoderKL
 
@@ -229,6 +232,8 @@ def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus
     assert "not a usable checkpoint: optimizer.pdopt has 100 bytes" in named.stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_path):
     """Kubernetes signals the container's first process, here the launcher, which passes SIGTERM on (three
     times, 0.2 s apart): both ranks must finish the same update, save it once and exit."""
@@ -252,6 +257,7 @@ def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_
     assert len(set(read_training_state(out / f"checkpoint-{state['step'] + 2}")["weights_checksum"])) == 1
 
 
+@pytest.mark.distributed
 def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpus, tmp_path):
     import time
 

@@ -29,6 +29,7 @@ def run(args, launch=False, cwd=None):
     return run_entry(SCRIPT, args, launch, cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, stop", [(0, "max_steps"), (2, "SIGTERM")])
 def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_path, workers, stop):
     common = corpus + ["--gradient_accumulation_steps", "2", "--logging_steps", "1", "--save_steps", "4",
@@ -103,6 +104,7 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
+@pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     out = tmp_path / "run"
     result = run(corpus + ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "2",

@@ -1,0 +1,58 @@
+"""The GPU lane: mixed precision, which a CPU cannot run (there the runs fall back to fp32, tested in
+test_train_loop.py). Skipped without a CUDA device; on a machine with a card:
+
+    bash scripts/test.sh -m gpu
+"""
+
+import math
+import os
+
+import numpy as np
+import paddle
+import pytest
+from corpus import write_corpus
+from entry import run_entry, weights
+
+from ldm.checkpoint import read_training_state
+from ldm.tracking import read_scalars
+
+HAS_GPU = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, vocab_dir):
+    folder = tmp_path_factory.mktemp("gpu_corpus")
+    listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"))
+    return ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+            "--model_max_length", "16", "--resolution", "32"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains_and_keeps_fp32_weights(corpus, tmp_path, precision):
+    if precision == "bf16" and not paddle.amp.is_bfloat16_supported():
+        pytest.skip("this card has no bf16")
+    out = tmp_path / "run"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--train_batch_size", "4", "--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+        "--mixed_precision", precision, "--num_workers", "0", "--output_dir", str(out), "--use_ema"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not supported" not in result.stderr  # it really ran in mixed precision
+    _, losses = read_scalars(str(out / "visualdl"), "train/loss")
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    before, _ = weights(out / "checkpoint-2")
+    after, _ = weights(out / "checkpoint-4")
+    assert all(after[name].dtype == np.float32 for name in after)  # master weights stay fp32
+    assert any(not np.array_equal(before[n], after[n]) for n in after if n.startswith("unet."))
+    scaler = read_training_state(out / "checkpoint-4")["scaler"]
+    if precision == "fp16":  # dynamic loss scaling is saved for an exact resume
+        assert scaler and float(np.asarray(scaler["scale"]).reshape(-1)[0]) > 0
+
+
+def test_trainer_path_fp16_exports_a_pipeline(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_entry("train_txt2img_laion400m_trainer.py", corpus + [
+        "--per_device_train_batch_size", "4", "--max_steps", "2", "--fp16", "--dataloader_num_workers", "0",
+        "--output_dir", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isdir(out / "pipeline")
