@@ -132,7 +132,7 @@ def test_resume_with_another_layout_starts_the_next_pass(corpus, vocab_dir, capl
 def test_closing_the_batches_stops_the_loader_workers_and_threads(corpus, num_workers):
     from ldm.args import DataArguments
     from ldm.distributed import Distributed
-    from ldm.train.common import build_batches
+    from ldm.train.batches import build_batches
 
     before, children = set(threading.enumerate()), set(multiprocessing.active_children())
     data = DataArguments(file_list=corpus, resolution=32)
@@ -176,7 +176,7 @@ def test_a_data_error_reaches_the_training_loop_as_itself(tmp_path, num_workers)
     """Paddle's DataLoader loses dataset exceptions (num_workers=0 hung forever): they must arrive."""
     from ldm.args import DataArguments
     from ldm.distributed import Distributed
-    from ldm.train.common import build_batches
+    from ldm.train.batches import build_batches
 
     for i in range(2):
         (tmp_path / f"bad{i}.gz").write_bytes(b"no tabs here\n" * 10)
@@ -193,7 +193,7 @@ STALL_SCRIPT = """
 import sys
 from ldm.args import DataArguments
 from ldm.distributed import Distributed
-from ldm.train.common import build_batches
+from ldm.train.batches import build_batches
 data = DataArguments(file_list=sys.argv[1], resolution=32, data_timeout=float(sys.argv[3]))
 batches = build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=int(sys.argv[2]))
 for batch in batches:
@@ -235,7 +235,7 @@ def test_closing_stops_a_worker_stuck_inside_a_record_in_bounded_time(tmp_path, 
     from ldm.args import DataArguments
     from ldm.data.plan import slot_units
     from ldm.distributed import Distributed
-    from ldm.train.common import build_batches
+    from ldm.train.batches import build_batches
 
     monkeypatch.setattr(compat, "WORKER_EXIT_SECONDS", 2)
     write_corpus(str(tmp_path / "good"), num_records=8, records_per_shard=8)

@@ -181,7 +181,7 @@ def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path)
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
 def test_clip_grad_norm_matches_paddles(max_norm):
-    from ldm.train.common import clip_grad_norm
+    from ldm.train.optim import clip_grad_norm
 
     def clipped(clip):
         paddle.seed(0)

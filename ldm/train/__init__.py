@@ -1,2 +1,2 @@
-"""Training building blocks shared by both entry points (`common`), the hand-written loop
-(`loop`) and the PaddleNLP Trainer subclass (`trainer`)."""
+"""Training: what both entry points share (`setup`, `batches`, `optim`, `samples`, `signals`), the
+hand-written loop (`loop`) and the PaddleNLP Trainer subclass (`trainer`)."""

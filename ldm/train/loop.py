@@ -34,7 +34,8 @@ from ldm.checkpoint import (
 from ldm.distributed import Distributed, sync_gradients
 from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter, make_writer
-from ldm.train import common
+from ldm.train import optim, samples, setup
+from ldm.train.batches import build_batches
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
@@ -87,8 +88,8 @@ class TextToImage(Objective):
         from ldm.models.ema import EMA
 
         self.data, self.sampling = data, sampling
-        self.tokenizer = common.build_tokenizer(data)
-        self.model, self.components = common.build_model(model_args, data, self.tokenizer, recompute=recompute,
+        self.tokenizer = setup.build_tokenizer(data)
+        self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
                                                          seed=seed)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.vae_identity = autoencoder_identity(self.components.vae)
@@ -118,7 +119,7 @@ class TextToImage(Objective):
     def log_images(self, writer, step, batch):
         # generate() puts every part back in the mode it found it in; with EMA, its weights sample too
         def log(tag: str) -> None:
-            common.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
+            samples.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
                                self.sampling.num_inference_steps, tag=tag)
 
         log("samples")
@@ -145,22 +146,22 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     write, so a failed start leaves nothing behind.
     """
     dist = Distributed.init()
-    common.setup_logging(dist)
+    setup.setup_logging(dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
     state = read_training_state(resume) if resume else None
-    precision = common.resolve_precision(loop.mixed_precision)
+    precision = setup.resolve_precision(loop.mixed_precision)
 
     objective = build_objective(dist)
     if resume:
         objective.check_resume(resume)
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
-    lr = common.lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
+    lr = optim.lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
     optimizer = paddle.optimizer.AdamW(lr, parameters=trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
-    data_stream = common.build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
+    data_stream = build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
                                        dist=dist, num_workers=loop.num_workers,
                                        saved_streams=state["stream"] if state else None)
 
@@ -227,7 +228,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 sync_gradients(trained, dist.world_size)
                 scaler.unscale_(optimizer)
                 max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
-                window["grad_norm"] += common.clip_grad_norm(trained, max_norm)
+                window["grad_norm"] += optim.clip_grad_norm(trained, max_norm)
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.clear_grad()

@@ -22,7 +22,8 @@ from ldm.checkpoint import read_training_state, training_state, write_training_s
 from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem, remove
-from ldm.train import common
+from ldm.train import setup
+from ldm.train.batches import build_batches
 from ldm.train.loop import TextToImage
 from ldm.train.signals import GracefulStop
 
@@ -128,14 +129,14 @@ def train(training_args, model_args, data, sampling) -> dict:
     from ldm.tracking import NullWriter, make_writer
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
-    common.setup_logging(dist)
+    setup.setup_logging(dist)
     resume = training_args.resume_from_checkpoint
     if resume in ("True", "true", True):
         resume = "latest"
     run_dir = RunFolder(training_args.output_dir, dist, training_args.save_total_limit)
     checkpoint = run_dir.check(resume, training_args.overwrite_output_dir)
     requested = "fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no"
-    if common.resolve_precision(requested) == "no":
+    if setup.resolve_precision(requested) == "no":
         training_args.fp16 = training_args.bf16 = False
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
@@ -143,7 +144,7 @@ def train(training_args, model_args, data, sampling) -> dict:
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
     if checkpoint:
         objective.check_resume(checkpoint)
-    data_stream = common.build_batches(data, objective.tokenizer, batch_size=training_args.per_device_train_batch_size,
+    data_stream = build_batches(data, objective.tokenizer, batch_size=training_args.per_device_train_batch_size,
                                        seed=training_args.seed, dist=dist,
                                        num_workers=training_args.dataloader_num_workers,
                                        saved_streams=read_training_state(checkpoint)["stream"] if checkpoint else None)

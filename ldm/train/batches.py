@@ -1,85 +1,18 @@
-"""Building blocks both entry points use: logging set-up, tokenizer, model, data stream, optimizer
-schedule, gradient clipping, sample-image logging."""
+"""The training batches both paths consume: the stream built from the data flags, timed, watched
+for stalls, closed on every exit."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
-import sys
 import time
 from collections import Counter
 
-import numpy as np
-import paddle
-
-from ldm.args import DataArguments, ModelArguments
+from ldm.args import DataArguments
 from ldm.distributed import Distributed
-from ldm.tracking import StepClock, quiet_libraries
+from ldm.tracking import StepClock
 
 logger = logging.getLogger("ldm.train")
-
-# Prompts of the sample images logged during training (fixed, so that runs compare).
-SAMPLE_PROMPTS = (
-    "a photograph of an astronaut riding a horse",
-    "a red circle on a blue background",
-    "a painting of a lighthouse at sunset",
-    "a green square on a white background",
-)
-
-
-def setup_logging(dist: Distributed) -> None:
-    logging.basicConfig(
-        level=logging.INFO if dist.is_main else logging.WARNING,
-        format=f"%(asctime)s [rank {dist.rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    quiet_libraries()
-
-
-def resolve_precision(requested: str) -> str:
-    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
-    supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
-    if requested in supported and not supported[requested]():
-        logger.warning("%s mixed precision is not supported on this device (%s): training in fp32",
-                       requested, paddle.device.get_device())
-        return "no"
-    return requested
-
-
-def build_tokenizer(data: DataArguments):
-    from ldm.data.tokenize import load_tokenizer
-
-    return load_tokenizer(data.tokenizer_name, data.model_max_length)
-
-
-def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int):
-    """The LatentDiffusion wrapper and its components, identical on every rank for a seed.
-
-    Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
-    do not depend on what the process built before.
-    """
-    from ldm.models.build import build_components
-    from ldm.models.diffusion import LatentDiffusion
-
-    with paddle.utils.unique_name.guard():
-        components = build_components(
-            model_args.model_name_or_path,
-            vae_name_or_path=model_args.vae_name_or_path,
-            vocab_size=tokenizer.vocab_size,
-            model_max_length=data.model_max_length,
-            pad_token_id=tokenizer.pad_token_id,
-            prediction_type=model_args.prediction_type,
-            seed=seed,
-        )
-        model = LatentDiffusion(
-            components.unet, components.text_encoder, components.vae, components.noise_scheduler,
-            noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
-            freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
-        )
-    logger.info("model from %s; %s", components.source, components.describe())
-    return model, components
 
 
 def warn_if_loader_threads_run() -> None:
@@ -199,50 +132,3 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
     return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout)
-
-
-@paddle.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> paddle.Tensor:
-    """Global L2 norm of the gradients (fp32); gradients are scaled in place to `max_norm` if above it.
-
-    The result of `paddle.nn.utils.clip_grad_norm_`, computed the way Paddle's own
-    `ClipGradByGlobalNorm` does (one squared-norm kernel per gradient, one sum) instead of a norm
-    per gradient, a stack and a second norm; no rescaling pass when `max_norm` is infinite. Per-op
-    cost dominates for small models on a CPU: see `scripts/bench_step.py`.
-    """
-    from ldm.compat import squared_l2_norm
-
-    grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
-    if not grads:
-        return paddle.zeros([], dtype="float32")
-    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
-    if math.isfinite(max_norm):
-        scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
-        scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
-        for g in grads:
-            g.multiply_(scales[g.dtype])
-    return total
-
-
-def lr_schedule(name: str, learning_rate: float, warmup_steps: int, total_steps: int):
-    """PaddleNLP's schedules, counted in optimizer updates."""
-    from paddlenlp.trainer.trainer_utils import get_scheduler
-
-    return get_scheduler(name, learning_rate=learning_rate, num_warmup_steps=warmup_steps,
-                         num_training_steps=total_steps)
-
-
-def log_samples(writer, step: int, model, tokenizer, model_max_length: int, num_inference_steps: int,
-                seed: int = 0, tag: str = "samples") -> None:
-    """Sample images at guidance 1.0 and 7.5 for the fixed prompts (on the writing rank only)."""
-    if not writer.active:
-        return
-    from ldm.data.tokenize import CaptionTokenizer
-    from ldm.sampling import ddim_scheduler, generate, image_grid
-
-    tokenize = CaptionTokenizer(tokenizer, model_max_length)
-    scheduler = ddim_scheduler(dict(model.noise_scheduler.config))
-    for guidance in (1.0, 7.5):
-        images = generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, SAMPLE_PROMPTS,
-                          guidance_scale=guidance, num_inference_steps=num_inference_steps, seed=seed)
-        writer.image(f"{tag}/guidance_{guidance}", np.asarray(image_grid(images, 1)), step)

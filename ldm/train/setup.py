@@ -1,0 +1,68 @@
+"""How a training run is set up, the same on both paths: logging, precision, tokenizer, model."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import paddle
+
+from ldm.args import DataArguments, ModelArguments
+from ldm.distributed import Distributed
+from ldm.tracking import quiet_libraries
+
+logger = logging.getLogger("ldm.train")
+
+
+def setup_logging(dist: Distributed) -> None:
+    logging.basicConfig(
+        level=logging.INFO if dist.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {dist.rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    quiet_libraries()
+
+
+def resolve_precision(requested: str) -> str:
+    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
+    supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
+    if requested in supported and not supported[requested]():
+        logger.warning("%s mixed precision is not supported on this device (%s): training in fp32",
+                       requested, paddle.device.get_device())
+        return "no"
+    return requested
+
+
+def build_tokenizer(data: DataArguments):
+    from ldm.data.tokenize import load_tokenizer
+
+    return load_tokenizer(data.tokenizer_name, data.model_max_length)
+
+
+def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int):
+    """The LatentDiffusion wrapper and its components, identical on every rank for a seed.
+
+    Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
+    do not depend on what the process built before.
+    """
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+
+    with paddle.utils.unique_name.guard():
+        components = build_components(
+            model_args.model_name_or_path,
+            vae_name_or_path=model_args.vae_name_or_path,
+            vocab_size=tokenizer.vocab_size,
+            model_max_length=data.model_max_length,
+            pad_token_id=tokenizer.pad_token_id,
+            prediction_type=model_args.prediction_type,
+            seed=seed,
+        )
+        model = LatentDiffusion(
+            components.unet, components.text_encoder, components.vae, components.noise_scheduler,
+            noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
+            freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
+        )
+    logger.info("model from %s; %s", components.source, components.describe())
+    return model, components
