@@ -1,4 +1,4 @@
-"""What a checkpoint holds, and loading any checkpoint or pipeline folder for inference.
+"""What a training checkpoint holds: writing and reading its parts (inference loading: `ldm.inference`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) holds:
   unet/, bert/          the trained weights (ppdiffusers / PaddleNLP `save_pretrained` layout), once
@@ -27,10 +27,6 @@ MODEL_JSON = "ldm_model.json"
 EMA_FILE = "ema.pdparams"
 
 
-def is_pipeline(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "model_index.json"))
-
-
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MODEL_JSON))
 
@@ -54,48 +50,6 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
         json.dump({"vae": vae, "vae_identity": vae_identity}, f, indent=2)
     if ema_state is not None:
         paddle.save(ema_state, os.path.join(folder, EMA_FILE))
-
-
-def apply_ema(state: dict, unet, text_encoder) -> None:
-    """Write EMA weights (named `unet.*` / `text_encoder.*` after the training wrapper) into the parts."""
-    import paddle
-
-    for prefix, model in (("unet", unet), ("text_encoder", text_encoder)):
-        with paddle.no_grad():
-            for name, parameter in model.named_parameters():
-                key = f"shadow.{prefix}.{name}"
-                if key in state:
-                    parameter.set_value(paddle.to_tensor(state[key]).astype(parameter.dtype))
-
-
-def load_for_inference(path: str, use_ema: bool = True):
-    """(unet, text_encoder, vae, tokenizer, noise_scheduler_config, used_ema) from a checkpoint or pipeline folder."""
-    import paddle
-    from paddlenlp.transformers import BertTokenizer
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
-
-    from ldm.models.build import read_config
-
-    if not (is_pipeline(path) or is_checkpoint(path)):
-        raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
-                                "(model_index.json)")
-    unet = UNet2DConditionModel.from_pretrained(os.path.join(path, "unet"))
-    text_encoder = LDMBertModel.from_pretrained(os.path.join(path, "bert"))
-    tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
-    scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
-    if is_pipeline(path):
-        vae = AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))
-    else:
-        vae = checkpoint_autoencoder(path)
-    used_ema = False
-    ema_path = os.path.join(path, EMA_FILE)
-    if use_ema and os.path.isfile(ema_path):
-        apply_ema(paddle.load(ema_path), unet, text_encoder)
-        used_ema = True
-    for model in (unet, text_encoder, vae):
-        model.eval()
-    return unet, text_encoder, vae, tokenizer, scheduler_config, used_ema
 
 
 # -- training checkpoints ------------------------------------------------------------------------

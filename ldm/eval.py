@@ -135,8 +135,8 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
                    grid: str | None = None, reconstructions: str | None = None) -> dict:
     """Generate for `eval_prompts()`, classify, score; plus the classifier on real corpus images and on
     the model's own autoencoder reconstructions (what the LDM can at best reach)."""
-    from ldm.checkpoint import load_for_inference
     from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference import load_for_inference
     from ldm.sampling import ddim_scheduler, generate, image_grid
 
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(model)

@@ -26,7 +26,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
 
 
 def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True) -> tuple[str, bool]:
-    from ldm.checkpoint import load_for_inference
+    from ldm.inference import load_for_inference
 
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output), used_ema

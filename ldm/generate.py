@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.tracking import quiet_libraries
 
     quiet_libraries()
-    from ldm.checkpoint import load_for_inference
     from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference import load_for_inference
     from ldm.run_folder import CheckpointError
     from ldm.sampling import ddim_scheduler, generate, image_grid
 
