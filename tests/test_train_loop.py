@@ -150,8 +150,9 @@ def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, 
 
 @pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
+    """With --recompute too: the public example's recompute path skipped the gradient all-reduce."""
     out = tmp_path / "run"
-    result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2",
+    result = run(corpus + ["--max_train_steps", "4", "--save_steps", "2", "--logging_steps", "2", "--recompute",
                            "--gradient_accumulation_steps", "2", "--num_workers", "1", "--output_dir", str(out)],
                  launch=True, cwd=tmp_path)
     assert result.returncode == 0, launch_report(result, tmp_path)
