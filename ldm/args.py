@@ -175,6 +175,37 @@ def make_parser(dataclass_types):
     return Parser(dataclass_types)
 
 
+# A setting both entry points have, under the other path's name: the Trainer path takes PaddleNLP's.
+OTHER_PATH_NAMES = {
+    "--per_device_train_batch_size": "--train_batch_size", "--max_steps": "--max_train_steps",
+    "--dataloader_num_workers": "--num_workers", "--lr_scheduler_type": "--lr_scheduler",
+    "--warmup_steps": "--lr_warmup_steps", "--save_total_limit": "--checkpoints_total_limit",
+    "--fp16": "--mixed_precision fp16", "--bf16": "--mixed_precision bf16", "--logging_dir": "--output_dir",
+}
+OTHER_PATH_NAMES.update({new: old for old, new in OTHER_PATH_NAMES.items() if " " not in new})
+
+
+def known_flags(dataclass_types) -> list[str]:
+    return [flag for dc in dataclass_types for f in dataclasses.fields(dc)
+            for flag in (f"--{f.name}", *f.metadata.get("aliases", ()))]
+
+
+def unknown_flags_message(unknown: list[str], known: list[str]) -> str:
+    """One line naming each unknown flag with the closest known one ("did you mean --train_batch_size?")."""
+    import difflib
+
+    parts = []
+    for flag in dict.fromkeys(a.split("=")[0] for a in unknown if a.startswith("--")):
+        other = OTHER_PATH_NAMES.get(flag)
+        guess = other if other and other.split()[0] in known else next(
+            iter(difflib.get_close_matches(flag, known, n=1, cutoff=0.6)), None)
+        parts.append(f"{flag} (did you mean {guess}?)" if guess else flag)
+    stray = [a for a in unknown if not a.startswith("--")]
+    if not parts:
+        return f"unexpected argument(s) {' '.join(stray)}: every value follows its --flag"
+    return f"unknown flag(s) for this entry point: {', '.join(parts)}; see --help"
+
+
 def parse(dataclass_types, argv: list[str] | None = None):
     """Parse flags (or one .json file) into the dataclasses; a user error exits 2 with one line."""
     argv = sys.argv[1:] if argv is None else argv
@@ -182,6 +213,9 @@ def parse(dataclass_types, argv: list[str] | None = None):
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
             return parser.parse_json_file(argv[0])
-        return parser.parse_args_into_dataclasses(args=argv)
+        *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if unknown:
+            parser.exit(2, f"error: {unknown_flags_message(unknown, known_flags(dataclass_types))}\n")
+        return tuple(parsed)
     except (ArgumentError, ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")

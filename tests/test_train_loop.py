@@ -123,7 +123,9 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--no_such_flag", "1"], "not used"),
+    (["--no_such_flag", "1"], "unknown flag(s) for this entry point: --no_such_flag"),
+    (["--per_device_train_batch_size", "4"], "--per_device_train_batch_size (did you mean --train_batch_size?)"),
+    (["--learnig_rate", "1e-3"], "--learnig_rate (did you mean --learning_rate?)"),
     (["--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
     (["--file_list", "/no/such/list"], "file list not found"),
     (["--tokenizer_name", "/no/such/tokenizer/dir"], "cannot load tokenizer"),

@@ -93,7 +93,8 @@ def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--no_such_flag", "1"], "not used"),
+    (["--no_such_flag", "1"], "unknown flag(s) for this entry point: --no_such_flag"),
+    (["--train_batch_size", "4"], "--train_batch_size (did you mean --per_device_train_batch_size?)"),
     (["--file_list", "/no/such/list"], "file list not found"),
     (["--prediction_type", "sample"], "--prediction_type must be"),
 ])
