@@ -37,7 +37,7 @@ def private(owner, name: str, use: str):
     try:
         return getattr(owner, name)
     except AttributeError:
-        where = getattr(owner, "__qualname__", type(owner).__qualname__)
+        where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__qualname__
         raise CompatibilityError(f"{use} needs {where}.{name}, which the installed {installed_versions()} lacks; "
                                  f"this project supports {SUPPORTED} (requirements.lock)") from None
 
