@@ -117,6 +117,9 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     assert [r.id for r in reader.get_data("image", "samples/guidance_7.5")] == [2, 4]
     assert [r.id for r in reader.get_data("image", "samples_ema/guidance_7.5")] == [2, 4]  # --use_ema
 
+    # rank 0's progress bar: speed and data-wait share beside the loss, counted toward the end of the run
+    assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
+
     again = run(corpus + ["--max_train_steps", "1", "--output_dir", str(out)])
     assert again.returncode == 2
     assert "--resume_from_checkpoint" in again.stderr and "--overwrite_output_dir" in again.stderr
@@ -180,6 +183,14 @@ def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp16 mixed precision is not supported" in result.stderr
     assert read_training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1
+
+
+def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpoint():
+    from ldm.train.loop import progress_target
+
+    assert progress_target(3, 5, 2) == (5, "train")
+    assert progress_target(3, 10**9, 100) == (100, "to checkpoint-100")  # the original recipe's 1e9 updates
+    assert progress_target(100, 10**9, 100) == (200, "to checkpoint-200")
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])

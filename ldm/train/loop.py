@@ -41,6 +41,19 @@ from ldm.train.signals import GracefulStop
 logger = logging.getLogger("ldm.train")
 
 
+# A run this far from its end has no practical end (the original recipe sets max_train_steps 1e9): its
+# progress bar counts toward the next checkpoint instead, so the ETA means something.
+ENDLESS_UPDATES = 10_000_000
+
+
+def progress_target(step: int, max_steps: int, save_steps: int) -> tuple[int, str]:
+    """(update the progress bar counts toward, its label)."""
+    if max_steps - step <= ENDLESS_UPDATES:
+        return max_steps, "train"
+    target = min(max_steps, (step // save_steps + 1) * save_steps)
+    return target, f"to checkpoint-{target}"
+
+
 def autocast(precision: str):
     if precision == "no":
         return contextlib.nullcontext()
@@ -212,7 +225,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         # loss and gradient norm stay on the device until logged: no host sync per micro-step
         window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
         accumulation = loop.gradient_accumulation_steps
-        progress = tqdm(total=loop.max_train_steps, initial=step, disable=not dist.is_main, desc="train", unit="upd")
+        target, label = progress_target(step, loop.max_train_steps, loop.save_steps)
+        progress = tqdm(total=target, initial=step, disable=not dist.is_main, desc=label, unit="upd")
         last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
         batches = iter(data_stream)
         with GracefulStop(dist) as stop:
@@ -253,12 +267,17 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                     for name, value in sorted(window["extra"].items())})
                     metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
                     writer.scalars(metrics, step)
-                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{samples_per_second:.1f}",
+                                         data_wait=f"{wait_fraction:.0%}")
                     window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:
                     objective.log_images(writer, step, batch)
                 if step % loop.save_steps == 0 or step == loop.max_train_steps or stopping:
                     last_checkpoint = save(step)
+                    if step >= target and not stopping:  # an endless run: count toward the next checkpoint
+                        target, label = progress_target(step, loop.max_train_steps, loop.save_steps)
+                        progress.total = target
+                        progress.set_description(label)
             progress.close()
             if stopping:
                 stop.announce(step, last_checkpoint)
