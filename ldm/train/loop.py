@@ -145,6 +145,20 @@ class TextToImage(Objective):
             run_dir.export(checkpoint)
 
 
+def start_batches(objective: Objective, resume: str | None, data: DataArguments, *, batch_size: int, seed: int,
+                  dist: Distributed, num_workers: int):
+    """(training state of `resume` or None, started batches): the checkpoint is checked against the objective
+    and the batches continue from its data position; unusable data fails here. Both paths call this
+    after building the model and before the first write."""
+    state = read_training_state(resume) if resume else None
+    if resume:
+        objective.check_resume(resume)
+    batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
+                            num_workers=num_workers, saved_streams=state["stream"] if state else None)
+    batches.start()
+    return state, batches
+
+
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
     return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, recompute=loop.recompute,
@@ -162,23 +176,17 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     setup.setup_logging(dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
-    state = read_training_state(resume) if resume else None
     precision = setup.resolve_precision(loop.mixed_precision)
 
     objective = build_objective(dist)
-    if resume:
-        objective.check_resume(resume)
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = optim.lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
     optimizer = paddle.optimizer.AdamW(lr, parameters=trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
-    data_stream = build_batches(data, objective.tokenizer, batch_size=loop.train_batch_size, seed=loop.seed,
-                                       dist=dist, num_workers=loop.num_workers,
-                                       saved_streams=state["stream"] if state else None)
-
-    data_stream.start()  # unusable data fails here, before the first write
+    state, data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
+                                       dist=dist, num_workers=loop.num_workers)
     writer = NullWriter()
     try:
         run_dir.create(resume)  # the first write

@@ -18,13 +18,12 @@ import os
 import paddle
 from paddlenlp.trainer import Trainer, TrainerCallback
 
-from ldm.checkpoint import read_training_state, training_state, write_training_state
+from ldm.checkpoint import training_state, write_training_state
 from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem, remove
 from ldm.train import setup
-from ldm.train.batches import build_batches
-from ldm.train.loop import TextToImage
+from ldm.train.loop import TextToImage, start_batches
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
@@ -142,14 +141,8 @@ def train(training_args, model_args, data, sampling) -> dict:
     training_args.remove_unused_columns = False
 
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
-    if checkpoint:
-        objective.check_resume(checkpoint)
-    data_stream = build_batches(data, objective.tokenizer, batch_size=training_args.per_device_train_batch_size,
-                                       seed=training_args.seed, dist=dist,
-                                       num_workers=training_args.dataloader_num_workers,
-                                       saved_streams=read_training_state(checkpoint)["stream"] if checkpoint else None)
-
-    data_stream.start()  # unusable data fails here, before the first write
+    _, data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
+                                   seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
     writer = NullWriter()
     try:
         run_dir.create(checkpoint)  # the first write
