@@ -9,12 +9,85 @@ import paddle
 from conftest import ROOT
 from safetensors.numpy import load_file
 
+# What every training run and tool imports: the fork server imports it once, and each run starts as a fork
+# of that process instead of a new interpreter that spends 6-10 s importing Paddle, PaddleNLP and ppdiffusers.
+PRELOAD = ["paddle", "paddle.distributed", "paddlenlp.trainer", "ppdiffusers", "visualdl",
+           "ldm.train.loop", "ldm.train.trainer", "ldm.train.autoencoder", "ldm.data.tools"]
+_forkserver = None
+
+
+def _run_in_child(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str, new_session: bool) -> None:
+    """In the forked child: become `python ARGV` run in `cwd` with `env` and its output in files."""
+    import multiprocessing
+    import runpy
+
+    if new_session:
+        os.setsid()
+    multiprocessing.set_start_method("fork", force=True)  # a new interpreter's default (loader workers use it)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def start_python(argv, cwd, out_path: str, err_path: str, new_session: bool = False):
+    """Start `python ARGV` (a script, `-m module` or `-c code`) as a fork of a server that has imported the stack, so
+    the run pays none of the import; its stdout and stderr are appended to the two files (they may be one).
+    Returns the multiprocessing.Process: its exit code is the command's (multiprocessing reports a
+    `sys.exit("message")` and an uncaught exception as the interpreter does, and -N for signal N)."""
+    import multiprocessing
+
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(PRELOAD)
+    for path in (out_path, err_path):
+        open(path, "a").close()  # readable before the child writes
+    env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}  # glibc's abort messages to stderr, not to a terminal
+    child = _forkserver.Process(target=_run_in_child, args=([str(a) for a in argv], str(cwd or ROOT), env,
+                                                            out_path, err_path, new_session))
+    child.start()
+    return child
+
+
+def run_python(argv, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python ARGV` run to its end (see `start_python`): exit code, stdout and stderr."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+        child = start_python(argv, cwd, out, err)
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(argv, timeout)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(argv, child.exitcode, o.read(), e.read())
+
 
 def run_entry(script: str, args, launch: bool = False, cwd=None):
-    """`python SCRIPT ARGS`, or under `paddle.distributed.launch` with 2 processes (logs in cwd/launch_logs)."""
+    """`python SCRIPT ARGS` (a fork of the preloaded server), or under `paddle.distributed.launch` with 2
+    processes (logs in cwd/launch_logs)."""
+    if not launch:
+        return run_python([ROOT / script, *args], cwd)
     prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
-    env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}  # glibc's abort messages to stderr, not to a terminal
+              "--log_dir", str(cwd / "launch_logs")]
+    env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}
     return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT,
                           env=env)
 
@@ -47,13 +120,41 @@ def run_until(script: str, args, pattern: str, signum: int, launch: bool = False
               timeout: float = 240, act=None):
     """Start an entry point in its own process group, and signal the whole group (as Ctrl-C, a scheduler or
     the launcher would) `delay` seconds after `pattern` first appears in its output; `act(process)` replaces
-    that signal when given. Returns (exit code, output)."""
+    that signal when given (a launched run only). Returns (exit code, combined output)."""
+    if launch:
+        return _launch_until(script, args, pattern, signum, cwd, delay, timeout, act)
+    import signal
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "log")
+        child = start_python([ROOT / script, *args], cwd, log, log, new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while child.exitcode is None and time.monotonic() < deadline:
+                with open(log) as f:
+                    if pattern in f.read():
+                        time.sleep(delay)
+                        os.killpg(child.pid, signum)
+                        break
+                time.sleep(0.05)
+            child.join(timeout)
+        finally:
+            if child.exitcode is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.join()
+        with open(log) as f:
+            return child.exitcode, f.read()
+
+
+def _launch_until(script, args, pattern, signum, cwd, delay, timeout, act):
     import signal
     import threading
     import time
 
     prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-              "--log_dir", str(cwd / "launch_logs")] if launch else [sys.executable]
+              "--log_dir", str(cwd / "launch_logs")]
     proc = subprocess.Popen(prefix + [str(ROOT / script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=cwd or ROOT, start_new_session=True,
                             env={**os.environ, "LIBC_FATAL_STDERR_": "1"})

@@ -205,18 +205,15 @@ for batch in batches:
 def test_a_stalled_shard_ends_the_run_with_stacks_and_where_it_stalled(tmp_path, num_workers):
     """A shard whose read never returns (a named pipe nobody writes, like a hung object-store request)."""
     import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
+    from entry import run_python
 
     for i in range(2):
         os.mkfifo(tmp_path / f"stuck{i}.gz")
     (tmp_path / "f").write_text("stuck0.gz\nstuck1.gz\n")
     (tmp_path / "list").write_text("f\n")
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", STALL_SCRIPT, str(tmp_path / "list"), str(num_workers), "3"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = run_python(["-c", STALL_SCRIPT, tmp_path / "list", num_workers, "3"], timeout=120)
     assert result.returncode == 124, result.stderr[-3000:]
     assert time.monotonic() - start < 60
     assert "no data batch for 3 s (--data_timeout)" in result.stderr

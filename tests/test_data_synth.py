@@ -1,11 +1,9 @@
 """The captioned-shapes corpus: deterministic, in the production format, captions match pixels."""
 
 import random
-import subprocess
-import sys
 
 import numpy as np
-from conftest import ROOT
+from entry import run_python
 
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, parse_record
@@ -24,9 +22,8 @@ def test_records_are_deterministic_and_captions_match_pixels():
 
 
 def test_synth_command_writes_readable_shards_and_a_vocab(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ldm.data", "synth", "--output_dir", str(tmp_path), "--num_records",
-                          "30", "--resolution", "32", "--records_per_shard", "8", "--seed", "1"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = run_python(["-m", "ldm.data", "synth", "--output_dir", str(tmp_path), "--num_records", "30",
+                      "--resolution", "32", "--records_per_shard", "8", "--seed", "1"])
     assert out.returncode == 0, out.stderr
     shards = read_file_list(str(tmp_path / "shapes.filelist.list"))
     assert len(shards) == 4

@@ -3,21 +3,20 @@
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 from collections import Counter
 
 import pytest
 from conftest import ROOT
 from corpus import bad_lines, image_bytes, write_corpus
+from entry import run_python
 
 from ldm.data.filelist import read_file_list
 from ldm.data.shard import iter_lines
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd or ROOT)
+    return run_python(args, cwd)
 
 
 @pytest.fixture(scope="module")

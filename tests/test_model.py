@@ -4,13 +4,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from entry import run_python
 
 from ldm.checkpoint import save_model
 from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
@@ -246,9 +244,9 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     np.testing.assert_allclose(LDMTextToImagePipeline.from_pretrained(raw).unet.conv_in.weight.numpy(),
                                c.unet.conv_in.weight.numpy())
 
-    out = subprocess.run([sys.executable, "-m", "ldm.generate", "--model", output, "--prompt", "a red circle",
-                          "--prompt", "a blue square", "--num_images_per_prompt", "2", "--num_inference_steps", "2",
-                          "--output_dir", str(tmp_path / "samples")], capture_output=True, text=True, cwd=ROOT)
+    out = run_python(["-m", "ldm.generate", "--model", output, "--prompt", "a red circle", "--prompt", "a blue square",
+                      "--num_images_per_prompt", "2", "--num_inference_steps", "2",
+                      "--output_dir", str(tmp_path / "samples")])
     assert out.returncode == 0, out.stderr[-2000:]
     files = sorted(os.listdir(tmp_path / "samples"))
     assert len(files) == 5 and "grid.png" in files

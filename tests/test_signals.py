@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import ROOT
-from entry import launch_report
+from entry import launch_report, run_python
 
 # argv: deadline in seconds, then the pauses before each SIGTERM the process sends itself, then a last pause
 ONE_PROCESS = """
@@ -48,8 +48,7 @@ sys.exit(stop.exit_code)
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return run_python(["-c", script, *args], timeout=60)
 
 
 def test_repeats_within_two_seconds_are_one_request():
