@@ -291,3 +291,66 @@ def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpu
     print(f"the launched run ended {waited:.1f} s after rank 1 was killed")
     assert code != 0 and "Container rank 1 status failed" in log, log[-3000:]
     assert waited < 30, f"the launcher took {waited:.0f} s to end the run"
+
+
+class PixelRegression:
+    """A deterministic objective (no noise, no dropout): a small conv net predicts each image's mean colour.
+    The loss is a per-image mean, so a batch of 8 and two micro-batches of 4 of the same images must give the
+    same update, through the loop's loss scaling, accumulation, clipping, LR schedule and AdamW. (AdamW and a
+    binding clip hide a wrongly scaled loss from the weights; the logged gradient norm shows it.)"""
+
+    tokenizer = None
+    ema = None
+
+    def __init__(self):
+        paddle.seed(0)
+        self.model = paddle.nn.Sequential(paddle.nn.Conv2D(3, 8, 3, padding=1), paddle.nn.GELU(),
+                                          paddle.nn.AdaptiveAvgPool2D(1), paddle.nn.Flatten(), paddle.nn.Linear(8, 3))
+
+    def loss(self, net, batch):
+        pixels = batch["pixel_values"]
+        return ((net(pixels) - pixels.mean(axis=[2, 3])) ** 2).mean(), {}
+
+    def check_resume(self, checkpoint):
+        pass
+
+    def start(self, run_dir):
+        pass
+
+    def save(self, folder, final_folder):
+        paddle.save(self.model.state_dict(), os.path.join(folder, "net.pdparams"))
+
+    def finish(self, checkpoint, batches, dist, run_dir):
+        pass
+
+
+def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_path):
+    from ldm.args import DataArguments, LoopArguments
+    from ldm.data.synth import synth_corpus
+    from ldm.train.loop import run
+
+    listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
+    data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
+
+    def train(batch_size, accumulation):
+        out = tmp_path / f"{batch_size}x{accumulation}"
+        objective = PixelRegression()
+        # warm-up and a clip that binds: both must act once per update, on the accumulated gradient
+        loop = LoopArguments(output_dir=str(out), train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulation, max_train_steps=4, learning_rate=0.05,
+                             lr_scheduler="linear", lr_warmup_steps=2, max_grad_norm=0.02, num_workers=0,
+                             save_steps=100, logging_steps=1)
+        assert run(loop, data, lambda dist: objective)["step"] == 4
+        logged = {tag: read_scalars(str(out / "visualdl"), tag)[1]
+                  for tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
+        return paddle.load(str(out / "checkpoint-4" / "net.pdparams")), logged
+
+    (one, logged_one), (two, logged_two) = train(8, 1), train(4, 2)
+    start = PixelRegression().model.state_dict()
+    for name, value in one.items():
+        assert not np.allclose(value.numpy(), start[name].numpy()), name  # it trained
+        np.testing.assert_allclose(two[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    for tag, values in logged_one.items():
+        assert len(values) == 4, tag
+        np.testing.assert_allclose(np.array(logged_two[tag]), np.array(values), rtol=1e-5, err_msg=tag)
+    assert min(logged_one["train/grad_norm"]) > 0.02  # the clip bound: clipped at every update
