@@ -35,7 +35,10 @@ class ModelArguments:
     model_name_or_path: str = arg(
         "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny), folder of configs, pipeline folder or hub name",
         aliases=["--pretrained_model_name_or_path"])
-    vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder folder (default: the model's vqvae/)")
+    vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder: a folder, or a hub name org/repo[/subfolder] "
+                                                "(default: the model's vqvae/)")
+    allow_untrained_vae: bool = arg(False, "train on an autoencoder that has no trained weights (tests only: its "
+                                           "latents are random projections)")
     prediction_type: Optional[str] = arg(None, "epsilon or v_prediction (default: the model source's scheduler, "
                                                "else epsilon)")
     noise_offset: float = arg(0.0, "noise offset (0: off)")

@@ -23,3 +23,8 @@ ARGS=(
     --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
     --report_to "${REPORT_TO:-visualdl}"
 )
+# VAE: a pretrained autoencoder (a folder, or a hub name such as CompVis/ldm-text2im-large-256/vqvae). The
+# presets carry none, and a run refuses to train on an untrained one.
+if [[ -n "${VAE:-}" ]]; then
+    ARGS+=(--vae_name_or_path "$VAE")
+fi

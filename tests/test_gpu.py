@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a C
 def corpus(tmp_path_factory, vocab_dir):
     folder = tmp_path_factory.mktemp("gpu_corpus")
     listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"))
-    return ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+    return ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+            "--tokenizer_name", vocab_dir,
             "--model_max_length", "16", "--resolution", "32"]
 
 

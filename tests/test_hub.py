@@ -4,6 +4,7 @@ fails; it never silently becomes "no weights"."""
 
 import functools
 import logging
+import os
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -79,6 +80,24 @@ def test_a_failing_download_is_retried_and_then_fails_instead_of_training_from_s
     failures[path] = 1000  # down for good
     with pytest.raises(ModelSourceError, match=rf"cannot download unet/{weights[0]} .* after 3 attempts .*HTTP 503"):
         build_components(REPO)
+
+
+def test_an_autoencoder_by_hub_name_fetches_that_part_alone(hub, tmp_path):
+    from ppdiffusers import AutoencoderKL
+
+    repo, _ = hub
+    AutoencoderKL.from_config(build.read_config(repo / "vqvae")).save_pretrained(str(repo / "vqvae"))
+    folder = build.vae_folder(REPO)  # vqvae/ or vae/ of the repository
+    assert build.has_weights(folder) and os.path.basename(folder) == "vqvae"
+    assert str(tmp_path / "cache") in folder
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["vqvae"]  # not the whole pipeline
+    assert build.vae_folder(f"{REPO}/vqvae") == folder
+    with pytest.raises(ModelSourceError, match="has no vae/config.json: not an autoencoder"):
+        build.vae_folder(f"{REPO}/vae")
+    shutil.copytree(PRESETS_DIR / "ldm-tiny" / "vqvae", repo.parent / "configs-only" / "vae")
+    with pytest.raises(ModelSourceError, match="org/configs-only/vae on the model hub has an autoencoder config but "
+                                               "no weights"):
+        build.vae_folder("org/configs-only")
 
 
 def test_a_hub_name_offline_fails_clearly_naming_the_preset(monkeypatch):

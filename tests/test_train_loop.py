@@ -20,7 +20,8 @@ from ldm.tracking import read_scalars
 def corpus(tmp_path_factory, vocab_dir):
     folder = tmp_path_factory.mktemp("train_corpus")
     listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"), bad_every=13)
-    return ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+    return ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+            "--tokenizer_name", vocab_dir,
             "--model_max_length", "16", "--resolution", "32", "--train_batch_size", "4"]
 
 
@@ -138,6 +139,16 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
+
+
+def test_an_untrained_autoencoder_is_refused_with_what_to_pass_instead(corpus, tmp_path):
+    result = run([a for a in corpus if a != "--allow_untrained_vae"] + ["--max_train_steps", "1", "--output_dir",
+                                                                        str(tmp_path / "x")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the autoencoder from") and "has no trained weights" in last
+    assert "--vae_name_or_path" in last and "train_autoencoder.py" in last and "--allow_untrained_vae" in last
+    assert not (tmp_path / "x").exists()
 
 
 def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, tmp_path):

@@ -18,7 +18,8 @@ from ldm.run_folder import checkpoint_problem
 def corpus(tmp_path_factory, vocab_dir):
     folder = tmp_path_factory.mktemp("trainer_corpus")
     listing = write_corpus(str(folder), num_records=40, records_per_shard=8, kinds=("jpeg", "png"), bad_every=13)
-    return ["--do_train", "--model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+    return ["--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+            "--tokenizer_name", vocab_dir,
             "--model_max_length", "16", "--resolution", "32", "--per_device_train_batch_size", "4"]
 
 
@@ -97,9 +98,11 @@ def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
     (["--train_batch_size", "4"], "--train_batch_size (did you mean --per_device_train_batch_size?)"),
     (["--file_list", "/no/such/list"], "file list not found"),
     (["--prediction_type", "sample"], "--prediction_type must be"),
+    ([], "has no trained weights: the diffusion model would learn random projections"),  # without the allowance
 ])
 def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extra, message):
-    result = run(corpus + ["--max_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
+    common = corpus if extra else [a for a in corpus if a != "--allow_untrained_vae"]
+    result = run(common + ["--max_steps", "1", "--output_dir", str(tmp_path / "x"), *extra])
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry

@@ -45,7 +45,7 @@ def resolve_source(name_or_path: str) -> str:
         return str(PRESETS_DIR / name_or_path)
     if os.path.isdir(name_or_path):
         return name_or_path
-    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1:
+    if not is_hub_name(name_or_path):
         raise ModelSourceError(f"model not found: {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), "
                                "a folder, nor a hub name like 'org/name'")
     return download(name_or_path)
@@ -116,6 +116,27 @@ def download(name: str) -> str:
     return os.path.dirname(os.path.dirname(config))
 
 
+def download_autoencoder(name: str) -> str:
+    """The config and weights of a hub repository's autoencoder (`org/repo/subfolder`, or `org/repo` with
+    vqvae/ or vae/) in the ppdiffusers cache; its folder."""
+    parts = name.split("/")
+    repo, subfolders = "/".join(parts[:2]), parts[2:] or list(AUTOENCODER_SUBFOLDERS)
+    try:
+        for subfolder in subfolders:
+            config = hub_file(repo, "config.json", subfolder)
+            if config is None:
+                continue
+            if not any(hub_file(repo, weights, subfolder) for weights in WEIGHT_FILES):
+                raise ModelSourceError(f"{repo}/{subfolder} on the model hub has an autoencoder config but no "
+                                       f"weights (none of {', '.join(WEIGHT_FILES)})")
+            return os.path.dirname(config)
+    except HubDownloadError as e:
+        raise ModelSourceError(f"{e}. Offline, train one with train_autoencoder.py and pass its vqvae/ folder") \
+            from None
+    wanted = " or ".join(f"{subfolder}/config.json" for subfolder in subfolders)
+    raise ModelSourceError(f"{repo!r} on the model hub has no {wanted}: not an autoencoder")
+
+
 @dataclass
 class Components:
     unet: object
@@ -164,8 +185,22 @@ def load_part(model_class, folder: str):
     return model_class.from_config(read_config(folder)), False
 
 
+# A pretrained KL-f8 autoencoder (4 latent channels, scaling factor 0.18215) on the hub, as the runs'
+# refusal of an untrained one names it: the CompVis text-to-image LDM's own.
+PRETRAINED_VAE = "CompVis/ldm-text2im-large-256/vqvae"
+AUTOENCODER_SUBFOLDERS = ("vqvae", "vae")
+
+
+def is_hub_name(name: str, max_parts: int = 2) -> bool:
+    parts = name.split("/")
+    return not name.startswith(("/", ".", "~")) and 2 <= len(parts) <= max_parts and all(parts)
+
+
 def vae_folder(name_or_path: str) -> str:
-    """A folder holding an AutoencoderKL config (and weights): itself, or its `vqvae/` / `vae/`."""
+    """A folder holding an AutoencoderKL config (and weights): itself, or its `vqvae/` / `vae/`; a hub name
+    `org/repo[/subfolder]` fetches that repository's autoencoder alone (not its whole pipeline)."""
+    if name_or_path not in PRESETS and not os.path.isdir(name_or_path) and is_hub_name(name_or_path, 3):
+        return download_autoencoder(name_or_path)
     folder = resolve_source(name_or_path)
     for sub in ("", "vqvae", "vae"):
         if os.path.isfile(os.path.join(folder, sub, "config.json")):
@@ -216,11 +251,6 @@ def build_components(
         init_ldm_weights(None if unet_loaded else unet, None if text_loaded else text_encoder)
     vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
-    if not vae_loaded:
-        logger.warning(
-            "\n" + "!" * 100 + "\n!! The autoencoder from %s has NO TRAINED WEIGHTS: its latents are random "
-            "projections and the\n!! diffusion model will learn nothing useful. This is only acceptable in tests. Pass "
-            "--vae_name_or_path\n!! with a pretrained KL autoencoder folder.\n" + "!" * 100, vae_source)
     scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})
