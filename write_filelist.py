@@ -7,6 +7,7 @@ With no arguments it does what the original example does: 60,000 paths
     python write_filelist.py --pattern '/mnt/laion/part-{:05d}.gz' --count 1000 --output my.filelist
     python write_filelist.py --existing '/mnt/laion/*.gz' --output my.filelist   # shards that exist
     python write_filelist.py --existing /mnt/laion --output my.filelist          # every file in a folder
+    python write_filelist.py --existing 's3://bucket/laion/*.gz' --output my.filelist   # any fsspec URL
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:
 
 
 def existing_paths(where: str) -> list[str]:
+    if "://" in where:  # object storage, HTTP, ...: listed through fsspec
+        from ldm.data import remote
+
+        return remote.glob(where)
     if os.path.isdir(where):
         paths = [os.path.join(where, name) for name in os.listdir(where)]
         return sorted(p for p in paths if os.path.isfile(p))
@@ -34,14 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--pattern", default="/data/laion400m/part-{:05d}.gz",
                         help="str.format pattern of a shard path, given the shard number")
     source.add_argument("--existing", metavar="FOLDER_OR_GLOB",
-                        help="list the shards that exist under a folder or match a glob instead")
+                        help="list the shards that exist under a folder or match a glob instead (a local path or "
+                             "an fsspec URL: s3://, gs://, hdfs://, http(s)://, ...)")
     parser.add_argument("--count", type=int, default=60000, help="number of paths written with --pattern")
     parser.add_argument("--start", type=int, default=0, help="first shard number with --pattern")
     parser.add_argument("--output", default="data/filelist/laion400m_en.filelist")
     args = parser.parse_args(argv)
 
     if args.existing:
-        paths = existing_paths(args.existing)
+        try:
+            paths = existing_paths(args.existing)
+        except (OSError, ValueError, ImportError) as e:
+            parser.exit(1, f"error: cannot list {args.existing}: {e}\n")
         if not paths:
             parser.exit(1, f"error: no shard files under {args.existing}\n")
     else:

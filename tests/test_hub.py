@@ -2,34 +2,17 @@
 does: a part with no weights is built from scratch with a warning; a failing download is retried and then
 fails; it never silently becomes "no weights"."""
 
-import functools
 import logging
 import os
 import shutil
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from servers import serve
 
 from ldm.models import build
 from ldm.models.build import PRESETS_DIR, ModelSourceError, build_components
 
 REPO = "org/tiny"
-
-
-class FlakyHandler(SimpleHTTPRequestHandler):
-    """Static files; a path listed in `server.failures` answers 503 that many times first."""
-
-    def send_head(self):
-        failures = self.server.failures
-        if failures.get(self.path, 0) > 0:
-            failures[self.path] -= 1
-            self.send_error(503, "Slow Down")
-            return None
-        return super().send_head()
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
@@ -40,18 +23,12 @@ def hub(tmp_path, monkeypatch):
     root = tmp_path / "hub"
     repo = root / "models" / "community" / REPO
     shutil.copytree(PRESETS_DIR / "ldm-tiny", repo)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(FlakyHandler, directory=str(root)))
-    server.failures = {}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setattr(download_utils, "PPDIFFUSERS_BOS_URL_TEMPLATE",
-                        endpoint + "/{repo_type}/community/{repo_id}/{revision}/{filename}")
-    monkeypatch.setattr(download_utils, "PPDIFFUSERS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(build, "HUB_BACKOFF_SECONDS", 0.01)
-    yield repo, server.failures
-    server.shutdown()
-    server.server_close()
+    with serve(root) as (endpoint, server):
+        monkeypatch.setattr(download_utils, "PPDIFFUSERS_BOS_URL_TEMPLATE",
+                            endpoint + "/{repo_type}/community/{repo_id}/{revision}/{filename}")
+        monkeypatch.setattr(download_utils, "PPDIFFUSERS_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr(build, "HUB_BACKOFF_SECONDS", 0.01)
+        yield repo, server.failures
 
 
 def test_parts_the_repository_has_no_weights_for_are_built_from_scratch_loudly(hub, caplog):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ldm.data import remote
+
 
 class FileListError(ValueError):
     """A list of filelists or a filelist cannot be used."""
@@ -26,18 +28,32 @@ class Shard:
 
 
 def resolve(path: str, relative_to: str) -> str:
-    if os.path.isabs(path) or "://" in path or os.path.exists(path):
+    if os.path.isabs(path) or remote.is_url(path):
+        return path
+    if remote.is_url(relative_to):
+        return remote.join(relative_to, path)
+    if os.path.exists(path):
         return path
     return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(relative_to)), path))
 
 
+def _read(path: str) -> str:
+    if remote.is_url(path):
+        try:
+            remote.check_scheme(path)
+        except ValueError as e:
+            raise FileListError(f"cannot read file list {path}: {e}") from None
+        return remote.read_text(path)
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _entries(path: str):
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, raw in enumerate(f, 1):
-                line = raw.strip()
-                if line and not line.startswith("#"):
-                    yield number, line
+        for number, raw in enumerate(_read(path).splitlines(), 1):
+            line = raw.strip()
+            if line and not line.startswith("#"):
+                yield number, line
     except FileNotFoundError:
         raise FileListError(f"file list not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -67,25 +83,47 @@ def read_file_list(path: str) -> list[Shard]:
 
 
 SHARDS_CHECKED = 1000
+REMOTE_SHARDS_CHECKED = 8  # each is a request to the store
 
 
 def check_shards(shards: list[Shard], file_list: str) -> None:
-    """Before a run writes anything: no local shard there at all is an error, some missing a warning.
+    """Before a run writes anything: no shard there at all is an error, some missing a warning; a URL
+    scheme this process cannot read is an error naming the package to install.
 
-    Missing shards are otherwise counted as unreadable while training. At most `SHARDS_CHECKED` shards,
-    spread evenly over the list, are looked at: on a FUSE mount of object storage each look is a
-    request. Remote paths (`scheme://`) are not checked here.
+    Missing shards are otherwise counted as unreadable while training. At most `SHARDS_CHECKED` local
+    shards (on a FUSE mount of object storage each look is a request) and `REMOTE_SHARDS_CHECKED` URLs,
+    spread evenly over the list, are looked at. A URL that cannot be looked at (no connection, no
+    credentials) is a warning: the run's own reads retry, then count it.
     """
+    local = [s.path for s in shards if not remote.is_url(s.path)]
+    urls = [s.path for s in shards if remote.is_url(s.path)]
+    for url in {remote.scheme(u): u for u in urls}.values():
+        try:
+            remote.check_scheme(url)
+        except ValueError as e:
+            raise FileListError(f"{file_list} names {url}: {e}") from None
+    _check_sample(local[:: max(1, len(local) // SHARDS_CHECKED)], len(local), file_list, os.path.exists)
+    _check_sample(urls[:: max(1, len(urls) // REMOTE_SHARDS_CHECKED)][:REMOTE_SHARDS_CHECKED], len(urls), file_list,
+                  remote.exists)
+
+
+def _check_sample(sample: list[str], total: int, file_list: str, exists) -> None:
     import logging
 
-    local = [s.path for s in shards if "://" not in s.path]
-    sample = local[:: max(1, len(local) // SHARDS_CHECKED)]
-    missing = [path for path in sample if not os.path.exists(path)]
-    if sample and len(missing) == len(sample):
-        raise FileListError(f"none of the {len(sample)} shard(s) looked at of the {len(local)} named by {file_list} "
+    logger = logging.getLogger("ldm.data")
+    missing, failed = [], []
+    for path in sample:
+        try:
+            if not exists(path):
+                missing.append(path)
+        except OSError as e:
+            failed.append(path)
+            logger.warning("cannot look for shard %s: %s", path, e)
+    looked = len(sample) - len(failed)
+    if looked and len(missing) == looked:
+        raise FileListError(f"none of the {looked} shard(s) looked at of the {total} named by {file_list} "
                             f"exists (the first: {missing[0]}); relative paths resolve against the current folder, "
                             "else the filelist's")
     if missing:
-        logging.getLogger("ldm.data").warning(
-            "%d of the %d shards looked at (of %d named by %s) do not exist (the first: %s); missing shards are "
-            "counted as unreadable", len(missing), len(sample), len(local), file_list, missing[0])
+        logger.warning("%d of the %d shards looked at (of %d named by %s) do not exist (the first: %s); missing "
+                       "shards are counted as unreadable", len(missing), looked, total, file_list, missing[0])

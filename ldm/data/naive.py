@@ -19,9 +19,18 @@ from PIL import Image
 def naive_samples(paths: list[str], resolution: int = 256, seed: int = 0) -> Iterator[np.ndarray]:
     rng = random.Random(seed)
     for path in paths:
-        if not os.path.exists(path):
+        if "://" in path:  # the same transport as the dataset's, without its retries
+            import fsspec
+
+            try:
+                raw = fsspec.open(path, "rb").open()
+            except OSError:
+                continue
+        elif os.path.exists(path):
+            raw = open(path, "rb")  # noqa: SIM115 - closed by the gzip reader below
+        else:
             continue
-        with gzip.open(path, "rb") as f:
+        with raw, gzip.open(raw, "rb") as f:
             for line in f:
                 try:
                     fields = line.decode("utf-8").rstrip("\n").split("\t")

@@ -1,6 +1,7 @@
 """Opening a shard and reading its lines.
 
-`open_shard` is the single place a shard is opened: an fsspec URL would be added there. Lines
+`open_shard` is the single place a shard is opened: a local path, or a URL through fsspec with retries
+(`ldm.data.remote`). Lines
 are read with our own decompression loop rather than `gzip.open` iteration, because the latter
 drops the lines it has already decompressed when the stream turns out to be truncated; here
 every complete line before the break is returned, then `ShardTruncated` is raised.
@@ -8,9 +9,12 @@ every complete line before the break is returned, then `ShardTruncated` is raise
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
+
+from ldm.data import remote
 
 try:  # ISA-L inflate is ~1.8x faster than zlib on shard lines (see PERFORMANCE.md)
     from isal import isal_zlib as _zlib
@@ -26,6 +30,10 @@ class ShardError(OSError):
     """A shard is missing, unreadable or corrupt."""
 
 
+class ShardMissing(ShardError):
+    """The shard does not exist."""
+
+
 class ShardTruncated(ShardError):
     """The shard ended (or broke) in the middle of its compressed stream."""
 
@@ -36,9 +44,11 @@ class LineTooLong(ShardError):
 
 def open_shard(path: str) -> BinaryIO:
     try:
+        if remote.is_url(path):
+            return remote.open_url(path)
         return open(path, "rb")
     except FileNotFoundError:
-        raise ShardError(f"shard not found: {path}") from None
+        raise ShardMissing(f"shard not found: {path}") from None
     except OSError as e:
         raise ShardError(f"cannot open shard {path}: {e.strerror or e}") from None
 
@@ -91,10 +101,11 @@ def iter_lines(path: str) -> Iterator[bytes]:
     gzip stream is truncated (it is then incomplete).
     """
     with open_shard(path) as f:
-        head = f.read(2)
-        f.seek(0)
-        chunks = _raw_chunks(f, path)
-        if head == GZIP_MAGIC:
+        first = next(_raw_chunks(f, path), b"")  # no seek back: a remote stream may not have one
+        if len(first) == 1:
+            first += f.read(1)
+        chunks = itertools.chain([first] if first else [], _raw_chunks(f, path))
+        if first[:2] == GZIP_MAGIC:
             chunks = _inflate(chunks, path)
         # The pieces of the unfinished line, joined once at its end: re-joining (and re-splitting) it
         # at every chunk made a line over N chunks cost N^2 / 2 chunk copies (28 s for 300 MB).

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ldm.data.filelist import FileListError, read_file_list
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
-from ldm.data.shard import ShardError, iter_lines
+from ldm.data.shard import ShardError, ShardMissing, iter_lines
 from ldm.data.stream import SlotStream, shard_error_reason
 from ldm.data.write import ShardWriter, record_line
 
@@ -33,9 +33,6 @@ def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = Tru
     shard_errors: Counter = Counter()
     missing, records, ok = [], 0, 0
     for shard in tqdm(shards, desc="shards", unit="shard", disable=not progress):
-        if not os.path.exists(shard.path):
-            missing.append(shard.path)
-            continue
         try:
             for number, line in enumerate(iter_lines(shard.path), 1):
                 records += 1
@@ -45,6 +42,8 @@ def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = Tru
                     ok += 1
                 except SkipRecord as e:
                     bad[e.reason] += 1
+        except ShardMissing:
+            missing.append(shard.path)
         except ShardError as e:
             shard_errors[shard_error_reason(e)] += 1
     return {

@@ -1,0 +1,203 @@
+"""Shards and filelists behind URLs: `s3://`, `gs://`, `hdfs://`, `http(s)://`, `file://`, `memory://`, …
+
+fsspec opens them and reads them in blocks (a shard is streamed, never downloaded whole first).
+Credentials come from each store's usual environment and config files, as fsspec's backends find them;
+no flag takes one. What fsspec does not do is retry: a dropped connection or an HTTP 5xx in the middle
+of a multi-gigabyte shard would cost the rest of it. `RetryingReader` reopens the URL where the read
+stopped, with backoff, and gives up with an `OSError` after `ATTEMPTS` tries; a URL that does not exist
+raises `FileNotFoundError` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import posixpath
+import time
+
+ATTEMPTS = 4
+BACKOFF_SECONDS = 1.0  # doubled after each failed attempt
+BLOCK_SIZE = 8 << 20  # bytes per ranged request
+
+# Backends that are not part of fsspec itself, by URL scheme: what `pip install` makes a scheme work.
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hdfs": "pyarrow", "http": "aiohttp",
+            "https": "aiohttp", "az": "adlfs", "abfs": "adlfs", "oss": "ossfs", "bos": "bosfs"}
+
+logger = logging.getLogger("ldm.data")
+
+# Never retried: the answer will not change.
+PERMANENT = (PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def really_missing(error: FileNotFoundError) -> bool:
+    """Whether a FileNotFoundError from fsspec means the file is not there. fsspec's HTTP backend raises
+    it for any failure to look a file up (a 503, a refused connection), with the real error as its cause:
+    only a 404/410 answer, or no cause at all, is a missing file; the rest is retried."""
+    cause = error.__cause__
+    if cause is None:
+        return True
+    status = getattr(cause, "status", None) or getattr(cause, "status_code", None)
+    if status is None:  # botocore's ClientError carries its answer in .response
+        response = getattr(cause, "response", None)
+        status = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return str(status) in ("404", "410", "NoSuchKey")
+
+
+_fork_safe = False
+
+
+def _fsspec():
+    """fsspec, made safe to use in a process forked after this one used it (loader workers are). Its async
+    backends (HTTP, S3, GCS) run on an IO thread that a forked child does not have; fsspec leaves the reset
+    to its users (HF datasets calls it in its workers), and without it the child's first read hangs."""
+    global _fork_safe
+    import fsspec
+    import fsspec.asyn
+
+    if not _fork_safe:
+        os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
+        _fork_safe = True
+    return fsspec
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def join(base_url: str, relative: str) -> str:
+    """`relative` resolved against the folder of `base_url`."""
+    return posixpath.join(posixpath.dirname(base_url), relative)
+
+
+def check_scheme(url: str) -> None:
+    """Raise ValueError naming the package to install when this process cannot open `url`'s scheme."""
+    fsspec = _fsspec()
+    name = scheme(url)
+    try:
+        fsspec.get_filesystem_class(name)
+    except (ImportError, ValueError) as e:
+        package = PACKAGES.get(name)
+        hint = f": pip install {package}" if package else ""
+        raise ValueError(f"{name}:// URLs cannot be read here ({str(e).splitlines()[0]}){hint}") from None
+
+
+def describe(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+
+
+def _retrying(what: str, action):
+    """`action()`, retried with backoff on anything but a permanent error; OSError after the last try."""
+    problem = ""
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            time.sleep(BACKOFF_SECONDS * 2 ** (attempt - 1))
+        try:
+            return action()
+        except PERMANENT:
+            raise
+        except FileNotFoundError as e:
+            if really_missing(e):
+                raise
+            problem = describe(e.__cause__)
+        # fsspec's backends raise their client library's errors (aiohttp, botocore, …), not only OSError
+        except Exception as e:  # noqa: BLE001 - retried, then reported as an OSError below
+            problem = describe(e)
+        logger.debug("%s failed (attempt %d of %d): %s", what, attempt + 1, ATTEMPTS, problem)
+    raise OSError(f"{what} failed {ATTEMPTS} times ({problem})")
+
+
+class RetryingReader(io.RawIOBase):
+    """A read-only stream of one URL that survives broken connections: each failed read reopens the URL
+    and continues at the byte where it stopped."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.position = 0
+        self._file = None
+        _retrying(f"opening {url}", self._open)
+
+    def _open(self):
+        fsspec = _fsspec()
+        self._close_file()
+        f = fsspec.open(self.url, "rb", block_size=BLOCK_SIZE).open()
+        try:
+            if self.position and f.seekable():
+                f.seek(self.position)
+            elif self.position:  # a stream without ranges: read up to where we were
+                left = self.position
+                while left:
+                    skipped = len(f.read(min(left, BLOCK_SIZE)))
+                    if not skipped:
+                        raise EOFError(f"{self.url} is shorter than before ({self.position - left} bytes)")
+                    left -= skipped
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+
+    def _read(self, size: int) -> bytes:
+        if self._file is None:
+            self._open()
+        try:
+            return self._file.read(size)
+        except BaseException:
+            self._close_file()  # the next attempt reopens at self.position
+            raise
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = _retrying(f"reading {self.url} at byte {self.position}", lambda: self._read(size))
+        self.position += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped anyway
+                self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        self._close_file()
+        super().close()
+
+
+def open_url(url: str) -> RetryingReader:
+    """A binary stream of `url`; FileNotFoundError when it does not exist, OSError when it cannot be read."""
+    return RetryingReader(url)
+
+
+def read_text(url: str) -> str:
+    """A small text file (a filelist) at `url`."""
+    with open_url(url) as f:
+        return f.read().decode("utf-8")
+
+
+def exists(url: str) -> bool:
+    fsspec = _fsspec()
+    fs, path = fsspec.core.url_to_fs(url)
+    return _retrying(f"looking for {url}", lambda: fs.exists(path))
+
+
+def glob(pattern: str) -> list[str]:
+    """The files matching a glob URL, or the files in a folder URL, as URLs."""
+    fsspec = _fsspec()
+    fs, path = fsspec.core.url_to_fs(pattern)
+    if fs.isdir(path):
+        found = [entry["name"] for entry in fs.ls(path, detail=True) if entry["type"] == "file"]
+    else:
+        found = [p for p in fs.glob(path) if fs.isfile(p)]
+    return sorted(fs.unstrip_protocol(p) for p in found)
