@@ -9,6 +9,7 @@ scripts historically differ (`--pretrained_model_name_or_path`, `--checkpoints_t
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,10 @@ def _check(condition: bool, message: str) -> None:
 
 def arg(default, help: str, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
+
+
+def arg_list(default: list, help: str, **metadata):
+    return field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
 
 
 @dataclass
@@ -80,12 +85,35 @@ class DataArguments:
 
 @dataclass
 class SamplingArguments:
-    num_inference_steps: int = arg(50, "DDIM steps of the sample images logged during training")
-    image_logging_steps: int = arg(0, "log sample images every N updates (0: off)")
+    num_inference_steps: int = arg(50, "DDIM steps of the validation images logged during training")
+    image_logging_steps: int = arg(0, "log validation images every N updates (0: off)")
+    validation_prompts: Optional[list[str]] = arg(
+        None, "prompts of the validation images: strings, or files of one prompt per line (default: four "
+        "general prompts)")
+    validation_guidance_scales: list[float] = arg_list([1.0, 7.5], "a grid of validation images per scale")
+    validation_seed: int = arg(0, "seed of the validation images' noise (the same every time: images compare)")
 
     def __post_init__(self):
         _check(self.num_inference_steps >= 1, "--num_inference_steps must be at least 1")
         _check(self.image_logging_steps >= 0, "--image_logging_steps must be >= 0")
+        _check(all(scale >= 1 for scale in self.validation_guidance_scales) and self.validation_guidance_scales,
+               "--validation_guidance_scales must be >= 1 (1: no guidance)")
+        self.validation_prompts = read_prompts(self.validation_prompts)
+
+
+def read_prompts(values: list[str] | None) -> list[str] | None:
+    """Prompts given as strings or as files of one prompt per line (a value naming a file is read)."""
+    if values is None:
+        return None
+    prompts = []
+    for value in values:
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                prompts.extend(line.strip() for line in f if line.strip())
+        else:
+            prompts.append(value)
+    _check(bool(prompts), "--validation_prompts names no prompt")
+    return prompts
 
 
 @dataclass
@@ -116,6 +144,8 @@ class LoopArguments:
     num_workers: int = arg(6, "data loader processes per card")
     mixed_precision: str = arg("no", "no, fp16 (dynamic loss scaling) or bf16")
     recompute: bool = arg(False, "gradient checkpointing of UNet and text encoder")
+    report_to: list[str] = arg_list(["visualdl"], "trackers: visualdl, tensorboard, wandb (several allowed), all "
+                                                  "(every one installed) or none")
 
     def __post_init__(self):
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "logging_steps",
@@ -128,6 +158,9 @@ class LoopArguments:
         _check(self.lr_warmup_steps >= 0 and self.num_workers >= 0, "--lr_warmup_steps and --num_workers must be >= 0")
         _check(self.checkpoints_total_limit is None or self.checkpoints_total_limit >= 1,
                "--checkpoints_total_limit must be at least 1")
+        from ldm.tracking import resolve_report_to
+
+        resolve_report_to(self.report_to)  # a ValueError names the unknown tracker
 
 
 @dataclass

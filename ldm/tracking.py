@@ -1,10 +1,16 @@
-"""Metrics: VisualDL scalars and images plus a console line, on rank 0 only.
+"""Metrics and images of a run, on rank 0 only, through PaddleNLP's tracker integrations.
 
-Other ranks hold a `NullWriter` that does nothing, so callers never test the rank.
+`--report_to visualdl|tensorboard|wandb|all|none` (several allowed) picks the trackers on both paths.
+The Trainer path builds them itself; the hand-written loop drives the same PaddleNLP callbacks
+(`paddlenlp.trainer.integrations`) through `Tracker`, so the two write the same files the same way.
+Those callbacks log scalars only: `Tracker.image` adds images to each backend, and writes every image
+as a PNG under `<output_dir>/images/<tag>/<step>.png` as well. Other ranks hold a `NullWriter` that
+does nothing, so callers never test the rank.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -12,6 +18,24 @@ import time
 import numpy as np
 
 logger = logging.getLogger("ldm.train")
+
+TRACKERS = ("visualdl", "tensorboard", "wandb")
+
+
+def resolve_report_to(report_to) -> list[str]:
+    """The trackers a `--report_to` value names ('all': every one installed; 'none': none)."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if names in (["none"], []):
+        return []
+    if names == ["all"]:
+        from paddlenlp.trainer.integrations import get_available_reporting_integrations
+
+        return [name for name in get_available_reporting_integrations() if name in TRACKERS]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"--report_to: unknown tracker(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(TRACKERS)}, all or none")
+    return names
 
 
 class NullWriter:
@@ -27,31 +51,100 @@ class NullWriter:
         pass
 
 
-class VisualDLWriter(NullWriter):
+class RunArguments:
+    """What PaddleNLP's integration callbacks read of a `TrainingArguments`, for the hand-written loop."""
+
+    run_name = None
+    wandb_api_key = None
+    load_best_model_at_end = False
+
+    def __init__(self, logging_dir: str, output_dir: str, config: dict):
+        self.logging_dir, self.output_dir, self._config = logging_dir, output_dir, config
+
+    def to_dict(self) -> dict:
+        return dict(self._config)
+
+    def to_sanitized_dict(self) -> dict:
+        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self._config.items()}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self._config, indent=2, sort_keys=True, default=str)
+
+
+class Tracker(NullWriter):
+    """Scalars to every tracker; images to every tracker and to PNG files."""
+
     active = True
 
-    def __init__(self, logdir: str):
-        from visualdl import LogWriter
+    def __init__(self, callbacks: list, image_dir: str, owned: bool = False, args=None):
+        from paddlenlp.trainer.trainer_callback import TrainerControl, TrainerState
 
-        os.makedirs(logdir, exist_ok=True)
-        self.logdir = logdir
-        self.writer = LogWriter(logdir=logdir)
+        self.callbacks, self.image_dir, self.owned = callbacks, image_dir, owned
+        self.args = args or {}
+        self.state, self.control = TrainerState(), TrainerControl()
+
+    @classmethod
+    def start(cls, report_to: list[str], output_dir: str, config: dict) -> Tracker:
+        """The hand-written loop's trackers (names resolved by `resolve_report_to`), each writing under
+        `<output_dir>/<tracker>/` (wandb: its offline run or its cache there)."""
+        from paddlenlp.trainer.integrations import INTEGRATION_TO_CALLBACK
+
+        callbacks, args = [], {}
+        for name in report_to:
+            callback = INTEGRATION_TO_CALLBACK[name]()
+            callbacks.append(callback)
+            folder = os.path.join(output_dir, name)
+            os.makedirs(folder, exist_ok=True)
+            args[id(callback)] = RunArguments(folder, output_dir, config)
+        tracker = cls(callbacks, os.path.join(output_dir, "images"), owned=True, args=args)
+        for callback in callbacks:
+            callback.on_train_begin(args[id(callback)], tracker.state, tracker.control)
+        return tracker
+
+    @classmethod
+    def of_trainer(cls, trainer, output_dir: str) -> Tracker:
+        """Images for the trackers a PaddleNLP Trainer runs (it logs the scalars itself)."""
+        from paddlenlp.trainer.integrations import INTEGRATION_TO_CALLBACK
+
+        kinds = tuple(INTEGRATION_TO_CALLBACK[name] for name in TRACKERS)
+        return cls([c for c in trainer.callback_handler.callbacks if isinstance(c, kinds)],
+                   os.path.join(output_dir, "images"))
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag=tag, value=float(value), step=step)
-        shown = "  ".join(f"{tag.split('/')[-1]} {value:.4g}" for tag, value in values.items())
-        logger.info("step %d  %s", step, shown)
+        """`values` by bare name: trackers show them as `train/<name>`, like the Trainer path's."""
+        self.state.global_step = step
+        logs = {name: float(value) for name, value in values.items()}
+        for callback in self.callbacks:
+            callback.on_log(self.args[id(callback)], self.state, self.control, logs=logs)
+        logger.info("step %d  %s", step, "  ".join(f"{name} {value:.4g}" for name, value in logs.items()))
 
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
-        self.writer.add_image(tag=tag, img=image, step=step)
+        from PIL import Image
+
+        path = os.path.join(self.image_dir, *tag.split("/"), f"{step:08d}.png")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        Image.fromarray(image).save(path)
+        for callback in self.callbacks:
+            if getattr(callback, "vdl_writer", None) is not None:
+                callback.vdl_writer.add_image(tag=tag, img=image, step=step)
+            elif getattr(callback, "tb_writer", None) is not None:
+                callback.tb_writer.add_image(tag, image, step, dataformats="HWC")
+                callback.tb_writer.flush()
+            elif getattr(callback, "_wandb", None) is not None and callback._wandb.run is not None:
+                callback._wandb.log({tag: callback._wandb.Image(image), "train/global_step": step})
 
     def close(self) -> None:
-        self.writer.close()
+        for callback in self.callbacks:
+            if self.owned:
+                callback.on_train_end(self.args[id(callback)], self.state, self.control)
+            wandb = getattr(callback, "_wandb", None)
+            if wandb is not None and wandb.run is not None:
+                wandb.finish()  # a launched rank leaves with os._exit: wandb's exit hook would not run
+        self.callbacks = []
 
 
-def make_writer(logdir: str, is_main: bool) -> NullWriter:
-    return VisualDLWriter(logdir) if is_main else NullWriter()
+def make_writer(report_to: list[str], output_dir: str, config: dict, is_main: bool) -> NullWriter:
+    return Tracker.start(resolve_report_to(report_to), output_dir, config) if is_main else NullWriter()
 
 
 class StepClock:
@@ -89,7 +182,7 @@ def read_scalars(logdir: str, tag: str) -> tuple[list[int], list[float]]:
     from visualdl import LogReader
 
     points: dict[int, float] = {}
-    for name in sorted(os.listdir(logdir)):
+    for name in sorted(n for n in os.listdir(logdir) if n.startswith("vdlrecords")):
         reader = LogReader(file_path=os.path.join(logdir, name))
         if tag in reader.get_tags().get("scalar", []):
             points.update({int(v.id): float(v.value) for v in reader.get_data("scalar", tag)})

@@ -81,9 +81,12 @@ def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(
 
 def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     out = tmp_path / "run"
+    (tmp_path / "prompts.txt").write_text("a red circle\n\na blue square\n")
     result = run(corpus + ["--max_train_steps", "5", "--save_steps", "2", "--logging_steps", "3",
                            "--checkpoints_total_limit", "2", "--gradient_accumulation_steps", "2",
                            "--num_workers", "0", "--output_dir", str(out), "--use_ema",
+                           "--validation_prompts", str(tmp_path / "prompts.txt"), "a green circle",
+                           "--validation_guidance_scales", "1", "4",
                            "--image_logging_steps", "2", "--num_inference_steps", "2", "--freeze_text_encoder",
                            "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--learning_rate", "1e-3"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,7 +106,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     reader = LogReader(file_path=str(out / "visualdl" / logs[0]))
     tags = reader.get_tags()["scalar"]
     for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second",
-                "train/data_wait_fraction", "data/ok", "data/missing_columns"):
+                "train/data_wait_fraction", "train/data_ok", "train/data_missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
     # the schedule counts optimizer updates, not micro-steps: after update 3 of 5 (warm-up 2), 2/3 of the peak
@@ -114,9 +117,19 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     after, _ = weights(out / "checkpoint-5")
     assert all(np.array_equal(before[n], after[n]) for n in after if n.startswith("bert."))
     assert any(not np.array_equal(before[n], after[n]) for n in after if n.startswith("unet."))
-    assert {"samples/guidance_1.0", "samples/guidance_7.5"} <= set(reader.get_tags()["image"])
-    assert [r.id for r in reader.get_data("image", "samples/guidance_7.5")] == [2, 4]
-    assert [r.id for r in reader.get_data("image", "samples_ema/guidance_7.5")] == [2, 4]  # --use_ema
+    assert set(reader.get_tags()["image"]) == {"validation/guidance_1", "validation/guidance_4"}
+    assert [r.id for r in reader.get_data("image", "validation/guidance_4")] == [2, 4]
+    # the same grids as PNG files: a row per prompt (3), the trained weights beside the EMA's (--use_ema)
+    from PIL import Image
+
+    for scale in ("1", "4"):
+        folder = out / "images" / "validation" / f"guidance_{scale}"
+        assert sorted(os.listdir(folder)) == ["00000002.png", "00000004.png"]
+        grid = np.asarray(Image.open(folder / "00000004.png"))
+        assert grid.shape == (3 * 32, 2 * 32, 3)
+    # the EMA (warm-up decay (1+n)/(10+n)) differs from the trained weights: so do their images (a little)
+    early = np.asarray(Image.open(out / "images" / "validation" / "guidance_4" / "00000002.png")).astype(int)
+    assert np.abs(early[:, :32] - early[:, 32:]).max() > 0
 
     # rank 0's progress bar: speed and data-wait share beside the loss, counted toward the end of the run
     assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
@@ -365,3 +378,46 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
         assert len(values) == 4, tag
         np.testing.assert_allclose(np.array(logged_two[tag]), np.array(values), rtol=1e-5, err_msg=tag)
     assert min(logged_one["train/grad_norm"]) > 0.02  # the clip bound: clipped at every update
+
+
+def tfevents_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of TensorBoard event files, read with their protobuf (records: length, crc, event, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for name in os.listdir(folder):
+        data = (folder / name).read_bytes()
+        while data:
+            (length,) = struct.unpack("<Q", data[:8])
+            event = event_pb2.Event.FromString(data[12:12 + length])
+            data = data[12 + length + 4:]
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_trackers_tensorboard_and_wandb_offline_or_none(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    common = corpus + ["--max_train_steps", "2", "--logging_steps", "1", "--num_workers", "0", "--save_steps", "100",
+                       "--image_logging_steps", "2", "--num_inference_steps", "1",
+                       "--validation_prompts", "a red circle"]
+    result = run(common + ["--report_to", "tensorboard", "wandb", "--output_dir", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out / "visualdl").exists()
+    scalars = tfevents_scalars(out / "tensorboard")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2]
+    assert "train/data_ok" in scalars and "train/learning_rate" in scalars
+    runs = list((out / "wandb").glob("wandb/offline-run-*"))
+    assert len(runs) == 1, list((out / "wandb").rglob("*"))
+    assert list(runs[0].glob("run-*.wandb")) and (runs[0] / "files" / "media" / "images").is_dir()
+
+    quiet = tmp_path / "quiet"
+    result = run(common + ["--report_to", "none", "--output_dir", str(quiet)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not {"visualdl", "tensorboard", "wandb"} & set(os.listdir(quiet))
+    assert os.listdir(quiet / "images" / "validation" / "guidance_7.5") == ["00000002.png"]  # asked for by a flag

@@ -11,6 +11,7 @@ what goes into a checkpoint, which images to log, what to write at the end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 
@@ -130,15 +131,8 @@ class TextToImage(Objective):
             load_ema(folder, self.ema)
 
     def log_images(self, writer, step, batch):
-        # generate() puts every part back in the mode it found it in; with EMA, its weights sample too
-        def log(tag: str) -> None:
-            samples.log_samples(writer, step, self.model, self.tokenizer, self.data.model_max_length,
-                               self.sampling.num_inference_steps, tag=tag)
-
-        log("samples")
-        if self.ema is not None and writer.active:
-            with self.ema.swapped(self.model):  # the trained weights are put back exactly afterwards
-                log("samples_ema")
+        samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length, self.sampling,
+                               ema=self.ema)
 
     def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
@@ -191,7 +185,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     try:
         run_dir.create(resume)  # the first write
         objective.start(run_dir)
-        writer = make_writer(run_dir.path("visualdl"), dist.is_main)
+        writer = make_writer(loop.report_to, run_dir.path(), {**dataclasses.asdict(loop), **dataclasses.asdict(data)},
+                             dist.is_main)
         step = 0
         if resume:
             objective.load(resume)
@@ -264,18 +259,18 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
 
                 if step % loop.logging_steps == 0 or step == loop.max_train_steps or stopping:
                     samples_per_second, wait_fraction, counts = data_stream.window(dist)
-                    metrics = {
-                        "train/loss": dist.mean(float(window["loss"]) / window["updates"]),
-                        "train/learning_rate": optimizer.get_lr(),
-                        "train/grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
-                        "train/samples_per_second": samples_per_second,
-                        "train/data_wait_fraction": wait_fraction,
+                    metrics = {  # the trackers show them as train/<name>, like the Trainer path's
+                        "loss": dist.mean(float(window["loss"]) / window["updates"]),
+                        "learning_rate": optimizer.get_lr(),
+                        "grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
+                        "samples_per_second": samples_per_second,
+                        "data_wait_fraction": wait_fraction,
                     }
-                    metrics.update({f"train/{name}": dist.mean(float(value) / window["updates"])
+                    metrics.update({name: dist.mean(float(value) / window["updates"])
                                     for name, value in sorted(window["extra"].items())})
-                    metrics.update({f"data/{reason}": count for reason, count in sorted(counts.items())})
+                    metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
                     writer.scalars(metrics, step)
-                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{samples_per_second:.1f}",
+                    progress.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{samples_per_second:.1f}",
                                          data_wait=f"{wait_fraction:.0%}")
                     window = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "extra": {}}
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:

@@ -1,29 +1,38 @@
-"""Sample images logged during training (rank 0's writer only)."""
+"""Validation images logged during training (rank 0's writer only)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-# Prompts of the sample images logged during training (fixed, so that runs compare).
-SAMPLE_PROMPTS = (
+# Prompts of the validation images when --validation_prompts gives none: general ones, fixed so runs compare.
+DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",
-    "a red circle on a blue background",
     "a painting of a lighthouse at sunset",
-    "a green square on a white background",
+    "a bowl of fruit on a wooden table",
+    "a city street at night in the rain",
 )
 
 
-def log_samples(writer, step: int, model, tokenizer, model_max_length: int, num_inference_steps: int,
-                seed: int = 0, tag: str = "samples") -> None:
-    """Sample images at guidance 1.0 and 7.5 for the fixed prompts (on the writing rank only)."""
+def log_validation(writer, step: int, model, tokenizer, model_max_length: int, sampling, ema=None) -> None:
+    """One grid per guidance scale: a row per prompt; with EMA, the trained weights (left) beside the EMA's
+    (right). Every image of a grid starts from the same noise (`--validation_seed`)."""
     if not writer.active:
         return
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.sampling import ddim_scheduler, generate, image_grid
 
+    prompts = sampling.validation_prompts or DEFAULT_PROMPTS
     tokenize = CaptionTokenizer(tokenizer, model_max_length)
     scheduler = ddim_scheduler(dict(model.noise_scheduler.config))
-    for guidance in (1.0, 7.5):
-        images = generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, SAMPLE_PROMPTS,
-                          guidance_scale=guidance, num_inference_steps=num_inference_steps, seed=seed)
-        writer.image(f"{tag}/guidance_{guidance}", np.asarray(image_grid(images, 1)), step)
+    weights = [contextlib.nullcontext] + ([lambda: ema.swapped(model)] if ema is not None else [])
+    for guidance in sampling.validation_guidance_scales:
+        columns = []
+        for swap in weights:  # generate() puts every part back in the mode it found it in
+            with swap():  # the trained weights are put back exactly afterwards
+                columns.append(generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, prompts,
+                                        guidance_scale=guidance, num_inference_steps=sampling.num_inference_steps,
+                                        seed=sampling.validation_seed))
+        images = np.stack(columns, axis=1).reshape(-1, *columns[0].shape[1:])  # prompt by prompt, raw then EMA
+        writer.image(f"validation/guidance_{guidance:g}", np.asarray(image_grid(images, len(prompts))), step)

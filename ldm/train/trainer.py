@@ -22,6 +22,7 @@ from ldm.checkpoint import training_state, write_training_state
 from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem, remove
+from ldm.tracking import NullWriter, Tracker
 from ldm.train import setup
 from ldm.train.loop import TextToImage, start_batches
 from ldm.train.signals import GracefulStop
@@ -63,11 +64,11 @@ class LDMCallback(TrainerCallback):
 
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
-                 writer=None, resume_checkpoint: str | None = None):
+                 resume_checkpoint: str | None = None):
         check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
         super().__init__(model=objective.model, args=args)
         self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
-        self.writer, self.resume_checkpoint = writer, resume_checkpoint
+        self.writer, self.resume_checkpoint = NullWriter(), resume_checkpoint
         self.stop: GracefulStop | None = None
         self.grad_norms: list[paddle.Tensor] = []
         self.add_callback(LDMCallback(self))
@@ -125,7 +126,6 @@ def train(training_args, model_args, data, sampling) -> dict:
     anything is written (see `ldm.train.loop.run`)."""
     import paddle.distributed as pdist
 
-    from ldm.tracking import NullWriter, make_writer
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
@@ -147,10 +147,10 @@ def train(training_args, model_args, data, sampling) -> dict:
     try:
         run_dir.create(checkpoint)  # the first write
         objective.start(run_dir)
-        # scalars go through the Trainer's own VisualDL callback (--report_to visualdl); sample images here
-        writer = make_writer(run_dir.path("visualdl_samples"), dist.is_main and sampling.image_logging_steps > 0)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
-                             data_stream=data_stream, writer=writer, resume_checkpoint=checkpoint)
+                             data_stream=data_stream, resume_checkpoint=checkpoint)
+        if dist.is_main:  # scalars go through the Trainer's own trackers (--report_to); images through them here
+            writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
         if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
             from paddlenlp.utils.log import logger as paddlenlp_logger
 
