@@ -17,6 +17,8 @@ import glob
 import os
 import sys
 
+from ldm.args import ToolParser
+
 
 def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:
     return [pattern.format(i) for i in range(start, start + count)]
@@ -34,7 +36,7 @@ def existing_paths(where: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pattern", default="/data/laion400m/part-{:05d}.gz",
                         help="str.format pattern of a shard path, given the shard number")

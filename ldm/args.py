@@ -8,6 +8,7 @@ scripts historically differ (`--pretrained_model_name_or_path`, `--checkpoints_t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -240,6 +241,37 @@ def unknown_flags_message(unknown: list[str], known: list[str]) -> str:
     if not parts:
         return f"unexpected argument(s) {' '.join(stray)}: every value follows its --flag"
     return f"unknown flag(s) for this entry point: {', '.join(parts)}; see --help"
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for the tools (`python -m ldm.data`, `ldm.eval`, `ldm.generate`, …): whole flag names only
+    (argparse would take any unambiguous prefix, so a typo could silently set another flag), and an
+    unknown flag named with the closest flag of that command."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else [str(a) for a in args]
+        # before argparse: its "required: --file_list" would otherwise hide the typo that caused it
+        known = self._flags_of(args)
+        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in known]
+        if not unknown:
+            parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.exit(2, f"{self.prog}: error: {unknown_flags_message(unknown, known)}\n")
+        return parsed
+
+    def _flags_of(self, args: list[str]) -> list[str]:
+        """The flags of this parser and of the subcommand named in `args`."""
+        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):  # argparse's only handle on its subcommands
+                chosen = next((action.choices[a] for a in args if a in action.choices), None)
+                if chosen is not None:
+                    flags += [o for a in chosen._actions for o in a.option_strings if o.startswith("--")]
+        return flags
 
 
 def parse(dataclass_types, argv: list[str] | None = None):

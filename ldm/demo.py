@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from ldm.args import ToolParser
 from ldm.data.synth import caption
 from ldm.tracking import read_scalars
 
@@ -234,7 +235,7 @@ def plot_losses(out: str, runs: dict[str, tuple[str, str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bash scripts/demo.sh", description=__doc__,
+    parser = ToolParser(prog="bash scripts/demo.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default=os.path.join(ROOT, "outputs", "demo"))
     parser.add_argument("--quick", action="store_true", default=os.environ.get("LDM_DEMO_QUICK") == "1",

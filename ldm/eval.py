@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ldm.args import ToolParser
 from ldm.data.synth import COLOURS, SHAPES, caption
 
 NAMES = tuple(COLOURS)
@@ -206,7 +207,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ldm.eval", description=__doc__,
+    parser = ToolParser(prog="python -m ldm.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     shapes = commands.add_parser("shapes", help="prompt following of a model trained on the shapes corpus")

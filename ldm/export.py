@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ldm.args import ToolParser
+
 
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str) -> str:
     from ppdiffusers import LDMTextToImagePipeline
@@ -33,7 +35,7 @@ def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True) -> tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ldm.export", description=__doc__,
+    parser = ToolParser(prog="python -m ldm.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a checkpoint-<step> folder")
     parser.add_argument("--output", required=True, help="the pipeline folder to write")

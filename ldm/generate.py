@@ -13,13 +13,15 @@ import os
 import re
 import sys
 
+from ldm.args import ToolParser
+
 
 def slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit] or "empty"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ldm.generate", description=__doc__,
+    parser = ToolParser(prog="python -m ldm.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint-<step> folder or pipeline folder")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from ldm.args import ToolParser
 from ldm.data.tools import main as data_main
 from ldm.data.write import ShardWriter, encode_image, record_line
 
@@ -34,7 +35,7 @@ def photo_like(rng: np.random.Generator) -> Image.Image:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_images", type=int, default=300)
     parser.add_argument("--folder", default="/tmp/ldm-bench")
     args = parser.parse_args()

@@ -16,12 +16,13 @@ import time
 
 import paddle
 
+from ldm.args import ToolParser
 from ldm.models.build import load_part, load_text_encoder, resolve_source
 from ldm.train.optim import clip_grad_norm
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="ldm-demo")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=30)

@@ -64,6 +64,8 @@ def test_bench_prints_both_rates_and_the_ratio_last(corpus):
     (["bench", "--file_list", "/no/such/list"], "file list not found"),
     (["convert", "/no/such/dir", "--output_dir", "/tmp/x"], "input not found"),
     (["frobnicate"], "invalid choice"),
+    (["plan", "--file_lst", "x"], "--file_lst (did you mean --file_list?)"),  # the subcommand's own flags
+    (["stats", "--file", "x"], "unknown flag(s) for this entry point: --file"),  # no silent prefix matching
 ])
 def test_user_errors_exit_non_zero_with_one_readable_line(argv, message):
     out = run("-m", "ldm.data", *argv)

@@ -13,6 +13,7 @@ from itertools import islice
 
 from tqdm import tqdm
 
+from ldm.args import ToolParser
 from ldm.data.filelist import FileListError, read_file_list
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import ShardError, ShardMissing, iter_lines
@@ -259,7 +260,7 @@ def cmd_synth(args) -> None:
 
 # -- entry ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ldm.data", description=__doc__)
+    parser = ToolParser(prog="python -m ldm.data", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("stats", help="read every record and count usable and unusable ones by reason")
