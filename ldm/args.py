@@ -244,7 +244,7 @@ def unknown_flags_message(unknown: list[str], known: list[str]) -> str:
 
 
 class ToolParser(argparse.ArgumentParser):
-    """argparse for the tools (`python -m ldm.data`, `ldm.eval`, `ldm.generate`, …): whole flag names only
+    """argparse for the tools (`python -m ldm.data`, `ldm.generate`, `apps.eval`, …): whole flag names only
     (argparse would take any unambiguous prefix, so a typo could silently set another flag), and an
     unknown flag named with the closest flag of that command."""
 

@@ -6,4 +6,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
 cd "$ROOT"
-exec "$PYTHON" -m ldm.demo "$@"
+exec "$PYTHON" -m apps.demo "$@"

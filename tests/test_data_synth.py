@@ -5,11 +5,11 @@ import random
 import numpy as np
 from entry import run_python
 
+from apps.eval import classify
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, parse_record
 from ldm.data.shard import iter_lines
 from ldm.data.synth import record
-from ldm.eval import classify
 
 
 def test_records_are_deterministic_and_captions_match_pixels():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
+from apps.eval import classify, corpus_reference, eval_prompts, parse_caption, score
 from ldm.data.synth import COLOURS, SHAPES, record
-from ldm.eval import classify, corpus_reference, eval_prompts, parse_caption, score
 
 
 @pytest.mark.parametrize("resolution", [32, 64])
@@ -50,7 +50,7 @@ def test_autoencoder_command_scores_the_reconstructions_not_the_inputs(tmp_path,
 
     from ppdiffusers import AutoencoderKL
 
-    from ldm.eval import main
+    from apps.eval import main
     from ldm.models.build import PRESETS_DIR, read_config
 
     folder = tmp_path / "vqvae"

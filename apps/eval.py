@@ -1,6 +1,6 @@
 """Prompt-following evaluation on the captioned-shapes corpus.
 
-    python -m ldm.eval shapes --model outputs/demo/pipeline [--num_images_per_prompt 4] [--json]
+    python -m apps.eval shapes --model outputs/demo/pipeline [--num_images_per_prompt 4] [--json]
 
 Generates images for prompts covering every colour, background and shape, reads each image back
 with a deterministic pixel-statistics classifier and reports object-colour, background-colour and
@@ -207,7 +207,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ToolParser(prog="python -m ldm.eval", description=__doc__,
+    parser = ToolParser(prog="python -m apps.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     shapes = commands.add_parser("shapes", help="prompt following of a model trained on the shapes corpus")

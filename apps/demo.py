@@ -171,14 +171,14 @@ class Demo:
         self.summary("samples", "samples.png (a row per prompt, a column per seed)")
 
     def evaluate(self) -> dict:
-        from ldm.eval import eval_prompts
+        from apps.eval import eval_prompts
 
         s = self.settings
         result = json.loads(self.run(
             "evaluate", f"the shapes classifier on {s.eval_images_per_prompt} images for each of "
             f"{len(eval_prompts())} prompts "
             "(every colour, background and shape), on autoencoder reconstructions and on corpus images",
-            [sys.executable, "-m", "ldm.eval", "shapes", "--model", self.path("pipeline"),
+            [sys.executable, "-m", "apps.eval", "shapes", "--model", self.path("pipeline"),
              "--num_images_per_prompt", str(s.eval_images_per_prompt), "--guidance_scale", str(s.guidance_scale),
              "--num_inference_steps", str(s.num_inference_steps), "--reference_images", str(s.reference_images),
              "--reconstructions", self.path("reconstructions.png"), "--json"], capture=True))
