@@ -1,6 +1,13 @@
 """Pretraining text-to-image latent diffusion models on LAION-style shards with PaddlePaddle.
 
 Submodules are imported on demand: `import ldm` stays cheap (no Paddle import).
+
+Imports go at the top of a module. A function imports inside itself only for one of these reasons:
+- the module serves a command before its arguments are checked (`ldm.args`, `ldm.models.build`,
+  `ldm.tracking`, the data tools, the entry points): Paddle, PaddleNLP and ppdiffusers take 6-10 s
+  to import, and a wrong flag should answer at once;
+- the package is optional (wandb, tensorboardX, fsspec's backends);
+- the import reaches a private API that `ldm.compat` checks when it is used, or would be circular.
 """
 
 __version__ = "0.1.0"

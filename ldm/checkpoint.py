@@ -21,6 +21,12 @@ import logging
 import os
 import pickle
 
+import paddle
+from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+from ldm.distributed import weights_checksum
+from ldm.models.autoencoder import autoencoder_identity
 from ldm.run_folder import CheckpointError
 
 MODEL_JSON = "ldm_model.json"
@@ -38,8 +44,6 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
     `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
     the autoencoder is written relative to it.
     """
-    import paddle
-
     os.makedirs(folder, exist_ok=True)
     unet.save_pretrained(os.path.join(folder, "unet"))
     text_encoder.save_pretrained(os.path.join(folder, "bert"))
@@ -59,10 +63,6 @@ OPTIMIZER_FILE = "optimizer.pdopt"
 
 def checkpoint_autoencoder(path: str):
     """The frozen autoencoder a checkpoint was trained with, refused if it is not the recorded one."""
-    from ppdiffusers import AutoencoderKL
-
-    from ldm.models.autoencoder import autoencoder_identity
-
     with open(os.path.join(path, MODEL_JSON)) as f:
         recorded = json.load(f)
     vae_path = os.path.normpath(os.path.join(path, recorded["vae"]))
@@ -93,8 +93,6 @@ def recorded_autoencoder(path: str) -> dict | None:
 def training_state(step: int, dist, batches, trained, **extra) -> dict:
     """The training-state dict of a checkpoint (both entry points): step, world size, every rank's data
     position and a fingerprint of every rank's trained weights (ranks that drifted apart show here)."""
-    from ldm.distributed import weights_checksum
-
     return {
         "step": step,
         "world_size": dist.world_size,
@@ -115,14 +113,10 @@ def read_training_state(folder: str) -> dict:
 
 
 def save_optimizer(folder: str, optimizer) -> None:
-    import paddle
-
     paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
 
 
 def load_optimizer(folder: str, optimizer) -> None:
-    import paddle
-
     optimizer.set_state_dict(paddle.load(os.path.join(folder, OPTIMIZER_FILE)))
 
 
@@ -130,15 +124,10 @@ def load_ema(path: str, ema) -> None:
     ema_path = os.path.join(path, EMA_FILE)
     if not os.path.isfile(ema_path):
         raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
-    import paddle
-
     ema.load_state_dict(paddle.load(ema_path))
 
 
 def load_ldm_weights(path: str, model) -> None:
     """UNet and LDMBert weights of a checkpoint into the training wrapper's parts."""
-    from ppdiffusers import UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
-
     model.unet.set_state_dict(UNet2DConditionModel.from_pretrained(os.path.join(path, "unet")).state_dict())
     model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import os
 
+import paddle
+from paddlenlp.transformers import BertTokenizer
+from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
 from ldm.checkpoint import EMA_FILE, MODEL_JSON, checkpoint_autoencoder, is_checkpoint
+from ldm.models.build import read_config
 
 
 def is_pipeline(path: str) -> bool:
@@ -14,8 +20,6 @@ def is_pipeline(path: str) -> bool:
 
 def apply_ema(state: dict, unet, text_encoder) -> None:
     """Write EMA weights (named `unet.*` / `text_encoder.*` after the training wrapper) into the parts."""
-    import paddle
-
     for prefix, model in (("unet", unet), ("text_encoder", text_encoder)):
         with paddle.no_grad():
             for name, parameter in model.named_parameters():
@@ -26,13 +30,6 @@ def apply_ema(state: dict, unet, text_encoder) -> None:
 
 def load_for_inference(path: str, use_ema: bool = True):
     """(unet, text_encoder, vae, tokenizer, noise_scheduler_config, used_ema) from a checkpoint or pipeline folder."""
-    import paddle
-    from paddlenlp.transformers import BertTokenizer
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
-
-    from ldm.models.build import read_config
-
     if not (is_pipeline(path) or is_checkpoint(path)):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")

@@ -12,12 +12,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import paddle
 from PIL import Image
+from ppdiffusers import DDIMScheduler
+
+from ldm.models.autoencoder import to_uint8
 
 
 def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
     """The reference sampler: DDIM with the training betas, clip_sample off, steps_offset 1."""
-    from ppdiffusers import DDIMScheduler
-
     config = noise_scheduler_config
     return DDIMScheduler(
         beta_start=config["beta_start"],
@@ -50,8 +51,6 @@ def generate(
     batch_size: int = 8,
 ) -> np.ndarray:
     """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored."""
-    from ldm.models.autoencoder import to_uint8
-
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()

@@ -7,6 +7,9 @@ discriminator on top; both need pretrained or extra networks and are left out he
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import paddle
 from paddle import nn
@@ -58,9 +61,6 @@ def autoencoder_identity(vae: nn.Layer) -> dict:
     Recorded in every LDM checkpoint; resuming or exporting with another autoencoder is refused,
     because the UNet learned the latents of this one.
     """
-    import hashlib
-    import json
-
     config = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}
     weights = hashlib.sha256()
     for name, tensor in sorted(vae.state_dict().items()):

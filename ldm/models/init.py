@@ -14,6 +14,8 @@ import math
 import paddle
 from paddle import nn
 from paddle.nn.initializer import Constant, Normal, Uniform
+from ppdiffusers.models.resnet import ResnetBlock2D
+from ppdiffusers.models.transformer_2d import Transformer2DModel
 
 CONVS = (nn.Conv1D, nn.Conv2D, nn.Conv3D, nn.Conv1DTranspose, nn.Conv2DTranspose, nn.Conv3DTranspose)
 NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1D, nn.BatchNorm2D, nn.InstanceNorm2D)
@@ -52,9 +54,6 @@ def zero_(layer: nn.Layer) -> None:
 
 def unet_zero_init_layers(unet: nn.Layer) -> list[nn.Layer]:
     """conv_out, every ResNet block's second conv, every transformer block's output projection."""
-    from ppdiffusers.models.resnet import ResnetBlock2D
-    from ppdiffusers.models.transformer_2d import Transformer2DModel
-
     layers = [unet.conv_out]
     for layer in unet.sublayers():
         if isinstance(layer, ResnetBlock2D):

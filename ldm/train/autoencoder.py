@@ -12,9 +12,14 @@ import os
 
 import numpy as np
 import paddle
+from ppdiffusers import AutoencoderKL
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
+from ldm.models.autoencoder import AutoencoderTraining, latent_moments, reconstruct, scaling_factor, to_uint8
+from ldm.models.build import load_part, vae_folder
+from ldm.models.init import pytorch_default_init
 from ldm.run_folder import atomic_folder
+from ldm.sampling import image_grid
 from ldm.train.loop import Objective, run
 
 logger = logging.getLogger("ldm.train")
@@ -22,11 +27,6 @@ logger = logging.getLogger("ldm.train")
 
 def build_autoencoder(name_or_path: str, seed: int):
     """(AutoencoderKL, loaded?) from a preset's vqvae/, a vqvae folder or a pipeline folder."""
-    from ppdiffusers import AutoencoderKL
-
-    from ldm.models.build import load_part, vae_folder
-    from ldm.models.init import pytorch_default_init
-
     with paddle.utils.unique_name.guard():
         paddle.seed(seed)
         vae, loaded = load_part(AutoencoderKL, vae_folder(name_or_path))
@@ -37,8 +37,6 @@ def build_autoencoder(name_or_path: str, seed: int):
 
 class Autoencoder(Objective):
     def __init__(self, args: AutoencoderArguments, loop: LoopArguments):
-        from ldm.models.autoencoder import AutoencoderTraining
-
         self.args = args
         vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
         self.vae = vae
@@ -56,14 +54,9 @@ class Autoencoder(Objective):
         self.vae.save_pretrained(os.path.join(folder, "vqvae"))
 
     def load(self, folder):
-        from ppdiffusers import AutoencoderKL
-
         self.vae.set_state_dict(AutoencoderKL.from_pretrained(os.path.join(folder, "vqvae")).state_dict())
 
     def log_images(self, writer, step, batch):
-        from ldm.models.autoencoder import reconstruct, to_uint8
-        from ldm.sampling import image_grid
-
         pixels = batch["pixel_values"][:8]
         self.vae.eval()
         try:
@@ -74,8 +67,6 @@ class Autoencoder(Objective):
         writer.image("reconstructions/inputs_vs_outputs", np.asarray(grid), step)
 
     def finish(self, checkpoint, batches, dist, run_dir):
-        from ldm.models.autoencoder import latent_moments, scaling_factor
-
         self.vae.eval()
         moments = np.zeros(3)
         for _ in range(self.args.scale_batches):

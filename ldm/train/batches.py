@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import Counter
 
 from ldm.args import DataArguments
+from ldm.compat import stop_loader
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
+from ldm.data.filelist import check_shards, read_file_list
+from ldm.data.record import ImageTransform
+from ldm.data.tokenize import CaptionTokenizer
+from ldm.data.watchdog import StallWatchdog, raise_if_error
 from ldm.distributed import Distributed
 from ldm.tracking import StepClock
 
@@ -18,8 +25,6 @@ logger = logging.getLogger("ldm.train")
 def warn_if_loader_threads_run() -> None:
     """Workers forked while another loader's reader thread runs can inherit a lock that thread holds (a
     log handler's, stderr's) and hang on their first log line: seen in this project's test suite."""
-    import threading
-
     others = [t.name for t in threading.enumerate() if "_thread_loop" in t.name]
     if others:
         logger.warning("starting data loader workers while %d other loader thread(s) run (%s): a worker can hang "
@@ -63,9 +68,6 @@ class TimedBatches:
         self._iterators, self._first = [], None
 
     def _batches(self):
-        from ldm.compat import stop_loader
-        from ldm.data.watchdog import StallWatchdog, raise_if_error
-
         if self.loader.num_workers:
             warn_if_loader_threads_run()
         iterator = iter(self.loader)  # forks the workers
@@ -106,11 +108,6 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read.
     """
-    from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
-    from ldm.data.filelist import check_shards, read_file_list
-    from ldm.data.record import ImageTransform
-    from ldm.data.tokenize import CaptionTokenizer
-
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
     dist.from_main(lambda: check_shards(shards, data.file_list))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from ldm.data.filelist import FileListError
+from ldm.data.stream import NoUsableData
+from ldm.data.tokenize import TokenizerError
+from ldm.models.build import ModelSourceError
+from ldm.run_folder import CheckpointError
+
 
 @contextlib.contextmanager
 def user_errors():
-    from ldm.data.filelist import FileListError
-    from ldm.data.stream import NoUsableData
-    from ldm.data.tokenize import TokenizerError
-    from ldm.models.build import ModelSourceError
-    from ldm.run_folder import CheckpointError
-
     try:
         yield
     except (CheckpointError, FileListError, NoUsableData, TokenizerError, ModelSourceError) as e:

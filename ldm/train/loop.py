@@ -33,6 +33,8 @@ from ldm.checkpoint import (
     write_training_state,
 )
 from ldm.distributed import Distributed, sync_gradients
+from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.ema import EMA
 from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import optim, samples, setup
@@ -98,9 +100,6 @@ class TextToImage(Objective):
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
                  recompute: bool, seed: int):
         """Also the Trainer path's model (`ldm.train.trainer`): built, checked, saved and loaded the same way."""
-        from ldm.models.autoencoder import autoencoder_identity
-        from ldm.models.ema import EMA
-
         self.data, self.sampling = data, sampling
         self.tokenizer = setup.build_tokenizer(data)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,

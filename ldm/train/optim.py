@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 
 import paddle
+from paddlenlp.trainer.trainer_utils import get_scheduler
+
+from ldm.compat import squared_l2_norm
 
 
 @paddle.no_grad()
@@ -16,8 +19,6 @@ def clip_grad_norm(parameters, max_norm: float) -> paddle.Tensor:
     per gradient, a stack and a second norm; no rescaling pass when `max_norm` is infinite. Per-op
     cost dominates for small models on a CPU: see `scripts/bench_step.py`.
     """
-    from ldm.compat import squared_l2_norm
-
     grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
     if not grads:
         return paddle.zeros([], dtype="float32")
@@ -32,7 +33,5 @@ def clip_grad_norm(parameters, max_norm: float) -> paddle.Tensor:
 
 def lr_schedule(name: str, learning_rate: float, warmup_steps: int, total_steps: int):
     """PaddleNLP's schedules, counted in optimizer updates."""
-    from paddlenlp.trainer.trainer_utils import get_scheduler
-
     return get_scheduler(name, learning_rate=learning_rate, num_warmup_steps=warmup_steps,
                          num_training_steps=total_steps)

@@ -6,6 +6,9 @@ import contextlib
 
 import numpy as np
 
+from ldm.data.tokenize import CaptionTokenizer
+from ldm.sampling import ddim_scheduler, generate, image_grid
+
 # Prompts of the validation images when --validation_prompts gives none: general ones, fixed so runs compare.
 DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -20,9 +23,6 @@ def log_validation(writer, step: int, model, tokenizer, model_max_length: int, s
     (right). Every image of a grid starts from the same noise (`--validation_seed`)."""
     if not writer.active:
         return
-    from ldm.data.tokenize import CaptionTokenizer
-    from ldm.sampling import ddim_scheduler, generate, image_grid
-
     prompts = sampling.validation_prompts or DEFAULT_PROMPTS
     tokenize = CaptionTokenizer(tokenizer, model_max_length)
     scheduler = ddim_scheduler(dict(model.noise_scheduler.config))

@@ -8,7 +8,10 @@ import sys
 import paddle
 
 from ldm.args import DataArguments, ModelArguments
+from ldm.data.tokenize import load_tokenizer
 from ldm.distributed import Distributed
+from ldm.models.build import PRETRAINED_VAE, ModelSourceError, build_components
+from ldm.models.diffusion import LatentDiffusion
 from ldm.tracking import quiet_libraries
 
 logger = logging.getLogger("ldm.train")
@@ -35,8 +38,6 @@ def resolve_precision(requested: str) -> str:
 
 
 def build_tokenizer(data: DataArguments):
-    from ldm.data.tokenize import load_tokenizer
-
     return load_tokenizer(data.tokenizer_name, data.model_max_length)
 
 
@@ -46,9 +47,6 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
     do not depend on what the process built before.
     """
-    from ldm.models.build import build_components
-    from ldm.models.diffusion import LatentDiffusion
-
     with paddle.utils.unique_name.guard():
         components = build_components(
             model_args.model_name_or_path,
@@ -72,8 +70,6 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
 def check_autoencoder_trained(components, allowed: bool) -> None:
     """Refuse a frozen autoencoder with no trained weights (a multi-day run would learn nothing), unless
     `--allow_untrained_vae` says it is meant."""
-    from ldm.models.build import PRETRAINED_VAE, ModelSourceError
-
     if components.pretrained["vae"]:
         return
     if not allowed:

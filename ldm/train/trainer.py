@@ -16,7 +16,9 @@ import logging
 import os
 
 import paddle
+import paddle.distributed as pdist
 from paddlenlp.trainer import Trainer, TrainerCallback
+from paddlenlp.utils.log import logger as paddlenlp_logger
 
 from ldm.checkpoint import training_state, write_training_state
 from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
@@ -124,8 +126,6 @@ class LDMTrainer(Trainer):
 def train(training_args, model_args, data, sampling) -> dict:
     """The LDM through PaddleNLP's Trainer; ends with `<output_dir>/pipeline`. Inputs are checked before
     anything is written (see `ldm.train.loop.run`)."""
-    import paddle.distributed as pdist
-
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
@@ -152,8 +152,6 @@ def train(training_args, model_args, data, sampling) -> dict:
         if dist.is_main:  # scalars go through the Trainer's own trackers (--report_to); images through them here
             writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
         if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
-            from paddlenlp.utils.log import logger as paddlenlp_logger
-
             paddlenlp_logger.set_level("INFO")
         with GracefulStop(dist) as stop:
             trainer.stop = stop
