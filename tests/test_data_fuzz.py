@@ -462,8 +462,8 @@ def test_loader_workers_read_a_full_pass_of_fuzzed_records_and_count_each_once(f
             batch = tracker.update(batch)
             batches += 1
             pixels = np.asarray(batch["pixel_values"])
-            assert pixels.shape == (1, 3, RESOLUTION, RESOLUTION) and np.isfinite(pixels).all()
-            assert np.abs(pixels).max() <= 1.0 and np.asarray(batch["input_ids"]).shape == (1, 16)
+            assert pixels.shape == (1, 3, RESOLUTION, RESOLUTION) and pixels.dtype == np.uint8
+            assert np.asarray(batch["input_ids"]).shape == (1, 16)
             # every record read so far is counted once, under the reason the reference decode gives
             expected, _ = counted_at(shards, listed, state)
             assert Counter(state["counts"]) == expected, f"slot {state['slot']} at batch {batches}"

@@ -70,3 +70,19 @@ def test_every_bad_record_is_skipped_with_its_reason(reason):
         _, data = parse_record(bad_lines()[reason])
         transform(data, random.Random(0))
     assert info.value.reason == reason
+
+
+def test_uint8_batches_scale_on_the_device_to_the_float_pixels():
+    import paddle
+
+    from ldm.data.dataset import to_pixel_values, to_uint8_batch
+    from ldm.models.autoencoder import unit_range
+
+    rng = np.random.default_rng(0)
+    crops = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(3)] + [np.zeros((8, 8, 3), np.uint8),
+                                                                                  np.full((8, 8, 3), 255, np.uint8)]
+    batch = to_uint8_batch(crops)
+    assert batch.dtype == np.uint8 and batch.shape == (5, 3, 8, 8)
+    scaled = unit_range(paddle.to_tensor(batch)).numpy()
+    np.testing.assert_allclose(scaled, to_pixel_values(crops), rtol=0, atol=1e-6)
+    assert scaled.min() == -1.0 and scaled.max() == 1.0

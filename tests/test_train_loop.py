@@ -332,7 +332,9 @@ class PixelRegression:
                                           paddle.nn.AdaptiveAvgPool2D(1), paddle.nn.Flatten(), paddle.nn.Linear(8, 3))
 
     def loss(self, net, batch):
-        pixels = batch["pixel_values"]
+        from ldm.models.autoencoder import unit_range
+
+        pixels = unit_range(batch["pixel_values"])
         return ((net(pixels) - pixels.mean(axis=[2, 3])) ** 2).mean(), {}
 
     def check_resume(self, checkpoint):

@@ -22,6 +22,7 @@ class AutoencoderTraining(nn.Layer):
 
     def forward(self, pixel_values: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """(loss, L1 reconstruction error, KL per image)."""
+        pixel_values = unit_range(pixel_values)
         posterior = self.vae.encode(pixel_values).latent_dist
         reconstruction = self.vae.decode(posterior.sample()).sample
         l1 = (reconstruction.astype("float32") - pixel_values.astype("float32")).abs().mean()
@@ -32,7 +33,7 @@ class AutoencoderTraining(nn.Layer):
 @paddle.no_grad()
 def latent_moments(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
     """[sum, sum of squares, count] of posterior samples: what the diffusion model is trained on."""
-    latents = vae.encode(pixel_values.astype("float32")).latent_dist.sample().astype("float64")
+    latents = vae.encode(unit_range(pixel_values)).latent_dist.sample().astype("float64")
     return np.array([float(latents.sum()), float((latents * latents).sum()), latents.size], dtype=np.float64)
 
 
@@ -46,7 +47,15 @@ def scaling_factor(moments: np.ndarray) -> float:
 @paddle.no_grad()
 def reconstruct(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
     """uint8 [N, H, W, 3] decodings of the posterior means (what `reconstructions.png` shows)."""
-    return to_uint8(vae.decode(vae.encode(pixel_values.astype("float32")).latent_dist.mode()).sample)
+    return to_uint8(vae.decode(vae.encode(unit_range(pixel_values)).latent_dist.mode()).sample)
+
+
+def unit_range(pixels: paddle.Tensor) -> paddle.Tensor:
+    """Batch pixels as float32 in [-1, 1] on the device: uint8 batches (as the loader sends them) are
+    scaled here; float ones are taken as already scaled."""
+    if pixels.dtype == paddle.uint8:
+        return pixels.astype("float32") * (2.0 / 255.0) - 1.0
+    return pixels.astype("float32")
 
 
 def to_uint8(pixel_values: paddle.Tensor | np.ndarray) -> np.ndarray:

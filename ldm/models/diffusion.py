@@ -10,6 +10,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ldm.models.autoencoder import unit_range
+
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
@@ -66,7 +68,7 @@ class LatentDiffusion(nn.Layer):
     def encode_latents(self, pixel_values: paddle.Tensor) -> paddle.Tensor:
         """Frozen VAE in fp32 (even under AMP): latents scaled by the VAE config's factor."""
         with paddle.amp.auto_cast(enable=False):
-            posterior = self.vae.encode(pixel_values.astype("float32")).latent_dist
+            posterior = self.vae.encode(unit_range(pixel_values)).latent_dist
             return posterior.sample() * self.scaling_factor
 
     def encode_text(self, input_ids: paddle.Tensor) -> paddle.Tensor:

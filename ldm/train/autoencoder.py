@@ -15,7 +15,14 @@ import paddle
 from ppdiffusers import AutoencoderKL
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
-from ldm.models.autoencoder import AutoencoderTraining, latent_moments, reconstruct, scaling_factor, to_uint8
+from ldm.models.autoencoder import (
+    AutoencoderTraining,
+    latent_moments,
+    reconstruct,
+    scaling_factor,
+    to_uint8,
+    unit_range,
+)
 from ldm.models.build import load_part, vae_folder
 from ldm.models.init import pytorch_default_init
 from ldm.run_folder import atomic_folder
@@ -63,7 +70,8 @@ class Autoencoder(Objective):
             outputs = reconstruct(self.vae, paddle.to_tensor(pixels))
         finally:
             self.vae.train()
-        grid = image_grid(np.concatenate([to_uint8(np.asarray(pixels)), outputs]), rows=2)
+        inputs = to_uint8(unit_range(paddle.to_tensor(pixels)))
+        grid = image_grid(np.concatenate([inputs, outputs]), rows=2)
         writer.image("reconstructions/inputs_vs_outputs", np.asarray(grid), step)
 
     def finish(self, checkpoint, batches, dist, run_dir):
