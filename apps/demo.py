@@ -168,7 +168,7 @@ class Demo:
                   "--num_images_per_prompt", str(s.sample_seeds), "--guidance_scale", str(s.guidance_scale),
                   "--num_inference_steps", str(s.num_inference_steps), "--output_dir", folder])
         shutil.copyfile(os.path.join(folder, "grid.png"), self.path("samples.png"))
-        self.summary("samples", "samples.png (a row per prompt, a column per seed)")
+        self.summary("samples", "samples.png (a row per prompt, written at its left; a column per seed; 4x enlarged)")
 
     def evaluate(self) -> dict:
         from apps.eval import eval_prompts

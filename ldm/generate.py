@@ -3,7 +3,8 @@
     python -m ldm.generate --model OUTPUT/pipeline --prompt "a red circle on a blue background" \\
         --num_inference_steps 50 --guidance_scale 7.5 --seed 0 --output_dir samples/
 
-Writes one PNG per image (`<prompt index>-<image index>.png`) and `grid.png` (a row per prompt).
+Writes one PNG per image (`<prompt index>-<image index>.png`) and `grid.png`: a row per prompt with the
+prompt written at its left, images enlarged (nearest neighbour) to at least `--grid_cell` pixels.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--no_ema", action="store_true", help="use raw weights of a checkpoint that has EMA ones")
+    parser.add_argument("--grid_cell", type=int, default=128,
+                        help="smallest side of an image in grid.png, in pixels (enlarged by a whole factor)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args(argv)
 
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference import load_for_inference
     from ldm.run_folder import CheckpointError
-    from ldm.sampling import ddim_scheduler, generate, image_grid
+    from ldm.sampling import ddim_scheduler, generate, labeled_grid
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, image in enumerate(images):
         p, k = divmod(i, args.num_images_per_prompt)
         Image.fromarray(image).save(os.path.join(args.output_dir, f"{p:03d}-{k:02d}-{slug(prompts[p])}.png"))
-    image_grid(images, rows=len(prompts)).save(os.path.join(args.output_dir, "grid.png"))
+    labeled_grid(images, prompts, args.grid_cell).save(os.path.join(args.output_dir, "grid.png"))
     print(f"wrote {len(images)} images and grid.png to {args.output_dir}")
     return 0
 

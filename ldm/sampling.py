@@ -89,6 +89,28 @@ def generate(
             model.train() if training else model.eval()
 
 
+def labeled_grid(images: np.ndarray, prompts: list[str], min_cell: int = 128) -> Image.Image:
+    """A grid a person can read: a row per prompt with the prompt written at its left, the images enlarged
+    by a whole factor (nearest neighbour: no invented detail) to at least `min_cell` pixels."""
+    from PIL import ImageDraw, ImageFont
+
+    count, height, width, _ = images.shape
+    scale = max(1, -(-min_cell // max(height, width)))
+    grid = image_grid(images, len(prompts))
+    grid = grid.resize((grid.width * scale, grid.height * scale), Image.Resampling.NEAREST)
+    font = ImageFont.load_default(size=max(12, min(20, height * scale // 6)))
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    margin = 12
+    label_width = int(max(measure.textlength(prompt, font=font) for prompt in prompts)) + 2 * margin
+    out = Image.new("RGB", (label_width + grid.width, grid.height), "white")
+    out.paste(grid, (label_width, 0))
+    draw = ImageDraw.Draw(out)
+    row_height = height * scale
+    for row, prompt in enumerate(prompts):
+        draw.text((margin, row * row_height + row_height // 2), prompt, fill="black", font=font, anchor="lm")
+    return out
+
+
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
     """[N, H, W, 3] uint8 -> one image with `rows` rows (N must be a multiple of rows)."""
     count, height, width, _ = images.shape

@@ -252,7 +252,17 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     assert len(files) == 5 and "grid.png" in files
     from PIL import Image
 
-    assert Image.open(tmp_path / "samples" / "grid.png").size == (64, 64)
+    # grid.png: the 32 px images enlarged 4x (nearest neighbour) to 128 px cells, each row's prompt at its left
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB"))
+    assert grid.shape[0] == 2 * 128 and grid.shape[1] > 2 * 128
+    label = grid.shape[1] - 2 * 128
+    for row in range(2):
+        for col in range(2):
+            image = np.asarray(Image.open(tmp_path / "samples" / files[2 * row + col]).convert("RGB"))
+            cell = grid[row * 128:(row + 1) * 128, label + col * 128:label + (col + 1) * 128]
+            np.testing.assert_array_equal(cell[::4, ::4], image)
+            np.testing.assert_array_equal(cell, image.repeat(4, axis=0).repeat(4, axis=1))
+        assert (grid[row * 128:(row + 1) * 128, :label] < 128).any()  # the prompt is written there
 
     # another autoencoder in the checkpoint's vqvae folder: the UNet never saw its latents
     with paddle.no_grad():
