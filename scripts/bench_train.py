@@ -1,0 +1,94 @@
+"""How close the hand-written loop comes to a bare training step on the same model.
+
+    .venv/bin/python scripts/bench_train.py [--preset ldm-demo] [--batch 32] [--updates 10] [--rounds 3]
+
+Baseline: a bare forward/backward/AdamW step of the model the loop trains (`LatentDiffusion` from the
+same flags), on random pixels and token ids already in memory. Measured: the real loop
+(`ldm.train.loop.run`, one process) on synthetic shards, with everything it does per update: data,
+loss window, gradient sync, clipping, the stop vote, logging, the progress bar. Each round times
+`--updates` steps of each after as many warm-up steps, interleaved; the loop's time is its logged
+samples/s over the second logging window (the first holds the start-up). The last line is the loop's
+speed as a fraction of the bare step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import paddle
+
+from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments, ToolParser
+from ldm.data.synth import synth_corpus
+from ldm.tracking import read_scalars
+from ldm.train import setup
+from ldm.train.loop import TextToImage, run
+
+
+def bare_step_seconds(objective: TextToImage, batch: int, resolution: int, updates: int, lr: float) -> float:
+    """Seconds per bare update: forward, backward, AdamW step, clear, on tensors already in memory."""
+    model = objective.model
+    trained = [p for p in model.parameters() if not p.stop_gradient]
+    optimizer = paddle.optimizer.AdamW(lr, parameters=trained, weight_decay=0.01)
+    pixels = paddle.to_tensor(np.random.default_rng(0).integers(0, 256, (batch, 3, resolution, resolution),
+                                                                dtype=np.uint8))
+    ids = paddle.randint(1, objective.tokenizer.vocab_size, [batch, objective.data.model_max_length])
+    model.train()
+
+    def step() -> None:
+        model(pixels, ids).backward()
+        optimizer.step()
+        optimizer.clear_grad()
+
+    for _ in range(updates):
+        step()
+    float(trained[0].sum())  # wait for the device
+    start = time.perf_counter()
+    for _ in range(updates):
+        step()
+    float(trained[0].sum())
+    return (time.perf_counter() - start) / updates
+
+
+def main() -> None:
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="ldm-demo")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--resolution", type=int, default=32)
+    parser.add_argument("--updates", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    folder = tempfile.mkdtemp(prefix="bench_train_")
+    listing = synth_corpus(os.path.join(folder, "corpus"), num_records=max(2000, 4 * args.batch * args.updates),
+                           resolution=args.resolution, records_per_shard=1000)
+    model_args = ModelArguments(model_name_or_path=args.preset, allow_untrained_vae=True)
+    data = DataArguments(file_list=listing, tokenizer_name=os.path.join(folder, "corpus", "tokenizer"),
+                         model_max_length=16, resolution=args.resolution, center_crop=True)
+    sampling = SamplingArguments()
+    setup.quiet_libraries()
+
+    bare, loop = [], []
+    for round_index in range(args.rounds):
+        objective = TextToImage(model_args, data, sampling, recompute=False, seed=0)
+        bare.append(bare_step_seconds(objective, args.batch, args.resolution, args.updates, 1e-4))
+        out = os.path.join(folder, f"run{round_index}")
+        loop_args = LoopArguments(output_dir=out, train_batch_size=args.batch, max_train_steps=2 * args.updates,
+                                  logging_steps=args.updates, save_steps=10 * args.updates, learning_rate=1e-4,
+                                  adam_weight_decay=0.01, num_workers=0, seed=0, report_to=["visualdl"])
+        run(loop_args, data, lambda dist: TextToImage(model_args, data, sampling, recompute=False, seed=0))
+        steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/samples_per_second")
+        loop.append(args.batch / rates[steps.index(2 * args.updates)])
+        print(f"round {round_index + 1}: bare step {bare[-1] * 1e3:.1f} ms, loop update {loop[-1] * 1e3:.1f} ms")
+    bare_ms, loop_ms = statistics.median(bare) * 1e3, statistics.median(loop) * 1e3
+    print(f"bare step {bare_ms:.1f} ms, loop update {loop_ms:.1f} ms (medians of {args.rounds} rounds, "
+          f"{args.preset}, batch {args.batch})")
+    print(f"loop speed as a fraction of the bare step: {bare_ms / loop_ms:.3f}")
+
+
+if __name__ == "__main__":
+    main()
