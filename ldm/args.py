@@ -51,6 +51,8 @@ class ModelArguments:
     snr_gamma: Optional[float] = arg(None, "min-SNR loss weighting gamma (e.g. 5.0; default off)")
     freeze_text_encoder: bool = arg(False, "train the UNet only")
     use_ema: bool = arg(False, "keep an EMA of every trained weight; exported by default")
+    attention: str = arg("default", "UNet attention: default (ppdiffusers') or sdpa (Paddle's fused "
+                                    "scaled_dot_product_attention: FlashAttention on a GPU in fp16/bf16)")
     ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
 
     def __post_init__(self):
@@ -59,6 +61,7 @@ class ModelArguments:
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
         _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")
+        _check(self.attention in ("default", "sdpa"), f"--attention must be default or sdpa, not {self.attention!r}")
 
 
 @dataclass

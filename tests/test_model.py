@@ -291,3 +291,33 @@ def test_continuing_from_a_pipeline_keeps_its_noise_schedule_unless_a_flag_says_
     assert flagged.noise_scheduler.config.prediction_type == "epsilon"
     assert build_components("ldm-tiny", vocab_size=tokenizer.vocab_size).noise_scheduler.config.prediction_type == \
         "epsilon"
+
+
+def test_sdpa_attention_computes_what_the_default_does(tokenizer):
+    """`--attention sdpa`: the same outputs and gradients as ppdiffusers' default processor (on a GPU in
+    fp16/bf16 the same call runs FlashAttention; here its reference math)."""
+    from ldm.models.attention import SDPAttnProcessor, set_attention
+
+    unet = tiny(tokenizer).unet
+    assert any(True for _ in unet.attn_processors)  # the tiny UNet has attention to replace
+    with paddle.no_grad():  # the zero-initialised output projections would hide the attention entirely
+        for p in unet.parameters():
+            p.set_value(paddle.randn(p.shape, dtype=p.dtype) * 0.2)
+    x = paddle.randn([2, unet.config.in_channels, 8, 8])
+    t = paddle.to_tensor([10, 500])
+    states = paddle.randn([2, MAX_LENGTH, unet.config.cross_attention_dim])
+
+    def run():
+        unet.clear_gradients()
+        out = unet(x, t, encoder_hidden_states=states).sample
+        (out ** 2).mean().backward()
+        return out.numpy(), {n: p.grad.numpy().copy() for n, p in unet.named_parameters() if p.grad is not None}
+
+    expected, expected_grads = run()
+    set_attention(unet, "sdpa")
+    assert all(isinstance(p, SDPAttnProcessor) for p in unet.attn_processors.values())
+    got, grads = run()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grad, expected_grads[name], rtol=1e-3, atol=1e-6, err_msg=name)

@@ -144,6 +144,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     (["--per_device_train_batch_size", "4"], "--per_device_train_batch_size (did you mean --train_batch_size?)"),
     (["--learnig_rate", "1e-3"], "--learnig_rate (did you mean --learning_rate?)"),
     (["--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
+    (["--attention", "flash"], "--attention must be default or sdpa"),
     (["--file_list", "/no/such/list"], "file list not found"),
     (["--tokenizer_name", "/no/such/tokenizer/dir"], "cannot load tokenizer"),
 ])

@@ -10,6 +10,7 @@ import paddle
 from ldm.args import DataArguments, ModelArguments
 from ldm.data.tokenize import load_tokenizer
 from ldm.distributed import Distributed
+from ldm.models.attention import set_attention
 from ldm.models.build import PRETRAINED_VAE, ModelSourceError, build_components
 from ldm.models.diffusion import LatentDiffusion
 from ldm.tracking import quiet_libraries
@@ -57,6 +58,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             prediction_type=model_args.prediction_type,
             seed=seed,
         )
+        set_attention(components.unet, model_args.attention)
         model = LatentDiffusion(
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
