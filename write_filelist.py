@@ -18,6 +18,7 @@ import os
 import sys
 
 from ldm.args import ToolParser
+from ldm.data import remote
 
 
 def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:
@@ -25,9 +26,7 @@ def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:
 
 
 def existing_paths(where: str) -> list[str]:
-    if "://" in where:  # object storage, HTTP, ...: listed through fsspec
-        from ldm.data import remote
-
+    if remote.is_url(where):  # object storage, HTTP, ...: listed through fsspec
         return remote.glob(where)
     if os.path.isdir(where):
         paths = [os.path.join(where, name) for name in os.listdir(where)]

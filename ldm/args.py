@@ -112,8 +112,13 @@ def read_prompts(values: list[str] | None) -> list[str] | None:
     prompts = []
     for value in values:
         if os.path.isfile(value):
-            with open(value, encoding="utf-8") as f:
-                prompts.extend(line.strip() for line in f if line.strip())
+            try:
+                with open(value, encoding="utf-8") as f:
+                    prompts.extend(line.strip() for line in f if line.strip())
+            except (OSError, UnicodeDecodeError) as e:
+                raise ArgumentError(f"--validation_prompts: cannot read {value}: {e}") from None
+        elif value.endswith(".txt"):
+            raise ArgumentError(f"--validation_prompts: prompt file not found: {value}")
         else:
             prompts.append(value)
     _check(bool(prompts), "--validation_prompts names no prompt")
@@ -212,7 +217,7 @@ def make_parser(dataclass_types):
             finally:
                 del parser.add_argument
 
-    return Parser(dataclass_types)
+    return Parser(dataclass_types, allow_abbrev=False)  # a prefix of a flag is a typo, not that flag
 
 
 # A setting both entry points have, under the other path's name: the Trainer path takes PaddleNLP's.

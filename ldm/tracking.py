@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 
 import numpy as np
@@ -20,21 +21,50 @@ import numpy as np
 logger = logging.getLogger("ldm.train")
 
 TRACKERS = ("visualdl", "tensorboard", "wandb")
+# Read by PaddleNLP's wandb callback for Trainer-only features (logging a Trainer's model, watching one).
+WANDB_TRAINER_ONLY = ("WANDB_LOG_MODEL", "WANDB_WATCH")
+
+
+class TrackerError(RuntimeError):
+    """A tracker named by --report_to cannot be used here."""
+
+
+def tracker_problem(name: str) -> str | None:
+    """Why tracker `name` cannot be used in this environment, or None (checked before a run writes)."""
+    from importlib.util import find_spec
+
+    if name == "tensorboard" and not (find_spec("tensorboardX") or find_spec("tensorboard")):
+        return "tensorboard needs tensorboardX: pip install tensorboardX"
+    if name == "wandb":
+        if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes", "on"):
+            return "wandb is disabled by WANDB_DISABLED"
+        if not find_spec("wandb"):
+            return "wandb is not installed: pip install 'wandb<0.19'"
+        if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "dryrun", "disabled"):
+            import wandb
+
+            if not wandb.api.api_key:
+                return ("wandb has no login here: run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline "
+                        "(and `wandb sync` the run later)")
+    return None
 
 
 def resolve_report_to(report_to) -> list[str]:
-    """The trackers a `--report_to` value names ('all': every one installed; 'none': none)."""
+    """The trackers a `--report_to` value names ('all': every one usable here; 'none': none). A named one
+    that cannot be used is an error before anything is written."""
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     if names in (["none"], []):
         return []
     if names == ["all"]:
-        from paddlenlp.trainer.integrations import get_available_reporting_integrations
-
-        return [name for name in get_available_reporting_integrations() if name in TRACKERS]
+        return [name for name in TRACKERS if tracker_problem(name) is None]
     unknown = [name for name in names if name not in TRACKERS]
     if unknown:
         raise ValueError(f"--report_to: unknown tracker(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(TRACKERS)}, all or none")
+    for name in names:
+        problem = tracker_problem(name)
+        if problem:
+            raise ValueError(f"--report_to {name}: {problem}")
     return names
 
 
@@ -89,16 +119,22 @@ class Tracker(NullWriter):
         `<output_dir>/<tracker>/` (wandb: its offline run or its cache there)."""
         from paddlenlp.trainer.integrations import INTEGRATION_TO_CALLBACK
 
-        callbacks, args = [], {}
+        if "wandb" in report_to:
+            for variable in WANDB_TRAINER_ONLY:
+                if os.environ.pop(variable, None) is not None:
+                    logger.warning("%s is for the Trainer path only (it needs a PaddleNLP Trainer): ignored", variable)
+        tracker = cls([], os.path.join(output_dir, "images"), owned=True, args={})
         for name in report_to:
             callback = INTEGRATION_TO_CALLBACK[name]()
-            callbacks.append(callback)
             folder = os.path.join(output_dir, name)
             os.makedirs(folder, exist_ok=True)
-            args[id(callback)] = RunArguments(folder, output_dir, config)
-        tracker = cls(callbacks, os.path.join(output_dir, "images"), owned=True, args=args)
-        for callback in callbacks:
-            callback.on_train_begin(args[id(callback)], tracker.state, tracker.control)
+            tracker.args[id(callback)] = RunArguments(folder, output_dir, config)
+            try:
+                callback.on_train_begin(tracker.args[id(callback)], tracker.state, tracker.control)
+            except Exception as e:  # noqa: BLE001 - a tracker's own error (a network, a login): one line
+                tracker.close()
+                raise TrackerError(f"cannot start the {name} tracker: {type(e).__name__}: {e}") from None
+            tracker.callbacks.append(callback)
         return tracker
 
     @classmethod
@@ -134,12 +170,14 @@ class Tracker(NullWriter):
                 callback._wandb.log({tag: callback._wandb.Image(image), "train/global_step": step})
 
     def close(self) -> None:
+        failed = sys.exc_info()[0] is not None  # closed while an error propagates: the run failed
         for callback in self.callbacks:
             if self.owned:
                 callback.on_train_end(self.args[id(callback)], self.state, self.control)
             wandb = getattr(callback, "_wandb", None)
             if wandb is not None and wandb.run is not None:
-                wandb.finish()  # a launched rank leaves with os._exit: wandb's exit hook would not run
+                # a launched rank leaves with os._exit: wandb's exit hook would not run
+                wandb.finish(exit_code=1 if failed else 0)
         self.callbacks = []
 
 

@@ -16,11 +16,12 @@ import numpy as np
 from ldm.args import ToolParser
 from ldm.data.dataset import to_pixel_values, to_uint8_batch
 
+MAKE = {"float32": to_pixel_values, "uint8": to_uint8_batch}
+
 
 def send(conn, crops, kind: str, count: int) -> None:
-    make = to_pixel_values if kind == "float32" else to_uint8_batch
     for _ in range(count):
-        conn.send({"pixel_values": make(crops), "input_ids": np.zeros((len(crops), 77), np.int64)})
+        conn.send({"pixel_values": MAKE[kind](crops), "input_ids": np.zeros((len(crops), 77), np.int64)})
     conn.close()
 
 
@@ -52,8 +53,7 @@ def main() -> None:
         for kind in times:
             times[kind].append(per_batch_ms(crops, kind, args.batches))
     for kind, values in times.items():
-        make = to_pixel_values if kind == "float32" else to_uint8_batch
-        size = len(pickle.dumps(make(crops)))
+        size = len(pickle.dumps(MAKE[kind](crops)))
         print(f"{kind:8s} {size / 1e6:.2f} MB per batch, {statistics.median(values):.2f} ms per batch (median)")
     ratio = statistics.median(times["float32"]) / statistics.median(times["uint8"])
     print(f"uint8 batches cross {ratio:.2f}x faster")

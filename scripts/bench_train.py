@@ -81,7 +81,7 @@ def main() -> None:
                                   logging_steps=args.updates, save_steps=10 * args.updates, learning_rate=1e-4,
                                   adam_weight_decay=0.01, num_workers=0, seed=0, report_to=["visualdl"])
         run(loop_args, data, lambda dist: TextToImage(model_args, data, sampling, recompute=False, seed=0))
-        steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/samples_per_second")
+        steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/global_samples_per_second")
         loop.append(args.batch / rates[steps.index(2 * args.updates)])
         print(f"round {round_index + 1}: bare step {bare[-1] * 1e3:.1f} ms, loop update {loop[-1] * 1e3:.1f} ms")
     bare_ms, loop_ms = statistics.median(bare) * 1e3, statistics.median(loop) * 1e3

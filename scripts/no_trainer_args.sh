@@ -21,8 +21,4 @@ ARGS=(
     --model_max_length "${MODEL_MAX_LENGTH:-77}"
     --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
 )
-# VAE: a pretrained autoencoder (a folder, or a hub name such as CompVis/ldm-text2im-large-256/vqvae). The
-# presets carry none, and a run refuses to train on an untrained one.
-if [[ -n "${VAE:-}" ]]; then
-    ARGS+=(--vae_name_or_path "$VAE")
-fi
+source scripts/common_args.sh

@@ -21,10 +21,5 @@ ARGS=(
     --num_inference_steps "${NUM_INFERENCE_STEPS:-200}"
     --model_max_length "${MODEL_MAX_LENGTH:-77}"
     --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
-    --report_to "${REPORT_TO:-visualdl}"
 )
-# VAE: a pretrained autoencoder (a folder, or a hub name such as CompVis/ldm-text2im-large-256/vqvae). The
-# presets carry none, and a run refuses to train on an untrained one.
-if [[ -n "${VAE:-}" ]]; then
-    ARGS+=(--vae_name_or_path "$VAE")
-fi
+source scripts/common_args.sh

@@ -31,22 +31,29 @@ def _run_in_child(argv: list[str], cwd: str, env: dict, out_path: str, err_path:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
-    if argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        sys.path.insert(0, "")
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    elif argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # as the interpreter would; multiprocessing ends the child with os._exit
 
 
 def start_python(argv, cwd, out_path: str, err_path: str, new_session: bool = False):
     """Start `python ARGV` (a script, `-m module` or `-c code`) as a fork of a server that has imported the stack, so
     the run pays none of the import; its stdout and stderr are appended to the two files (they may be one).
+    What the server's imports read of the environment (Paddle's FLAGS_*, ppdiffusers' cache folder) is
+    fixed when the server starts; the child gets the caller's environment for everything else.
     Returns the multiprocessing.Process: its exit code is the command's (multiprocessing reports a
     `sys.exit("message")` and an uncaught exception as the interpreter does, and -N for signal N)."""
     import multiprocessing
@@ -70,10 +77,12 @@ def run_python(argv, cwd=None, timeout: float = 600) -> subprocess.CompletedProc
 
     with tempfile.TemporaryDirectory() as folder:
         out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-        child = start_python(argv, cwd, out, err)
+        child = start_python(argv, cwd, out, err, new_session=True)
         child.join(timeout)
-        if child.exitcode is None:
-            child.kill()
+        if child.exitcode is None:  # the whole session: loader workers too
+            import signal
+
+            os.killpg(child.pid, signal.SIGKILL)
             child.join()
             raise subprocess.TimeoutExpired(argv, timeout)
         with open(out) as o, open(err) as e:

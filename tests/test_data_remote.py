@@ -2,6 +2,7 @@
 ranges, 503s and connections dropped mid-file), from `file://` and from fsspec's memory filesystem."""
 
 import json
+import logging
 import os
 
 import fsspec
@@ -52,7 +53,8 @@ def test_http_shards_read_the_same_lines_as_the_files_through_503s_and_dropped_c
             list(iter_lines(f"{url}/no-such-shard.gz"))
 
 
-def test_a_remote_filelist_with_relative_entries_and_unreadable_shards_counted_by_reason(corpus, fast_retries):
+def test_a_remote_filelist_with_relative_entries_and_unreadable_shards_counted_by_reason(corpus, fast_retries,
+                                                                                        caplog):
     folder, _ = corpus
     names = shard_names(folder)
     (folder / "remote.filelist").write_text("\n".join([*names, "gone.gz", "down.gz"]) + "\n")
@@ -62,7 +64,10 @@ def test_a_remote_filelist_with_relative_entries_and_unreadable_shards_counted_b
         server.failures["/down.gz"] = 1000
         shards = read_file_list(f"{url}/remote.filelist.list")
         assert [s.path for s in shards] == [f"{url}/{name}" for name in [*names, "gone.gz", "down.gz"]]
-        check_shards(shards, "remote.filelist.list")  # some missing: a warning, not an error
+        with caplog.at_level(logging.WARNING, logger="ldm.data"):
+            check_shards(shards, "remote.filelist.list")  # some missing, one not answering: warnings
+        assert "1 of the 5 shards looked at (of 6 named by remote.filelist.list) do not exist" in caplog.text
+        assert f"cannot look for shard {url}/down.gz" in caplog.text and "503" in caplog.text
         stream = SlotStream(shards, seed=1)
         captions = sorted(record.line.split(b"\t")[0].decode() for record in stream.pass_records())
     assert captions == sorted(f"photo {i}" for i in range(30))  # every record once
@@ -82,6 +87,9 @@ def test_memory_and_file_urls_and_a_scheme_without_its_package(corpus, tmp_path)
     assert list(iter_lines(shards[0].path)) == list(iter_lines(str(folder / names[0])))
     assert list(iter_lines(f"file://{folder / names[1]}")) == list(iter_lines(str(folder / names[1])))
 
+    with serve(tmp_path) as (url, server):  # a store that does not answer at all: warnings, not "none exists"
+        server.failures.update({f"/p{i}.gz": 1000 for i in range(3)})
+        check_shards(read_file_list_of(tmp_path, [f"{url}/p{i}.gz" for i in range(3)]), "x")
     with pytest.raises(FileListError, match="none of the 3 shard"):
         check_shards(read_file_list_of(tmp_path, ["memory://corpus/a.gz", "memory://corpus/b.gz",
                                                   "memory://corpus/c.gz"]), "x")

@@ -49,8 +49,11 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     state = read_training_state(latest_checkpoint(str(out / "ldm")))
     assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
 
-    samples = Image.open(out / "samples.png")
-    assert samples.size == (32 * report["settings"]["sample_seeds"], 32 * 8)  # rows = prompts, columns = seeds
+    # rows = prompts (written at the left), columns = seeds, the 32 px images enlarged 4x
+    samples = np.asarray(Image.open(out / "samples.png").convert("RGB"))
+    width = 128 * report["settings"]["sample_seeds"]
+    assert samples.shape[0] == 128 * 8 and samples.shape[1] > width
+    assert (samples[:128, : samples.shape[1] - width] < 128).any()  # the first row's prompt
     assert Image.open(out / "reconstructions.png").size == (32 * 16, 32 * 2)
     loss = np.asarray(Image.open(out / "loss.png").convert("L"))
     assert loss.shape[1] > 500 and loss.std() > 10  # a drawn figure, not an empty canvas

@@ -44,7 +44,7 @@ def test_eval_prompts_cover_every_colour_background_and_shape():
 
 
 def test_autoencoder_command_scores_the_reconstructions_not_the_inputs(tmp_path, capsys):
-    """`python -m ldm.eval autoencoder` with an untrained autoencoder: its reconstructions carry no shape, so
+    """`python -m apps.eval autoencoder` with an untrained autoencoder: its reconstructions carry no shape, so
     the scores must be far below the classifier's on the inputs (>= 99%, above)."""
     import json
 

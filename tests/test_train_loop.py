@@ -105,7 +105,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     logs = [f for f in os.listdir(out / "visualdl") if f.startswith("vdlrecords")]
     reader = LogReader(file_path=str(out / "visualdl" / logs[0]))
     tags = reader.get_tags()["scalar"]
-    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second",
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/global_samples_per_second",
                 "train/data_wait_fraction", "train/data_ok", "train/data_missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
@@ -145,6 +145,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     (["--learnig_rate", "1e-3"], "--learnig_rate (did you mean --learning_rate?)"),
     (["--lr_scheduler", "exponential"], "--lr_scheduler must be one of"),
     (["--attention", "flash"], "--attention must be default or sdpa"),
+    (["--report_to", "mlflow"], "--report_to: unknown tracker(s) mlflow"),
     (["--file_list", "/no/such/list"], "file list not found"),
     (["--tokenizer_name", "/no/such/tokenizer/dir"], "cannot load tokenizer"),
 ])

@@ -6,15 +6,19 @@ starting with `#` are ignored in both.
 
 Relative paths resolve against the current directory when they exist there (as in the original
 example, run from the repository root), and otherwise against the folder of the file that names
-them, so that a generated corpus can be moved as a whole.
+them, so that a generated corpus can be moved as a whole. Entries of a filelist at a URL resolve
+against the URL's folder only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from ldm.data import remote
+
+logger = logging.getLogger("ldm.data")
 
 
 class FileListError(ValueError):
@@ -108,9 +112,6 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
 
 
 def _check_sample(sample: list[str], total: int, file_list: str, exists) -> None:
-    import logging
-
-    logger = logging.getLogger("ldm.data")
     missing, failed = [], []
     for path in sample:
         try:
@@ -123,7 +124,7 @@ def _check_sample(sample: list[str], total: int, file_list: str, exists) -> None
     if looked and len(missing) == looked:
         raise FileListError(f"none of the {looked} shard(s) looked at of the {total} named by {file_list} "
                             f"exists (the first: {missing[0]}); relative paths resolve against the current folder, "
-                            "else the filelist's")
+                            "else the filelist's (a URL filelist's: its URL's folder)")
     if missing:
         logger.warning("%d of the %d shards looked at (of %d named by %s) do not exist (the first: %s); missing "
                        "shards are counted as unreadable", len(missing), looked, total, file_list, missing[0])

@@ -12,16 +12,17 @@ import os
 import random
 from collections.abc import Iterator
 
+import fsspec
 import numpy as np
 from PIL import Image
+
+from ldm.data import remote
 
 
 def naive_samples(paths: list[str], resolution: int = 256, seed: int = 0) -> Iterator[np.ndarray]:
     rng = random.Random(seed)
     for path in paths:
-        if "://" in path:  # the same transport as the dataset's, without its retries
-            import fsspec
-
+        if remote.is_url(path):  # the same transport as the dataset's, without its retries
             try:
                 raw = fsspec.open(path, "rb").open()
             except OSError:

@@ -128,9 +128,7 @@ class RetryingReader(io.RawIOBase):
         self._close_file()
         f = fsspec.open(self.url, "rb", block_size=BLOCK_SIZE).open()
         try:
-            if self.position and f.seekable():
-                f.seek(self.position)
-            elif self.position:  # a stream without ranges: read up to where we were
+            if self.position and not self._seek(f):  # a stream without ranges: read up to where we were
                 left = self.position
                 while left:
                     skipped = len(f.read(min(left, BLOCK_SIZE)))
@@ -141,6 +139,17 @@ class RetryingReader(io.RawIOBase):
             f.close()
             raise
         self._file = f
+
+    def _seek(self, f) -> bool:
+        """Move a reopened file to where the read stopped; False when it cannot (fsspec's HTTP stream
+        says it is seekable and then raises)."""
+        if not f.seekable():
+            return False
+        try:
+            f.seek(self.position)
+        except (ValueError, io.UnsupportedOperation):
+            return False
+        return True
 
     def _read(self, size: int) -> bytes:
         if self._file is None:
@@ -187,17 +196,31 @@ def read_text(url: str) -> str:
 
 
 def exists(url: str) -> bool:
+    """Whether `url` is there, asked once (a start-up check: the reads retry). OSError when the store does
+    not answer: fsspec's own `exists` says False for a 503 or a refused connection."""
     fsspec = _fsspec()
     fs, path = fsspec.core.url_to_fs(url)
-    return _retrying(f"looking for {url}", lambda: fs.exists(path))
+    try:
+        fs.info(path)
+        return True
+    except FileNotFoundError as e:
+        if really_missing(e):
+            return False
+        raise OSError(f"cannot look for {url} ({describe(e.__cause__)})") from None
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a client library's error (aiohttp, botocore, ...)
+        raise OSError(f"cannot look for {url} ({describe(e)})") from None
 
 
 def glob(pattern: str) -> list[str]:
-    """The files matching a glob URL, or the files in a folder URL, as URLs."""
+    """The files matching a glob URL, or the files in a folder URL, as URLs (retried like a read)."""
     fsspec = _fsspec()
     fs, path = fsspec.core.url_to_fs(pattern)
-    if fs.isdir(path):
-        found = [entry["name"] for entry in fs.ls(path, detail=True) if entry["type"] == "file"]
-    else:
-        found = [p for p in fs.glob(path) if fs.isfile(p)]
-    return sorted(fs.unstrip_protocol(p) for p in found)
+
+    def listing() -> list[str]:
+        if fs.isdir(path):
+            return [entry["name"] for entry in fs.ls(path, detail=True) if entry["type"] == "file"]
+        return [name for name, entry in fs.glob(path, detail=True).items() if entry.get("type") == "file"]
+
+    return sorted(fs.unstrip_protocol(p) for p in _retrying(f"listing {pattern}", listing))

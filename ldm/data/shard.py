@@ -103,7 +103,7 @@ def iter_lines(path: str) -> Iterator[bytes]:
     with open_shard(path) as f:
         first = next(_raw_chunks(f, path), b"")  # no seek back: a remote stream may not have one
         if len(first) == 1:
-            first += f.read(1)
+            first += next(_raw_chunks(f, path), b"")
         chunks = itertools.chain([first] if first else [], _raw_chunks(f, path))
         if first[:2] == GZIP_MAGIC:
             chunks = _inflate(chunks, path)

@@ -200,7 +200,10 @@ def vae_folder(name_or_path: str) -> str:
     """A folder holding an AutoencoderKL config (and weights): itself, or its `vqvae/` / `vae/`; a hub name
     `org/repo[/subfolder]` fetches that repository's autoencoder alone (not its whole pipeline)."""
     if name_or_path not in PRESETS and not os.path.isdir(name_or_path) and is_hub_name(name_or_path, 3):
-        return download_autoencoder(name_or_path)
+        try:
+            return download_autoencoder(name_or_path)
+        except ModelSourceError as e:
+            raise ModelSourceError(f"{name_or_path!r} is not a local folder, and as a hub name: {e}") from None
     folder = resolve_source(name_or_path)
     for sub in ("", "vqvae", "vae"):
         if os.path.isfile(os.path.join(folder, sub, "config.json")):

@@ -10,12 +10,13 @@ from ldm.data.stream import NoUsableData
 from ldm.data.tokenize import TokenizerError
 from ldm.models.build import ModelSourceError
 from ldm.run_folder import CheckpointError
+from ldm.tracking import TrackerError
 
 
 @contextlib.contextmanager
 def user_errors():
     try:
         yield
-    except (CheckpointError, FileListError, NoUsableData, TokenizerError, ModelSourceError) as e:
+    except (CheckpointError, FileListError, NoUsableData, TokenizerError, ModelSourceError, TrackerError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

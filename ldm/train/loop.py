@@ -88,7 +88,7 @@ class Objective:
         raise NotImplementedError
 
     def log_images(self, writer: NullWriter, step: int, batch: dict) -> None:
-        """Images for VisualDL every `image_logging_steps` (rank 0's writer only)."""
+        """Images for the trackers every `image_logging_steps` (rank 0's writer only)."""
 
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
@@ -262,7 +262,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                         "loss": dist.mean(float(window["loss"]) / window["updates"]),
                         "learning_rate": optimizer.get_lr(),
                         "grad_norm": dist.mean(float(window["grad_norm"]) / window["updates"]),
-                        "samples_per_second": samples_per_second,
+                        "global_samples_per_second": samples_per_second,  # the Trainer path's name
                         "data_wait_fraction": wait_fraction,
                     }
                     metrics.update({name: dist.mean(float(value) / window["updates"])

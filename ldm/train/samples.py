@@ -27,12 +27,13 @@ def log_validation(writer, step: int, model, tokenizer, model_max_length: int, s
     tokenize = CaptionTokenizer(tokenizer, model_max_length)
     scheduler = ddim_scheduler(dict(model.noise_scheduler.config))
     weights = [contextlib.nullcontext] + ([lambda: ema.swapped(model)] if ema is not None else [])
-    for guidance in sampling.validation_guidance_scales:
-        columns = []
-        for swap in weights:  # generate() puts every part back in the mode it found it in
-            with swap():  # the trained weights are put back exactly afterwards
-                columns.append(generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, prompts,
-                                        guidance_scale=guidance, num_inference_steps=sampling.num_inference_steps,
-                                        seed=sampling.validation_seed))
-        images = np.stack(columns, axis=1).reshape(-1, *columns[0].shape[1:])  # prompt by prompt, raw then EMA
-        writer.image(f"validation/guidance_{guidance:g}", np.asarray(image_grid(images, len(prompts))), step)
+    columns: dict[float, list[np.ndarray]] = {scale: [] for scale in sampling.validation_guidance_scales}
+    for swap in weights:  # generate() puts every part back in the mode it found it in
+        with swap():  # the trained weights are put back exactly afterwards
+            for guidance, images in columns.items():
+                images.append(generate(model.unet, model.text_encoder, model.vae, scheduler, tokenize, prompts,
+                                       guidance_scale=guidance, num_inference_steps=sampling.num_inference_steps,
+                                       seed=sampling.validation_seed))
+    for guidance, images in columns.items():
+        grid = np.stack(images, axis=1).reshape(-1, *images[0].shape[1:])  # prompt by prompt, raw then EMA
+        writer.image(f"validation/guidance_{guidance:g}", np.asarray(image_grid(grid, len(prompts))), step)

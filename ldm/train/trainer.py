@@ -149,10 +149,10 @@ def train(training_args, model_args, data, sampling) -> dict:
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
                              data_stream=data_stream, resume_checkpoint=checkpoint)
-        if dist.is_main:  # scalars go through the Trainer's own trackers (--report_to); images through them here
+        if dist.is_main:
+            # scalars go through the Trainer's own trackers (--report_to); images through them here
             writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
-        if dist.is_main:  # the Trainer reports loss, learning rate and speed through PaddleNLP's logger
-            paddlenlp_logger.set_level("INFO")
+            paddlenlp_logger.set_level("INFO")  # the Trainer reports loss, learning rate and speed through it
         with GracefulStop(dist) as stop:
             trainer.stop = stop
             trainer.train(resume_from_checkpoint=checkpoint)
