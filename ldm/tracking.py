@@ -150,7 +150,7 @@ class Tracker(NullWriter):
         """`values` by bare name: trackers show them as `train/<name>`, like the Trainer path's."""
         self.state.global_step = step
         logs = {name: float(value) for name, value in values.items()}
-        for callback in self.callbacks:
+        for callback in self.callbacks if self.owned else []:  # a Trainer logs its scalars itself
             callback.on_log(self.args[id(callback)], self.state, self.control, logs=logs)
         logger.info("step %d  %s", step, "  ".join(f"{name} {value:.4g}" for name, value in logs.items()))
 
