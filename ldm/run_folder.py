@@ -32,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -50,6 +51,10 @@ CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"
 VAE_FOLDER = "vqvae"
+
+
+# A disk or quota that is full, or a file-size limit: a save that cannot be completed here.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class CheckpointError(RuntimeError):
@@ -299,9 +304,18 @@ class RunFolder:
         """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder, then the manifest, the
         rename and the rotation. Rank 0 only."""
         final = self.path(f"{CHECKPOINT_PREFIX}{step}")
-        with atomic_folder(final) as folder:
-            write(folder, final)
-            write_manifest(folder)
+        try:
+            with atomic_folder(final) as folder:
+                write(folder, final)
+                write_manifest(folder)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            newest = latest_checkpoint(self.output_dir)
+            raise CheckpointError(
+                f"no space to write {os.path.basename(final)} in {self.output_dir} ({e.strerror}); nothing of it "
+                f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
+                "--resume_from_checkpoint auto") from None
         _fsync(self.output_dir)
         self.rotate(keep=final)
         return final

@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import paddle
 import pytest
+from conftest import ROOT
 from corpus import write_corpus
 from entry import launch_report, run_entry, run_until, subprocess_result, weights
 
@@ -425,3 +426,31 @@ def test_trackers_tensorboard_and_wandb_offline_or_none(corpus, tmp_path, monkey
     assert result.returncode == 0, result.stderr[-3000:]
     assert not {"visualdl", "tensorboard", "wandb"} & set(os.listdir(quiet))
     assert os.listdir(quiet / "images" / "validation" / "guidance_7.5") == ["00000002.png"]  # asked for by a flag
+
+
+FILE_SIZE_LIMIT = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(corpus, tmp_path):
+    """A real failed write: a file-size limit the optimizer state (6.6 MB) exceeds and the autoencoder
+    (2.9 MB) does not, so the run starts and its first checkpoint cannot be written."""
+    from entry import run_python
+
+    from ldm.run_folder import TEMP_PREFIX
+
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "3", "--save_steps", "2", "--num_workers", "0", "--output_dir", str(out)]
+    result = run_python(["-c", FILE_SIZE_LIMIT, str(5 << 20), ROOT / SCRIPT, *args])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: no space to write checkpoint-2" in result.stderr and "--resume_from_checkpoint auto" in result.stderr
+    assert not [name for name in os.listdir(out) if name.startswith(TEMP_PREFIX) or name.startswith("checkpoint-")]
+
+    retry = run(args + ["--resume_from_checkpoint", "auto"])
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert read_training_state(out / "checkpoint-3")["step"] == 3
