@@ -311,14 +311,21 @@ class RunFolder:
         except OSError as e:
             if e.errno not in NO_SPACE:
                 raise
-            newest = latest_checkpoint(self.output_dir)
-            raise CheckpointError(
-                f"no space to write {os.path.basename(final)} in {self.output_dir} ({e.strerror}); nothing of it "
-                f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
-                "--resume_from_checkpoint auto") from None
+            raise self.no_space(final, e) from None
         _fsync(self.output_dir)
         self.rotate(keep=final)
         return final
+
+    def no_space(self, folder: str, error: OSError, written_in_place: bool = False) -> CheckpointError:
+        """The one-line error of a save that found no space; a checkpoint written in place (the Trainer's)
+        is removed, a temporary one already is."""
+        if written_in_place:
+            remove(folder)
+        newest = latest_checkpoint(self.output_dir)
+        return CheckpointError(
+            f"no space to write {os.path.basename(folder)} in {self.output_dir} ({error.strerror}); nothing of it "
+            f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
+            "--resume_from_checkpoint auto")
 
     def complete(self, folder: str) -> None:
         """Seal a checkpoint written in place (the Trainer's): manifest last, then rotation. Rank 0 only."""

@@ -7,6 +7,7 @@ import signal
 
 import numpy as np
 import pytest
+from conftest import ROOT
 from corpus import write_corpus
 from entry import launch_report, run_entry, run_until, weights
 
@@ -139,3 +140,20 @@ def test_one_json_file_of_arguments(corpus, tmp_path):
     result = run([str(tmp_path / "args.json")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.isdir(tmp_path / "run" / "pipeline")
+
+
+def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(corpus, tmp_path):
+    """As on the loop's path (tests/test_train_loop.py): a real failed write under a file-size limit."""
+    from entry import run_python
+    from test_train_loop import FILE_SIZE_LIMIT
+
+    out = tmp_path / "run"
+    args = corpus + ["--max_steps", "3", "--save_steps", "2", "--dataloader_num_workers", "0", "--output_dir", str(out)]
+    result = run_python(["-c", FILE_SIZE_LIMIT, str(5 << 20), ROOT / SCRIPT, *args])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: no space to write checkpoint-2" in result.stderr and "--resume_from_checkpoint auto" in result.stderr
+    assert not [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+
+    retry = run(args + ["--resume_from_checkpoint", "auto"])
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert read_training_state(out / "checkpoint-3")["step"] == 3
