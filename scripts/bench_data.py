@@ -1,10 +1,13 @@
-"""Benchmark the data path against the naive reference on LAION-like JPEGs made here.
+"""Benchmark the data path against the naive reference on LAION-like images made here.
 
-    .venv/bin/python scripts/bench_data.py [--num_images 300] [--folder /tmp/ldm-bench]
+    .venv/bin/python scripts/bench_data.py [--corpus synthetic|photos] [--num_images 300] [--folder F]
 
-Writes photo-like JPEGs (512x384 ... 1024x768, quality 90, smooth content with texture so that
-they compress like photographs, ~60-120 kB) into one gzipped shard, then runs
-`python -m ldm.data bench` on it: both loaders on one pinned core, interleaved rounds, medians.
+`synthetic` (default): photo-like JPEGs (512x384 ... 1024x768, quality 90, smooth content with texture
+so that they compress like photographs, ~60-120 kB). `photos`: real photographs shipped inside
+installed packages (matplotlib's and scikit-learn's sample images), cut and rescaled to mixed sizes
+(shorter side 216-768 px) and encoded as LAION's mix is: JPEG quality 75-95, some progressive, some
+greyscale or CMYK, some PNG (with alpha or a palette). Either is written into one gzipped shard, then
+`python -m ldm.data bench` runs on it: both loaders on one pinned core, interleaved rounds, medians.
 """
 
 import argparse
@@ -34,21 +37,66 @@ def photo_like(rng: np.random.Generator) -> Image.Image:
     return Image.fromarray(np.clip(np.asarray(image, dtype=np.float32) + texture, 0, 255).astype(np.uint8))
 
 
+def package_photos() -> list[Image.Image]:
+    """The real photographs that installed packages ship (offline: nothing is downloaded)."""
+    import importlib.util
+
+    found = []
+    for package, relative in (("matplotlib", "mpl-data/sample_data/grace_hopper.jpg"),
+                              ("sklearn", "datasets/images/china.jpg"), ("sklearn", "datasets/images/flower.jpg")):
+        spec = importlib.util.find_spec(package)
+        if spec and spec.submodule_search_locations:
+            path = os.path.join(spec.submodule_search_locations[0], relative)
+            if os.path.isfile(path):
+                found.append(Image.open(path).convert("RGB"))
+    if not found:
+        raise SystemExit("error: no sample photographs found (matplotlib or scikit-learn is needed)")
+    return found
+
+
+def photo_variant(photos: list[Image.Image], rng: np.random.Generator) -> bytes:
+    """One LAION-like record image: a crop of a real photograph at a mixed size and encoding."""
+    photo = photos[int(rng.integers(len(photos)))]
+    width, height = photo.size
+    crop_w, crop_h = int(width * rng.uniform(0.5, 1.0)), int(height * rng.uniform(0.5, 1.0))
+    left, top = int(rng.integers(0, width - crop_w + 1)), int(rng.integers(0, height - crop_h + 1))
+    image = photo.crop((left, top, left + crop_w, top + crop_h))
+    short = int(rng.integers(216, 769))
+    scale = short / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
+    kind = rng.choice(["jpeg", "jpeg", "jpeg", "progressive", "grey", "cmyk", "png", "png_alpha", "palette"])
+    quality = int(rng.integers(75, 96))
+    if kind == "progressive":
+        return encode_image(image, "JPEG", quality=quality, progressive=True)
+    if kind == "grey":
+        return encode_image(image.convert("L"), "JPEG", quality=quality)
+    if kind == "cmyk":
+        return encode_image(image.convert("CMYK"), "JPEG", quality=quality)
+    if kind == "png_alpha":
+        return encode_image(image.convert("RGBA"), "PNG")
+    if kind == "palette":
+        return encode_image(image.convert("P", palette=Image.Palette.ADAPTIVE), "PNG")
+    return encode_image(image, "PNG" if kind == "png" else "JPEG", **({} if kind == "png" else {"quality": quality}))
+
+
 def main() -> int:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", choices=["synthetic", "photos"], default="synthetic")
     parser.add_argument("--num_images", type=int, default=300)
-    parser.add_argument("--folder", default="/tmp/ldm-bench")
+    parser.add_argument("--folder", help="where the corpus is written (default /tmp/ldm-bench-<corpus>)")
     args = parser.parse_args()
-    listing = os.path.join(args.folder, "bench.filelist.list")
+    folder = args.folder or f"/tmp/ldm-bench-{args.corpus}"
+    listing = os.path.join(folder, "bench.filelist.list")
     if not os.path.exists(listing):
         rng = np.random.default_rng(0)
+        photos = package_photos() if args.corpus == "photos" else None
         sizes = []
-        with ShardWriter(args.folder, "bench", records_per_shard=args.num_images) as writer:
+        with ShardWriter(folder, "bench", records_per_shard=args.num_images) as writer:
             for i in range(args.num_images):
-                data = encode_image(photo_like(rng), "JPEG", quality=90)
+                data = photo_variant(photos, rng) if photos else encode_image(photo_like(rng), "JPEG", quality=90)
                 sizes.append(len(data))
                 writer.write(record_line(f"a photo number {i}", data))
-        print(f"wrote {args.num_images} JPEGs, mean {np.mean(sizes) / 1000:.0f} kB, to {args.folder}")
+        print(f"wrote {args.num_images} {args.corpus} images, mean {np.mean(sizes) / 1000:.0f} kB, to {folder}")
     return data_main(["bench", "--file_list", listing, "--num_samples", str(args.num_images)])
 
 
