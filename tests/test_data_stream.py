@@ -246,7 +246,9 @@ def test_closing_stops_a_worker_stuck_inside_a_record_in_bounded_time(tmp_path, 
     if shards[slot_units(shards, 0, 2, 0, 0)[0].shard].path != good:  # worker 0 (first batch) reads the good one
         listing.write_text(f"{tmp_path / 'stuck.gz'}\n{good}\n")
         assert read_file_list(str(tmp_path / "list"))[slot_units(shards, 0, 2, 0, 0)[0].shard].path == good
-    data = DataArguments(file_list=str(tmp_path / "list"), resolution=32, data_timeout=0)
+    # the stuck worker's slot is never waited for (the first batch comes from worker 0); the watchdog only
+    # bounds a hang of the test itself
+    data = DataArguments(file_list=str(tmp_path / "list"), resolution=32, data_timeout=60)
     batches = iter(build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=2))
     next(batches)
     workers = multiprocessing.active_children()

@@ -3,6 +3,7 @@ for stalls, closed on every exit."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -29,6 +30,22 @@ def warn_if_loader_threads_run() -> None:
     if others:
         logger.warning("starting data loader workers while %d other loader thread(s) run (%s): a worker can hang "
                        "on a lock one of them holds; close the other loader first", len(others), ", ".join(others))
+
+
+def start_workers(loader):
+    """`iter(loader)`, which forks the loader workers, with every object of this process frozen out of the
+    garbage collector meanwhile: a worker's collector then never destroys what it inherited.
+
+    Seen in this project's suite: a worker hung at its first collection, inside `pthread_cond_destroy`
+    of a Paddle object it had inherited as garbage. A condition variable that some thread of the parent
+    was waiting on can never be destroyed in the child, where that thread does not exist (glibc waits
+    for the waiters). `gc.freeze()` is what CPython offers for fork without exec.
+    """
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
 
 
 class TimedBatches:
@@ -70,7 +87,7 @@ class TimedBatches:
     def _batches(self):
         if self.loader.num_workers:
             warn_if_loader_threads_run()
-        iterator = iter(self.loader)  # forks the workers
+        iterator = start_workers(self.loader)
         watchdog = StallWatchdog(self.data_timeout, self.loader.dataset.board)  # its thread starts after that
         try:
             while True:
