@@ -304,28 +304,29 @@ class RunFolder:
         """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder, then the manifest, the
         rename and the rotation. Rank 0 only."""
         final = self.path(f"{CHECKPOINT_PREFIX}{step}")
-        try:
-            with atomic_folder(final) as folder:
-                write(folder, final)
-                write_manifest(folder)
-        except OSError as e:
-            if e.errno not in NO_SPACE:
-                raise
-            raise self.no_space(final, e) from None
+        with self.no_space_ends_the_run(final), atomic_folder(final) as folder:
+            write(folder, final)
+            write_manifest(folder)
         _fsync(self.output_dir)
         self.rotate(keep=final)
         return final
 
-    def no_space(self, folder: str, error: OSError, written_in_place: bool = False) -> CheckpointError:
-        """The one-line error of a save that found no space; a checkpoint written in place (the Trainer's)
-        is removed, a temporary one already is."""
-        if written_in_place:
-            remove(folder)
-        newest = latest_checkpoint(self.output_dir)
-        return CheckpointError(
-            f"no space to write {os.path.basename(folder)} in {self.output_dir} ({error.strerror}); nothing of it "
-            f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
-            "--resume_from_checkpoint auto")
+    @contextmanager
+    def no_space_ends_the_run(self, folder: str, written_in_place: bool = False):
+        """Around the writing of checkpoint `folder`: no space to write it becomes a one-line CheckpointError,
+        with a checkpoint written in place (the Trainer's) removed; a temporary one already is."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            if written_in_place:
+                remove(folder)
+            newest = latest_checkpoint(self.output_dir)
+            raise CheckpointError(
+                f"no space to write {os.path.basename(folder)} in {self.output_dir} ({e.strerror}); nothing of it "
+                f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
+                "--resume_from_checkpoint auto") from None
 
     def complete(self, folder: str) -> None:
         """Seal a checkpoint written in place (the Trainer's): manifest last, then rotation. Rank 0 only."""

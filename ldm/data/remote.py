@@ -92,10 +92,12 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
 
 
-def _retrying(what: str, action):
-    """`action()`, retried with backoff on anything but a permanent error; OSError after the last try."""
+def _retrying(what: str, action, attempts: int | None = None):
+    """`action()`, retried with backoff on anything but a permanent error or a missing file; OSError after
+    the last of `attempts` (default ATTEMPTS) tries."""
+    attempts = attempts or ATTEMPTS
     problem = ""
-    for attempt in range(ATTEMPTS):
+    for attempt in range(attempts):
         if attempt:
             time.sleep(BACKOFF_SECONDS * 2 ** (attempt - 1))
         try:
@@ -109,8 +111,8 @@ def _retrying(what: str, action):
         # fsspec's backends raise their client library's errors (aiohttp, botocore, …), not only OSError
         except Exception as e:  # noqa: BLE001 - retried, then reported as an OSError below
             problem = describe(e)
-        logger.debug("%s failed (attempt %d of %d): %s", what, attempt + 1, ATTEMPTS, problem)
-    raise OSError(f"{what} failed {ATTEMPTS} times ({problem})")
+        logger.debug("%s failed (attempt %d of %d): %s", what, attempt + 1, attempts, problem)
+    raise OSError(f"{what} failed {attempts} times ({problem})")
 
 
 class RetryingReader(io.RawIOBase):
@@ -201,16 +203,10 @@ def exists(url: str) -> bool:
     fsspec = _fsspec()
     fs, path = fsspec.core.url_to_fs(url)
     try:
-        fs.info(path)
-        return True
-    except FileNotFoundError as e:
-        if really_missing(e):
-            return False
-        raise OSError(f"cannot look for {url} ({describe(e.__cause__)})") from None
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a client library's error (aiohttp, botocore, ...)
-        raise OSError(f"cannot look for {url} ({describe(e)})") from None
+        _retrying(f"looking for {url}", lambda: fs.info(path), attempts=1)
+    except FileNotFoundError:  # really missing: anything else arrives as an OSError
+        return False
+    return True
 
 
 def glob(pattern: str) -> list[str]:

@@ -93,6 +93,12 @@ def hub_file(name: str, filename: str, subfolder: str) -> str | None:
                            f"{HUB_ATTEMPTS} attempts ({problem})")
 
 
+def fetch_weights(name: str, part: str) -> bool:
+    """Whether `part/` of a hub model has weights (the first of WEIGHT_FILES it has is fetched into the
+    cache); a failed download raises HubDownloadError."""
+    return any(hub_file(name, weights, part) for weights in WEIGHT_FILES)
+
+
 def download(name: str) -> str:
     """Fetch the configs and the weights each part has of a hub model into the ppdiffusers cache."""
     try:
@@ -110,7 +116,7 @@ def download(name: str) -> str:
                 f" Offline, pass a preset ({', '.join(PRESETS)}) or a local folder.")
         raise ModelSourceError(f"{e}.{hint}") from None
     for part in ("unet", "bert", "vqvae"):
-        if not any(hub_file(name, weights, part) for weights in WEIGHT_FILES):  # a failed download raises
+        if not fetch_weights(name, part):
             logger.warning("%s on the model hub has no weights for %s/ (none of %s): that part is built from its "
                            "config and trained from scratch", name, part, ", ".join(WEIGHT_FILES))
     return os.path.dirname(os.path.dirname(config))
@@ -126,7 +132,7 @@ def download_autoencoder(name: str) -> str:
             config = hub_file(repo, "config.json", subfolder)
             if config is None:
                 continue
-            if not any(hub_file(repo, weights, subfolder) for weights in WEIGHT_FILES):
+            if not fetch_weights(repo, subfolder):
                 raise ModelSourceError(f"{repo}/{subfolder} on the model hub has an autoencoder config but no "
                                        f"weights (none of {', '.join(WEIGHT_FILES)})")
             return os.path.dirname(config)

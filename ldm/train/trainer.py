@@ -23,7 +23,7 @@ from paddlenlp.utils.log import logger as paddlenlp_logger
 from ldm.checkpoint import training_state, write_training_state
 from ldm.compat import check_trainer_hooks, load_trainer_rng_state, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
-from ldm.run_folder import NO_SPACE, RunFolder, checkpoint_problem, remove
+from ldm.run_folder import RunFolder, checkpoint_problem, remove
 from ldm.tracking import NullWriter, Tracker
 from ldm.train import setup
 from ldm.train.loop import TextToImage, start_batches
@@ -111,12 +111,8 @@ class LDMTrainer(Trainer):
         if self.dist.from_main(lambda: checkpoint_problem(folder, checksums=False) is None):
             return  # already saved at this update (a stop at the last update, or a resume of the last checkpoint)
         self.dist.from_main(lambda: remove(folder))  # an incomplete one of an earlier try: PaddleNLP writes in place
-        try:
+        with self.run_dir.no_space_ends_the_run(folder, written_in_place=True):
             super()._save_checkpoint(model, metrics)
-        except OSError as e:
-            if e.errno not in NO_SPACE:
-                raise
-            raise self.run_dir.no_space(folder, e, written_in_place=True) from None
         state = training_state(self.state.global_step, self.dist, self.data_stream,
                                [p for p in self.objective.model.parameters() if not p.stop_gradient])
 
