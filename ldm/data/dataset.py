@@ -21,7 +21,8 @@ from paddle.io import DataLoader, IterableDataset, get_worker_info
 
 from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
-from ldm.data.record import ImageTransform, parse_record, sample_rng
+from ldm.data.latents import LatentTransform
+from ldm.data.record import ImageTransform, sample_rng
 from ldm.data.shard import ShardError, iter_lines
 from ldm.data.stream import Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
@@ -55,6 +56,11 @@ def to_uint8_batch(images: list[np.ndarray]) -> np.ndarray:
     return np.ascontiguousarray(np.stack(images).transpose(0, 3, 1, 2))
 
 
+def batch_samples(batch: dict) -> int:
+    """How many samples a training batch holds (of images or of latents)."""
+    return len(batch["pixel_values"] if "pixel_values" in batch else batch["latent_moments"])
+
+
 def to_pixel_values(images: list[np.ndarray]) -> np.ndarray:
     """uint8 HWC crops -> float32 [B, 3, R, R] in [-1, 1]."""
     batch = np.stack(images).transpose(0, 3, 1, 2).astype(np.float32)
@@ -81,7 +87,7 @@ class CaptionImageStream(IterableDataset):
         shards: list[Shard],
         *,
         tokenize,
-        transform: ImageTransform,
+        transform: ImageTransform | LatentTransform,
         batch_size: int,
         caption_dropout_prob: float = 0.1,
         seed: int = 0,
@@ -124,11 +130,11 @@ class CaptionImageStream(IterableDataset):
             )
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        caption, image_bytes = parse_record(record.line)
+        caption, payload = self.transform.parse(record.line)
         rng = sample_rng(self.seed, record.pass_index, record.shard, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""
-        return self.transform(image_bytes, rng), self.tokenize(caption) if self.tokenize else None
+        return self.transform(payload, rng), self.tokenize(caption) if self.tokenize else None
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
@@ -160,7 +166,11 @@ class CaptionImageStream(IterableDataset):
             images.append(image)
             ids.append(input_ids)
             if len(images) == self.batch_size:
-                batch = {"pixel_values": to_uint8_batch(images), "stream_state": json.dumps(stream.state_dict())}
+                batch = {"stream_state": json.dumps(stream.state_dict())}
+                if isinstance(self.transform, LatentTransform):
+                    batch["latent_moments"] = np.stack(images)
+                else:
+                    batch["pixel_values"] = to_uint8_batch(images)
                 if self.tokenize:
                     batch["input_ids"] = np.stack(ids)
                 self.board.post(worker, f"{where}: {stream.reading()}")

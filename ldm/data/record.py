@@ -54,6 +54,8 @@ def parse_record(line: bytes) -> tuple[str, bytes]:
     payload = fields[2].strip()
     if not payload:
         raise SkipRecord("empty_image")
+    if payload.startswith(b"latent:"):  # ldm.data.latents: ":" is not a base64 character
+        raise SkipRecord("latent_record", "a latent record in an image corpus")
     try:
         image_bytes = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -96,6 +98,8 @@ class ImageTransform:
     random_flip: bool = False
     min_image_size: int = 0
     max_image_pixels: int = 89_478_485
+
+    parse = staticmethod(parse_record)  # a shard line -> (caption, what `__call__` takes)
 
     def __call__(self, image_bytes: bytes, rng: random.Random) -> np.ndarray:
         size = self.resolution

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ldm.args import ToolParser
 from ldm.data.filelist import FileListError, read_file_list
-from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
+from ldm.data.record import ImageTransform, SkipRecord, sample_rng
 from ldm.data.shard import ShardError, ShardMissing, iter_lines
 from ldm.data.stream import SlotStream, shard_error_reason
 from ldm.data.write import ShardWriter, record_line
@@ -28,8 +28,17 @@ class UserError(Exception):
 
 
 # -- stats ---------------------------------------------------------------------------------------
-def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = True) -> dict:
+def corpus_transform(shards, resolution: int, **image_args):
+    """What training would make of the records: `ImageTransform`, or `LatentTransform` for latent shards."""
+    from ldm.data.latents import LatentTransform, probe
+
+    meta = probe([s.path for s in shards])
+    return (LatentTransform(meta) if meta is not None else ImageTransform(resolution, **image_args)), meta
+
+
+def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progress: bool = True) -> dict:
     shards = read_file_list(file_list)
+    transform, meta = corpus_transform(shards, resolution, center_crop=True, min_image_size=min_image_size)
     bad: Counter = Counter()
     shard_errors: Counter = Counter()
     missing, records, ok = [], 0, 0
@@ -38,8 +47,8 @@ def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = Tru
             for number, line in enumerate(iter_lines(shard.path), 1):
                 records += 1
                 try:
-                    _, image_bytes = parse_record(line)
-                    transform(image_bytes, sample_rng(0, 0, shard.path, number))
+                    _, payload = transform.parse(line)
+                    transform(payload, sample_rng(0, 0, shard.path, number))
                     ok += 1
                 except SkipRecord as e:
                     bad[e.reason] += 1
@@ -48,6 +57,8 @@ def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = Tru
         except ShardError as e:
             shard_errors[shard_error_reason(e)] += 1
     return {
+        "kind": "latents" if meta else "images",
+        **({"latents": meta.describe()} if meta else {}),
         "shards": len(shards),
         "missing_shards": len(missing),
         "records": records,
@@ -59,12 +70,11 @@ def corpus_stats(file_list: str, transform: ImageTransform, progress: bool = Tru
 
 
 def cmd_stats(args) -> None:
-    stats = corpus_stats(args.file_list, ImageTransform(args.resolution, center_crop=True,
-                                                        min_image_size=args.min_image_size),
-                         progress=not args.json)
+    stats = corpus_stats(args.file_list, args.resolution, args.min_image_size, progress=not args.json)
     if args.json:
         print(json.dumps(stats))
         return
+    print(f"kind            {stats.get('latents', 'images')}")
     print(f"shards          {stats['shards']} ({stats['missing_shards']} missing)")
     print(f"records         {stats['records']}")
     print(f"usable          {stats['ok']}")
@@ -123,31 +133,38 @@ def _cycled(make):
             return
 
 
-def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) -> tuple[float, float]:
-    """Median images/s of the real data path and of the naive reference, interleaved, one core."""
+def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) -> tuple[float, float | None]:
+    """Median samples/s of the real data path and of the naive image reference, interleaved, one core; for
+    latent shards the reference is None (it reads images only)."""
     import numpy as np
 
     from ldm.data.dataset import CaptionImageStream, to_pixel_values
     from ldm.data.naive import naive_samples
 
     shards = read_file_list(file_list)
+    transform, meta = corpus_transform(shards, resolution)
     # the training sample path itself, without tokenization (the naive reference has none either)
-    dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution), batch_size=1)
+    dataset = CaptionImageStream(shards, tokenize=str, transform=transform, batch_size=1)
+    finish = (lambda sample: np.stack([sample])) if meta else (lambda sample: to_pixel_values([sample]))
 
     def real():
         stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
-        return stream.samples(lambda record: to_pixel_values([dataset.make_sample(record)[0]]))
+        return stream.samples(lambda record: finish(dataset.make_sample(record)[0]))
 
     pin_one_core()
     fast, slow = [], []
     for _ in range(rounds):
-        slow.append(_rate(_cycled(lambda: naive_samples([s.path for s in shards], resolution)), num_samples))
+        if meta is None:
+            slow.append(_rate(_cycled(lambda: naive_samples([s.path for s in shards], resolution)), num_samples))
         fast.append(_rate(real(), num_samples))
-    return float(np.median(fast)), float(np.median(slow))
+    return float(np.median(fast)), float(np.median(slow)) if slow else None
 
 
 def cmd_bench(args) -> None:
     fast, slow = bench(args.file_list, args.num_samples, args.resolution, args.rounds)
+    if slow is None:
+        print(f"ldm data path    {fast:8.1f} latents/s (one core; the naive reference reads images only)")
+        return
     print(f"naive reference  {slow:8.1f} images/s (one core)")
     print(f"ldm data path    {fast:8.1f} images/s (one core)")
     print(f"ratio            {fast / slow:8.2f}x")
@@ -259,6 +276,21 @@ def cmd_convert(args) -> None:
     print(f"wrote {written} records ({skipped} skipped); use --file_list {listing}")
 
 
+# -- encode ------------------------------------------------------------------------------------
+def cmd_encode(args) -> int:
+    from ldm.data.encode import encode_corpus
+    from ldm.distributed import exit_process, launched_world_size
+    from ldm.models.build import ModelSourceError
+
+    try:
+        code = encode_corpus(args)
+    except ModelSourceError as e:
+        raise UserError(str(e)) from None
+    if launched_world_size() > 1:
+        exit_process(code)
+    return code
+
+
 # -- synth -------------------------------------------------------------------------------------
 def cmd_synth(args) -> None:
     from ldm.data.synth import synth_corpus
@@ -305,6 +337,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="train")
     p.set_defaults(run=cmd_convert)
 
+    p = sub.add_parser("encode", help="encode a corpus once with the frozen autoencoder into latent shards, which "
+                                      "training then reads instead of images (see ldm/data/encode.py)")
+    p.add_argument("--file_list", required=True)
+    p.add_argument("--vae_name_or_path", required=True,
+                   help="the autoencoder the diffusion model will be trained with (folder or hub name)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--resolution", type=int, default=256)
+    p.add_argument("--center_crop", action="store_true", help="center crop (default: one random crop per record)")
+    p.add_argument("--random_flip", action="store_true",
+                   help="also encode each crop's mirror image, so that training can flip at random")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                   help="stored precision of the posterior moments")
+    p.add_argument("--min_image_size", type=int, default=0)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--num_workers", type=int, default=2, help="decoding processes per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random crops")
+    p.add_argument("--allow_untrained_vae", action="store_true", help="encode with an autoencoder without weights "
+                   "(tests)")
+    p.set_defaults(run=cmd_encode)
+
     p = sub.add_parser("synth", help="write a captioned-shapes corpus (demo and tests) with its tokenizer vocab")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--num_records", type=int, default=10000)
@@ -319,14 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds", "num_records"):
+    for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds", "num_records",
+                 "batch_size"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be at least 1")
     try:
-        args.run(args)
+        return args.run(args) or 0
     except (UserError, FileListError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        pass
-    return 0
+        return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import unit_range
 
@@ -85,8 +86,18 @@ class LatentDiffusion(nn.Layer):
         clipped = paddle.minimum(snr, paddle.full_like(snr, self.snr_gamma))
         return clipped / (snr + 1.0) if self.prediction_type == "v_prediction" else clipped / snr
 
-    def forward(self, pixel_values: paddle.Tensor, input_ids: paddle.Tensor) -> paddle.Tensor:
-        latents = self.encode_latents(pixel_values)
+    @paddle.no_grad()
+    def sample_latents(self, latent_moments: paddle.Tensor) -> paddle.Tensor:
+        """Precomputed posterior moments (`ldm.data.latents`) -> scaled latents: what `encode_latents` gives."""
+        return DiagonalGaussianDistribution(latent_moments.astype("float32")).sample() * self.scaling_factor
+
+    def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor,
+                latent_moments: paddle.Tensor | None = None) -> paddle.Tensor:
+        """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead."""
+        if latent_moments is not None:
+            latents = self.sample_latents(latent_moments)
+        else:
+            latents = self.encode_latents(pixel_values)
         batch = latents.shape[0]
         noise = paddle.randn(latents.shape, dtype=latents.dtype)
         if self.noise_offset:

@@ -12,7 +12,8 @@ from collections import Counter
 
 from ldm.args import DataArguments
 from ldm.compat import stop_loader
-from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader, rank_stream_state
+from ldm.data import latents
+from ldm.data.dataset import CaptionImageStream, StreamState, batch_samples, build_dataloader, rank_stream_state
 from ldm.data.filelist import check_shards, read_file_list
 from ldm.data.record import ImageTransform
 from ldm.data.tokenize import CaptionTokenizer
@@ -101,7 +102,7 @@ class TimedBatches:
                     watchdog.received()
                 raise_if_error(batch)
                 batch = self.tracker.update(batch)
-                self.clock.waited(time.perf_counter() - start, batch["pixel_values"].shape[0])
+                self.clock.waited(time.perf_counter() - start, batch_samples(batch))
                 yield batch
         finally:
             watchdog.close()
@@ -120,19 +121,31 @@ class TimedBatches:
 
 
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
-                  num_workers: int, saved_streams: list[dict] | None = None) -> TimedBatches:
+                  num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
+                  autoencoder_source: str = "") -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
-    Without a tokenizer (the autoencoder) batches carry images only and captions are not read.
+    Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
+    shards (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
+    (its fingerprint; None: this run trains on images only); batches then carry `latent_moments`.
     """
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
     dist.from_main(lambda: check_shards(shards, data.file_list))
+    latent_meta = dist.from_main(lambda: latents.probe([s.path for s in shards]))
+    if latent_meta is not None:
+        latents.check_corpus(latent_meta, data.file_list, vae=autoencoder, vae_source=autoencoder_source,
+                             resolution=data.resolution, random_flip=data.random_flip)
+        logger.info("%s holds latent shards (%s): the autoencoder is not run while training", data.file_list,
+                    latent_meta.describe())
+        transform = latents.LatentTransform(latent_meta, random_flip=data.random_flip)
+    else:
+        transform = ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
+                                   min_image_size=data.min_image_size)
     stream = CaptionImageStream(
         shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
-        transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
-                                 min_image_size=data.min_image_size),
+        transform=transform,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
         seed=seed,

@@ -6,6 +6,7 @@ import contextlib
 import sys
 
 from ldm.data.filelist import FileListError
+from ldm.data.latents import LatentMismatch
 from ldm.data.stream import NoUsableData
 from ldm.data.tokenize import TokenizerError
 from ldm.models.build import ModelSourceError
@@ -17,6 +18,7 @@ from ldm.tracking import TrackerError
 def user_errors():
     try:
         yield
-    except (CheckpointError, FileListError, NoUsableData, TokenizerError, ModelSourceError, TrackerError) as e:
+    except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
+            TrackerError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

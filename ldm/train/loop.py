@@ -32,6 +32,7 @@ from ldm.checkpoint import (
     training_state,
     write_training_state,
 )
+from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed, sync_gradients
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.ema import EMA
@@ -69,6 +70,8 @@ class Objective:
     model: paddle.nn.Layer
     tokenizer = None  # batches carry `input_ids` when set
     ema = None
+    latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
+    autoencoder_source = ""
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
         """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
@@ -106,6 +109,7 @@ class TextToImage(Objective):
                                                          seed=seed)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.vae_identity = autoencoder_identity(self.components.vae)
+        self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
 
     def check_resume(self, checkpoint):
@@ -116,7 +120,7 @@ class TextToImage(Objective):
         self.vae_folder, _ = run_dir.write_vae(self.components.vae)
 
     def loss(self, net, batch):
-        return net(batch["pixel_values"], batch["input_ids"]), {}
+        return net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments")), {}
 
     def save(self, folder, final_folder):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
@@ -147,7 +151,8 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
     if resume:
         objective.check_resume(resume)
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
-                            num_workers=num_workers, saved_streams=state["stream"] if state else None)
+                            num_workers=num_workers, saved_streams=state["stream"] if state else None,
+                            autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source)
     batches.start()
     return state, batches
 

@@ -65,20 +65,20 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
         )
     logger.info("model from %s; %s", components.source, components.describe())
-    check_autoencoder_trained(components, model_args.allow_untrained_vae)
+    check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     return model, components
 
 
-def check_autoencoder_trained(components, allowed: bool) -> None:
+def check_autoencoder_trained(loaded: bool, source: str, allowed: bool) -> None:
     """Refuse a frozen autoencoder with no trained weights (a multi-day run would learn nothing), unless
     `--allow_untrained_vae` says it is meant."""
-    if components.pretrained["vae"]:
+    if loaded:
         return
     if not allowed:
         raise ModelSourceError(
-            f"the autoencoder from {components.vae_source} has no trained weights: the diffusion model would learn "
+            f"the autoencoder from {source} has no trained weights: the diffusion model would learn "
             f"random projections. Pass --vae_name_or_path with a pretrained KL autoencoder: online the hub name "
             f"{PRETRAINED_VAE}; offline a folder trained by train_autoencoder.py (its OUTPUT_DIR/vqvae). "
             "--allow_untrained_vae trains on it anyway (tests)")
     logger.warning("--allow_untrained_vae: the autoencoder from %s has NO TRAINED WEIGHTS; what this run learns is "
-                   "useful for tests only", components.vae_source)
+                   "useful for tests only", source)

@@ -79,7 +79,7 @@ class LDMTrainer(Trainer):
         return self.data_stream
 
     def compute_loss(self, model, inputs, return_outputs=False):
-        loss = model(inputs["pixel_values"], inputs["input_ids"])
+        loss = model(inputs.get("pixel_values"), inputs["input_ids"], inputs.get("latent_moments"))
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict, **kwargs) -> None:

@@ -1,0 +1,306 @@
+"""`python -m ldm.data encode`: a caption-image corpus encoded once by the frozen autoencoder.
+
+Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass at every step.
+
+- **Work:** input shard i becomes output shard `latents-<i>.gz`, written by loader slot i mod S (S = ranks x
+  workers; whole shards, not the training plan's interleaved parts, so that an output's name and content
+  do not depend on how many processes made it). Every record is encoded exactly once over the ranks.
+- **Resume:** an output shard is written under a temporary name and renamed when complete; a run skips
+  the shards whose output exists, so an interrupted encode goes on where it stopped, with any number of
+  ranks. `.encode/settings.json` pins what the folder holds (autoencoder, crop, dtype, the input shard
+  list): a resume with other settings is refused.
+- **Bad input:** a record that cannot be used is skipped and counted by reason, as training counts it; a
+  truncated shard gives the records before the break. A shard that cannot be read (missing, or a store
+  that kept failing) is not written: the run ends with exit status 1 and names it, and running the same
+  command again retries it.
+- **Output:** `latents.filelist` (one per distinct input weight) and `latents.filelist.list`, which keeps
+  the input's weights, list the output shards that hold records; pass the latter as `--file_list`.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+
+import cv2
+import numpy as np
+import paddle
+from paddle.io import DataLoader, IterableDataset, get_worker_info
+from tqdm import tqdm
+
+from ldm.compat import READER_POLL_SECONDS, stop_loader
+from ldm.data.dataset import to_uint8_batch
+from ldm.data.filelist import Shard, check_shards, read_file_list
+from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
+from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
+from ldm.data.shard import ShardError, ShardTruncated, iter_lines
+from ldm.data.watchdog import error_batch, in_worker_process, raise_if_error
+from ldm.distributed import Distributed
+from ldm.models.autoencoder import autoencoder_identity, unit_range
+
+logger = logging.getLogger("ldm.data")
+
+STATE = ".encode"
+
+
+class EncodeError(ValueError):
+    """The encode cannot start (a user error: exit status 2)."""
+
+
+def output_name(index: int) -> str:
+    return f"latents-{index:06d}.gz"
+
+
+class ShardBatches(IterableDataset):
+    """The crops of this rank's input shards, batch by batch: each batch says its shard, and the last one
+    of a shard carries the shard's counts (and why it could not be read, if so)."""
+
+    def __init__(self, shards: list[Shard], output_dir: str, transform: ImageTransform, *, batch_size: int,
+                 seed: int, rank: int, world_size: int, num_workers: int):
+        super().__init__()
+        self.shards, self.output_dir, self.transform = shards, output_dir, transform
+        self.batch_size, self.seed = batch_size, seed
+        self.workers = max(1, num_workers)
+        self.first_slot, self.num_slots = rank * self.workers, world_size * self.workers
+
+    def todo(self, slot: int) -> list[int]:
+        """The input shards of a slot whose output does not exist yet."""
+        return [i for i in range(slot, len(self.shards), self.num_slots)
+                if not os.path.exists(os.path.join(self.output_dir, output_name(i)))]
+
+    def __iter__(self):
+        cv2.setNumThreads(1)
+        info = get_worker_info()
+        if info is not None:
+            in_worker_process()
+        try:
+            for index in self.todo(self.first_slot + (info.id if info is not None else 0)):
+                yield from self.shard_batches(index)
+        except Exception as e:  # noqa: BLE001 - raised in the main process (ldm.data.watchdog)
+            yield error_batch(e)
+
+    def shard_batches(self, index: int):
+        path = self.shards[index].path
+        crops, records, counts = [], [], Counter()
+        unreadable = ""
+        try:
+            for number, line in enumerate(iter_lines(path), 1):
+                try:
+                    caption, image = parse_record(line)
+                    crops.append(self.transform(image, sample_rng(self.seed, 0, path, number)))
+                except SkipRecord as e:
+                    counts[e.reason] += 1
+                    continue
+                key = line.split(b"\t", 2)[1].decode("utf-8", "replace").strip()
+                records.append((caption, key or f"{os.path.basename(path)}:{number}"))
+                if len(crops) == self.batch_size:
+                    yield self.batch(index, crops, records)
+                    counts["ok"] += len(crops)
+                    crops, records = [], []
+        except ShardTruncated:
+            counts["truncated_shard"] += 1  # the records before the break are kept, as training keeps them
+        except ShardError as e:
+            unreadable = str(e)
+        counts["ok"] += len(crops)
+        yield self.batch(index, crops, records, counts=counts, unreadable=unreadable)
+
+    @staticmethod
+    def batch(index: int, crops, records, counts: Counter | None = None, unreadable: str = "") -> dict:
+        batch = {"shard": np.array([index], np.int64), "records": json.dumps(records)}
+        if crops:
+            batch["pixel_values"] = to_uint8_batch(crops)
+        if counts is not None:  # the shard's last batch
+            batch["done"] = json.dumps({"counts": counts, "unreadable": unreadable})
+        return batch
+
+
+@paddle.no_grad()
+def encode_moments(vae, pixels, flips: bool) -> np.ndarray:
+    """uint8 [B, 3, R, R] -> float32 posterior moments [B, copies, 2C, h, w] (copy 1: the mirror image)."""
+    x = unit_range(paddle.to_tensor(pixels))
+    if flips:
+        x = paddle.concat([x, x.flip([3])])
+    moments = vae.encode(x).latent_dist.parameters.astype("float32").numpy()
+    n = len(pixels)
+    return np.stack([moments[:n], moments[n:]], 1) if flips else moments[:, None]
+
+
+class ShardWriters:
+    """The output shards being written, one per input shard in progress; each is renamed into place when
+    its last batch is written, after its counts are logged in `.encode/done-rank<r>.jsonl`."""
+
+    def __init__(self, output_dir: str, rank: int):
+        self.output_dir = output_dir
+        self.log = os.path.join(output_dir, STATE, f"done-rank{rank}.jsonl")
+        self.open: dict[int, object] = {}
+        self.unreadable: dict[int, str] = {}
+
+    def partial(self, index: int) -> str:
+        return os.path.join(self.output_dir, f".{output_name(index)}.partial")
+
+    def write(self, index: int, lines: list[bytes]) -> None:
+        import gzip
+
+        if index not in self.open:
+            self.open[index] = gzip.open(self.partial(index), "wb", compresslevel=1)  # noqa: SIM115 - closed in finish
+        self.open[index].write(b"".join(lines))
+
+    def finish(self, index: int, counts: dict, unreadable: str) -> None:
+        self.write(index, [])
+        self.open.pop(index).close()
+        if unreadable:
+            os.remove(self.partial(index))
+            self.unreadable[index] = unreadable
+            return
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"shard": index, "counts": counts}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.partial(index), os.path.join(self.output_dir, output_name(index)))
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open = {}
+
+
+def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
+    listed = hashlib.sha256("\n".join(f"{s.path} {s.weight}" for s in shards).encode()).hexdigest()
+    return {"file_list": args.file_list, "input_shards": len(shards), "input_shards_sha256": listed,
+            "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
+            "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
+            "min_image_size": args.min_image_size, "seed": args.seed}
+
+
+def claim(output_dir: str, settings: dict) -> int:
+    """Create the output folder, or check that what it holds was made with these settings; returns how many
+    output shards exist already."""
+    path = os.path.join(output_dir, STATE, "settings.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        free = ("file_list", "vae_name_or_path")  # the same corpus and autoencoder may be named another way
+        differ = sorted(k for k in settings if k not in free and saved.get(k) != settings[k])
+        if differ:
+            raise EncodeError(f"{output_dir} holds latents encoded with other settings ({', '.join(differ)}: "
+                              f"{', '.join(f'{saved.get(k)!r} there, {settings[k]!r} now' for k in differ)}); pass "
+                              "the same flags and file list to go on, or another --output_dir")
+        return len(glob.glob(os.path.join(output_dir, "latents-*.gz")))
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise EncodeError(f"{output_dir} exists and is not an encode's output folder: pass a new or empty --output_dir")
+    os.makedirs(os.path.join(output_dir, STATE), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+def read_done(output_dir: str) -> dict[int, dict]:
+    """Counts of every output shard that exists (the last logged entry of each)."""
+    done: dict[int, dict] = {}
+    for log in sorted(glob.glob(os.path.join(output_dir, STATE, "done-rank*.jsonl"))):
+        with open(log) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash: that shard's output was not renamed into place after it
+                if os.path.exists(os.path.join(output_dir, output_name(entry["shard"]))):
+                    done[entry["shard"]] = entry["counts"]
+    return done
+
+
+def write_file_lists(output_dir: str, shards: list[Shard], done: dict[int, dict]) -> str:
+    """`latents*.filelist` (one per input weight) and `latents.filelist.list`; shards without records are left out."""
+    groups: dict[float, list[int]] = {}
+    for index, shard in enumerate(shards):
+        if done.get(index, {}).get("ok"):
+            groups.setdefault(shard.weight, []).append(index)
+    listing = os.path.join(output_dir, "latents.filelist.list")
+    entries = []
+    for number, (weight, indices) in enumerate(groups.items()):
+        name = "latents.filelist" if len(groups) == 1 else f"latents-{number}.filelist"
+        with open(os.path.join(output_dir, name), "w") as f:
+            f.writelines(output_name(i) + "\n" for i in indices)
+        entries.append(name if weight == 1 else f"{name} {weight:g}")
+    with open(listing, "w") as f:
+        f.writelines(entry + "\n" for entry in entries)
+    return listing
+
+
+def load_autoencoder(name_or_path: str, allow_untrained: bool):
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.build import load_part, vae_folder
+    from ldm.train.setup import check_autoencoder_trained
+
+    vae, loaded = load_part(AutoencoderKL, vae_folder(name_or_path))
+    check_autoencoder_trained(loaded, name_or_path, allow_untrained)
+    vae.eval()
+    return vae
+
+
+def encode_corpus(args) -> int:
+    """Encode `args.file_list` into `args.output_dir`; returns the exit status (1: some shards unreadable)."""
+    dist = Distributed.init()
+    shards = read_file_list(args.file_list)
+    dist.from_main(lambda: check_shards(shards, args.file_list))
+    if dist.from_main(lambda: probe([s.path for s in shards])) is not None:
+        raise EncodeError(f"{args.file_list} holds latent shards already")
+    vae = load_autoencoder(args.vae_name_or_path, args.allow_untrained_vae)
+    probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
+    meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
+                      args.resolution)
+    existing = dist.from_main(lambda: claim(args.output_dir, settings_of(args, shards, meta)))
+    if dist.is_main:
+        logger.info("encoding %d shards into %s (%s); %d done already", len(shards), args.output_dir,
+                    meta.describe(), existing)
+    transform = ImageTransform(args.resolution, center_crop=args.center_crop, min_image_size=args.min_image_size)
+    reader = ShardBatches(shards, args.output_dir, transform, batch_size=args.batch_size, seed=args.seed,
+                          rank=dist.rank, world_size=dist.world_size, num_workers=args.num_workers)
+    todo = sum(len(reader.todo(reader.first_slot + w)) for w in range(reader.workers))
+    loader = DataLoader(reader, batch_size=None, num_workers=args.num_workers, use_shared_memory=False,
+                        timeout=READER_POLL_SECONDS)
+    writers = ShardWriters(args.output_dir, dist.rank)
+    progress = tqdm(total=todo, desc=f"encode (rank {dist.rank})", unit="shard", disable=not dist.is_main)
+    from ldm.train.batches import start_workers
+
+    iterator = start_workers(loader)
+    try:
+        for batch in iterator:
+            raise_if_error(batch)
+            index = int(np.asarray(batch["shard"])[0])
+            records = json.loads(batch["records"])
+            if records:
+                moments = encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip)
+                writers.write(index, [latent_line(caption, key, m, meta)
+                                      for (caption, key), m in zip(records, moments, strict=True)])
+            if "done" in batch:
+                done = json.loads(batch["done"])
+                writers.finish(index, done["counts"], done["unreadable"])
+                progress.update(1)
+    finally:
+        stop_loader(iterator)
+        writers.close()
+        progress.close()
+    unreadable = {i: e for rank_unreadable in dist.gather(writers.unreadable) for i, e in rank_unreadable.items()}
+    dist.barrier()
+    if dist.is_main:
+        done = read_done(args.output_dir)
+        listing = write_file_lists(args.output_dir, shards, done)
+        totals = Counter()
+        for counts in done.values():
+            totals.update(counts)
+        skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(totals.items()) if reason != "ok") or "none"
+        print(f"encoded {totals['ok']} records of {len(done)} of {len(shards)} shards into {args.output_dir} "
+              f"({meta.describe()}); skipped: {skipped}")
+        if unreadable:
+            first = min(unreadable)
+            print(f"error: {len(unreadable)} shard(s) could not be read (the first: {unreadable[first]}); run the same "
+                  "command again to retry them (encoded shards are skipped)")
+        print(f"use --file_list {listing}")
+    return 1 if unreadable else 0

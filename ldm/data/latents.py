@@ -1,0 +1,193 @@
+"""Latent shards: a corpus encoded once by the frozen autoencoder (`python -m ldm.data encode`).
+
+A latent shard is a gzip text shard like an image shard, one record per line:
+
+    caption \\t key \\t latent:<base64 of the array's bytes> \\t <meta: one-line JSON>
+
+- the array is the autoencoder's posterior for the record's crop: its moments (mean and log-variance
+  concatenated on the channel axis, as `AutoencoderKL` computes them, not yet scaled by the
+  config's `scaling_factor`), shape `[copies, 2 * latent_channels, R / f, R / f]`. Copy 0 is the crop;
+  copy 1, written when the corpus was encoded with `--random_flip`, is its mirror image. Training
+  draws a fresh posterior sample at every step, as it does from images;
+- bytes are little-endian `float16`, `float32` or `bfloat16` (the upper half of each float32);
+- meta: `{"format": 1, "vae": <fingerprint of the autoencoder>, "dtype": ..., "shape": [...],
+  "resolution": R}`.
+
+The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
+module reads and writes the format; it imports neither Paddle nor PaddleNLP.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pybase64
+
+from ldm.data.record import MAX_CAPTION_CHARS, SkipRecord
+
+PREFIX = b"latent:"
+FORMAT = 1
+DTYPES = ("float16", "bfloat16", "float32")
+PROBED_SHARDS = 4
+
+
+class LatentMismatch(ValueError):
+    """Latent shards this run cannot train on: another autoencoder, resolution or layout."""
+
+
+def fingerprint(identity: dict) -> str:
+    """A short name of an autoencoder (`ldm.models.autoencoder.autoencoder_identity`): config and weights."""
+    text = f"{identity['config_sha256']}/{identity['weights_sha256']}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def is_latent_line(line: bytes) -> bool:
+    fields = line.split(b"\t", 3)
+    return len(fields) >= 3 and fields[2].startswith(PREFIX)
+
+
+def to_bytes(array: np.ndarray, dtype: str) -> bytes:
+    """float32 array -> stored bytes (bfloat16: float32 rounded to nearest even, upper 16 bits kept)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == "bfloat16":
+        bits = array.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype("<u2").tobytes()
+    return array.astype("<f2" if dtype == "float16" else "<f4").tobytes()
+
+
+def from_bytes(data: bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    """Stored bytes -> float32 array of `shape`."""
+    if dtype == "bfloat16":
+        array = (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        array = np.frombuffer(data, "<f2" if dtype == "float16" else "<f4").astype(np.float32)
+    return array.reshape(shape)
+
+
+@dataclass(frozen=True)
+class LatentMeta:
+    vae: str
+    dtype: str
+    shape: tuple[int, ...]  # copies, 2 * latent channels, height, width
+    resolution: int
+
+    @property
+    def copies(self) -> int:
+        return self.shape[0]
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT, "vae": self.vae, "dtype": self.dtype, "shape": list(self.shape),
+                           "resolution": self.resolution}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LatentMeta:
+        meta = json.loads(data)
+        if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES:
+            raise ValueError(f"unknown latent format {meta.get('format')!r} / dtype {meta.get('dtype')!r}")
+        return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]))
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.shape[1:]))
+        mirrored = ", with mirror images" if self.copies == 2 else ""
+        return f"autoencoder {self.vae}, {self.resolution}px, {self.dtype} moments {shape}{mirrored}"
+
+
+def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta) -> bytes:
+    caption = " ".join(caption.split())  # tabs and newlines would break the line format
+    payload = PREFIX + pybase64.b64encode(to_bytes(moments, meta.dtype))
+    return b"\t".join((caption.encode("utf-8"), key.encode("utf-8"), payload, meta.to_json())) + b"\n"
+
+
+def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta]]:
+    """A latent shard line -> (caption, (array bytes, meta)); an unusable line raises `SkipRecord`."""
+    fields = line.split(b"\t", 4)
+    if len(fields) < 4:
+        raise SkipRecord("missing_columns", f"{len(fields)} column(s), a latent record has 4")
+    if not fields[2].startswith(PREFIX):
+        raise SkipRecord("image_record", "an image record in a latent corpus")
+    try:
+        caption = fields[0].decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise SkipRecord("bad_caption", str(e)) from None
+    try:
+        meta = LatentMeta.from_json(fields[3])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SkipRecord("bad_latent", f"meta: {e}") from None
+    try:
+        data = pybase64.b64decode(fields[2][len(PREFIX):], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise SkipRecord("bad_base64", str(e)) from None
+    return caption[:MAX_CAPTION_CHARS], (data, meta)
+
+
+@dataclass(frozen=True)
+class LatentTransform:
+    """The latent counterpart of `ImageTransform`: a record's moments, its mirror image at random when
+    `random_flip` asks for it (drawn from the record's generator, as the image path draws its flip).
+
+    `expected` is the corpus's meta, checked at the start (`check_corpus`); a record of another
+    autoencoder, dtype or shape raises `LatentMismatch`, which ends the run: such a corpus is a mix-up,
+    and silently skipping it could drop most of the data."""
+
+    expected: LatentMeta
+    random_flip: bool = False
+
+    parse = staticmethod(parse_latent_record)
+
+    def __call__(self, payload: tuple[bytes, LatentMeta], rng: random.Random) -> np.ndarray:
+        data, meta = payload
+        if meta != self.expected:
+            raise LatentMismatch(f"a latent record ({meta.describe()}) differs from the corpus's first one "
+                                 f"({self.expected.describe()}): the file list mixes latent shards of two encodings")
+        try:
+            moments = from_bytes(data, meta.dtype, list(meta.shape))
+        except ValueError as e:
+            raise SkipRecord("bad_latent", str(e)) from None
+        copy = 1 if self.random_flip and rng.random() < 0.5 else 0
+        return moments[copy]
+
+
+def probe(paths: list[str]) -> LatentMeta | None:
+    """The meta of the first record of the first readable shard among the first few, or None for images."""
+    from ldm.data.shard import ShardError, iter_lines
+
+    for path in paths[:PROBED_SHARDS]:
+        try:
+            line = next(iter(iter_lines(path)), None)
+        except ShardError:
+            continue
+        if line is None:
+            continue
+        if not is_latent_line(line):
+            return None
+        try:
+            return parse_latent_record(line)[1][1]
+        except SkipRecord as e:
+            raise LatentMismatch(f"{path}: the first latent record is unusable: {e.reason} {e.detail}") from None
+    return None
+
+
+def check_corpus(meta: LatentMeta, file_list: str, *, vae: str | None, vae_source: str, resolution: int,
+                 random_flip: bool) -> None:
+    """Refuse latent shards this run cannot use, before anything is written."""
+    if vae is None:
+        raise LatentMismatch(f"{file_list} holds latent shards; this run trains on images (train_autoencoder.py "
+                             "needs image shards)")
+    if meta.vae != vae:
+        raise LatentMismatch(
+            f"{file_list} holds latents of autoencoder {meta.vae}, but this run's autoencoder ({vae_source}) is "
+            f"{vae}: the diffusion model must learn the latents of the autoencoder it is exported with. Encode the "
+            "corpus with this run's autoencoder (python -m ldm.data encode --vae_name_or_path ...) or pass the one "
+            "it was encoded with")
+    if meta.resolution != resolution:
+        raise LatentMismatch(f"{file_list} holds latents of {meta.resolution}px crops; this run asks for "
+                             f"--resolution {resolution}")
+    if random_flip and meta.copies < 2:
+        raise LatentMismatch(f"{file_list} holds no mirror images (encoded without --random_flip); this run asks "
+                             "for --random_flip: encode with --random_flip or train without it")
