@@ -1,0 +1,259 @@
+"""Precomputed latents: the encode tool, run as users run it, and training on its output."""
+
+import os
+import shutil
+import signal
+
+import numpy as np
+import paddle
+import pytest
+from corpus import write_corpus
+from entry import launch_report, run_entry, run_python, start_python
+
+from ldm.data import latents
+from ldm.data.encode import encode_moments, load_autoencoder
+from ldm.data.latents import from_bytes, parse_latent_record, to_bytes
+from ldm.data.record import ImageTransform, parse_record, sample_rng
+from ldm.data.shard import iter_lines
+from ldm.models.autoencoder import autoencoder_identity
+
+RESOLUTION = 32
+ENCODE = ["-m", "ldm.data", "encode"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("latent_corpus"))
+    return write_corpus(folder, num_records=40, records_per_shard=8, kinds=("jpeg", "png"), bad_every=13)
+
+
+def save_autoencoder(folder, seed: int) -> str:
+    """The ldm-tiny autoencoder with weights of its own (a folder with weights counts as trained)."""
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.build import read_config, vae_folder
+
+    paddle.seed(seed)
+    AutoencoderKL.from_config(read_config(vae_folder("ldm-tiny"))).save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory):
+    return save_autoencoder(tmp_path_factory.mktemp("vae"), seed=1)
+
+
+def encode_args(corpus, vae, out, *extra):
+    return [*ENCODE, "--file_list", corpus, "--vae_name_or_path", vae, "--output_dir", str(out),
+            "--resolution", str(RESOLUTION), "--batch_size", "3", "--num_workers", "2", *extra]
+
+
+def listed(filelist) -> list[str]:
+    with open(filelist) as f:
+        return f.read().split()
+
+
+def records_of(listing: str) -> dict[str, list[bytes]]:
+    """Output shard name -> its lines."""
+    folder = os.path.dirname(listing)
+    names = listed(os.path.join(folder, "latents.filelist"))
+    return {name: list(iter_lines(os.path.join(folder, name))) for name in names}
+
+
+@pytest.fixture(scope="module")
+def encoded(corpus, vae, tmp_path_factory):
+    out = tmp_path_factory.mktemp("encoded") / "latents"
+    result = run_python(encode_args(corpus, vae, out, "--random_flip"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "use --file_list" in result.stdout
+    return str(out / "latents.filelist.list"), result.stdout
+
+
+def test_stored_dtypes_round_trip_as_paddle_casts_them():
+    values = np.random.default_rng(0).normal(0, 3, (2, 8, 4, 4)).astype(np.float32)
+    values[0, 0, 0, :3] = [1.00390625, 1.01171875, -2.0078125]  # halfway cases of bfloat16's rounding
+    assert np.array_equal(from_bytes(to_bytes(values, "float32"), "float32", list(values.shape)), values)
+    for dtype in ("float16", "bfloat16"):
+        expected = paddle.to_tensor(values).astype(dtype).astype("float32").numpy()
+        got = from_bytes(to_bytes(values, dtype), dtype, list(values.shape))
+        np.testing.assert_array_equal(got, expected, err_msg=dtype)
+        assert len(to_bytes(values, dtype)) == values.size * 2
+
+
+def test_a_step_on_precomputed_moments_equals_the_step_on_their_images(vae, vocab_dir):
+    """The same seed gives the same loss whether the autoencoder runs in the step or ran before it."""
+    from ldm.args import DataArguments, ModelArguments
+    from ldm.train import setup
+
+    data = DataArguments(tokenizer_name=vocab_dir, model_max_length=8, resolution=RESOLUTION)
+    tokenizer = setup.build_tokenizer(data)
+    model, components = setup.build_model(ModelArguments(model_name_or_path="ldm-tiny", vae_name_or_path=vae),
+                                          data, tokenizer, recompute=False, seed=0)
+    pixels = np.random.default_rng(0).integers(0, 256, (4, 3, RESOLUTION, RESOLUTION), dtype=np.uint8)
+    ids = paddle.randint(1, tokenizer.vocab_size, [4, 8])
+    moments = encode_moments(components.vae, pixels, flips=False)[:, 0]
+    model.train()
+    paddle.seed(7)
+    from_images = float(model(paddle.to_tensor(pixels), ids))
+    paddle.seed(7)
+    from_moments = float(model(None, ids, paddle.to_tensor(moments)))
+    assert from_moments == pytest.approx(from_images, rel=1e-5)
+    paddle.seed(8)  # another draw of noise and timesteps moves it: the comparison above is not vacuous
+    assert float(model(None, ids, paddle.to_tensor(moments))) != pytest.approx(from_images, rel=1e-3)
+
+
+def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, vae, encoded):
+    listing, stdout = encoded
+    shards = records_of(listing)
+    inputs = listed(os.path.join(os.path.dirname(corpus), "train.filelist"))
+    assert len(shards) == len(inputs) == 6
+    assert "skipped: " in stdout and "empty_image 1, missing_columns 1" in stdout  # bad lines, counted by reason
+
+    meta = None
+    for name, lines in shards.items():
+        source = os.path.join(os.path.dirname(corpus), inputs[int(name[len("latents-"):-3])])
+        usable = []
+        for number, line in enumerate(iter_lines(source), 1):
+            try:
+                usable.append((number, *parse_record(line)))
+            except Exception:  # noqa: BLE001 - the bad lines of the corpus
+                continue
+        assert [parse_latent_record(line)[0] for line in lines] == [caption for _, caption, _ in usable]
+        meta = parse_latent_record(lines[0])[1][1]
+        assert meta.shape == (2, 8, RESOLUTION // 4, RESOLUTION // 4) and meta.dtype == "float16"
+        # the first record's two copies are the autoencoder's moments of its crop and of the mirrored crop
+        number, _, image = usable[0]
+        crop = ImageTransform(RESOLUTION)(image, sample_rng(0, 0, source, number))
+        expected = encode_moments(load_autoencoder(vae, False), crop.transpose(2, 0, 1)[None], flips=True)[0]
+        data, _ = parse_latent_record(lines[0])[1]
+        got = from_bytes(data, "float16", list(meta.shape))
+        np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
+        assert not np.allclose(got[0], got[1], atol=1e-2)  # the mirror image is another crop
+    assert meta.vae == latents.fingerprint(autoencoder_identity(load_autoencoder(vae, False)))
+
+    stats = run_python(["-m", "ldm.data", "stats", "--file_list", listing, "--json"])
+    assert stats.returncode == 0, stats.stderr[-2000:]
+    assert '"kind": "latents"' in stats.stdout and '"ok": 40' in stats.stdout and '"bad": {}' in stats.stdout
+
+
+def test_an_interrupted_encode_goes_on_to_the_same_output(corpus, vae, encoded, tmp_path):
+    out = tmp_path / "latents"
+    args = encode_args(corpus, vae, out, "--random_flip")
+    code, log = run_until_encode(args, "1/6", signal.SIGKILL)
+    assert code == -signal.SIGKILL, log[-3000:]
+    before = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out) if n.startswith("latents-") and n.endswith(".gz")}
+    assert 1 <= len(before) < 6
+
+    refused = run_python(encode_args(corpus, vae, out, "--random_flip", "--dtype", "float32"))
+    assert refused.returncode == 2 and "other settings (dtype: 'float16' there, 'float32' now)" in refused.stderr
+
+    resumed = run_python(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(before)} done already" in resumed.stderr
+    assert {n: os.stat(out / n).st_mtime_ns for n in before} == before  # finished shards are not encoded again
+    expected = records_of(encoded[0])
+    got = records_of(str(out / "latents.filelist.list"))
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name] == expected[name], name  # line for line: no record lost, none written twice
+    assert not [n for n in os.listdir(out) if n.endswith(".partial")]
+
+
+def run_until_encode(args, pattern, signum):
+    """`python -m ldm.data encode ...` signalled once `pattern` is in its output."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "log")
+        child = start_python(args, None, log, log, new_session=True)
+        deadline = time.monotonic() + 120
+        while child.exitcode is None and time.monotonic() < deadline:
+            if pattern in read_text(log):
+                os.killpg(child.pid, signum)
+                break
+            time.sleep(0.02)
+        child.join(60)
+        if child.exitcode is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.join()
+        return child.exitcode, read_text(log)
+
+
+def read_text(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_an_unreadable_shard_is_named_and_retried_by_the_next_run(corpus, vae, tmp_path):
+    folder = tmp_path / "corpus"
+    shutil.copytree(os.path.dirname(corpus), folder)
+    hidden = folder / "train-00002.gz"
+    hidden.rename(folder / "away.gz")
+    out = tmp_path / "latents"
+    first = run_python(encode_args(str(folder / os.path.basename(corpus)), vae, out))
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "1 shard(s) could not be read" in first.stdout and "train-00002.gz" in first.stdout
+    assert "run the same command again" in first.stdout
+    assert listed(out / "latents.filelist") == [f"latents-00000{i}.gz" for i in (0, 1, 3, 4, 5)]
+
+    (folder / "away.gz").rename(hidden)
+    second = run_python(encode_args(str(folder / os.path.basename(corpus)), vae, out))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "5 done already" in second.stderr
+    assert len(listed(out / "latents.filelist")) == 6
+
+
+def test_latent_shards_train_on_the_loop_and_refuse_another_autoencoder(encoded, vae, vocab_dir, tmp_path):
+    listing, _ = encoded
+    common = ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
+              "--model_max_length", "16", "--resolution", str(RESOLUTION), "--train_batch_size", "4",
+              "--max_train_steps", "3", "--logging_steps", "1", "--num_workers", "2"]
+    script = "train_txt2img_laion400m_no_trainer.py"
+    ok = run_entry(script, common + ["--vae_name_or_path", vae, "--random_flip", "--output_dir", str(tmp_path / "a")])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "holds latent shards" in ok.stderr and "data_ok 12" in ok.stderr
+    assert os.path.isdir(tmp_path / "a" / "pipeline")
+
+    other = save_autoencoder(tmp_path / "other_vae", seed=2)
+    refused = run_entry(script, common + ["--vae_name_or_path", other, "--output_dir", str(tmp_path / "b")])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: {listing} holds latents of autoencoder")
+    assert not os.path.exists(tmp_path / "b")
+
+    autoencoder = run_entry("train_autoencoder.py", ["--model_name_or_path", "ldm-tiny", "--file_list",
+                                                     listing, "--resolution", str(RESOLUTION), "--output_dir",
+                                                     str(tmp_path / "c"), "--max_train_steps", "1"])
+    assert autoencoder.returncode == 2, autoencoder.stderr[-3000:]
+    assert "needs image shards" in autoencoder.stderr and not os.path.exists(tmp_path / "c")
+
+
+def test_a_file_list_mixing_two_encodings_stops_the_run_with_one_line(encoded, corpus, vae, vocab_dir, tmp_path):
+    other = save_autoencoder(tmp_path / "other_vae", seed=2)
+    out = tmp_path / "other"
+    assert run_python(encode_args(corpus, other, out)).returncode == 0
+    mixed = tmp_path / "mixed.filelist"
+    first = os.path.dirname(encoded[0])
+    mixed.write_text(f"{first}/latents-000000.gz\n{out}/latents-000001.gz\n")
+    listing = tmp_path / "mixed.filelist.list"
+    listing.write_text(f"{mixed}\n")
+    run = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--pretrained_model_name_or_path", "ldm-tiny", "--vae_name_or_path", vae, "--file_list", str(listing),
+        "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", str(RESOLUTION),
+        "--train_batch_size", "4", "--max_train_steps", "20", "--shuffle_buffer", "16", "--output_dir",
+        str(tmp_path / "run")])
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "mixes latent shards of two encodings" in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.distributed
+def test_two_ranks_encode_every_record_exactly_once(corpus, vae, encoded, tmp_path):
+    out = tmp_path / "latents"
+    result = run_entry("encode_latents.py", encode_args(corpus, vae, out, "--random_flip")[len(ENCODE):], launch=True,
+                       cwd=tmp_path)
+    assert result.returncode == 0, launch_report(result, tmp_path)
+    expected = records_of(encoded[0])
+    got = records_of(str(out / "latents.filelist.list"))
+    assert got == expected  # the same output shards, line for line, as one process wrote
+    assert {f for f in os.listdir(out / ".encode") if f.startswith("done-")} == {"done-rank0.jsonl",
+                                                                                  "done-rank1.jsonl"}
