@@ -9,11 +9,16 @@ loss window, gradient sync, clipping, the stop vote, logging, the progress bar. 
 `--updates` steps of each after as many warm-up steps, interleaved; the loop's time is its logged
 samples/s over the second logging window (the first holds the start-up). The last line is the loop's
 speed as a fraction of the bare step's.
+
+`--against latents` compares instead the loop on image shards (the baseline) with the loop on the same
+corpus encoded once into latent shards (`python -m ldm.data encode`, with the preset's autoencoder), and
+prints as its last line how many times faster an update on latents is.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -61,6 +66,9 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num_workers", type=int, default=0, help="the loop's loader workers")
+    parser.add_argument("--against", choices=("bare", "latents"), default="bare",
+                        help="bare: the loop against a bare step; latents: the loop on latents against on images")
     args = parser.parse_args()
 
     folder = tempfile.mkdtemp(prefix="bench_train_")
@@ -72,22 +80,56 @@ def main() -> None:
     sampling = SamplingArguments()
     setup.quiet_libraries()
 
+    def loop_update_seconds(run_data: DataArguments, name: str) -> float:
+        out = os.path.join(folder, name)
+        loop_args = LoopArguments(output_dir=out, train_batch_size=args.batch, max_train_steps=2 * args.updates,
+                                  logging_steps=args.updates, save_steps=10 * args.updates, learning_rate=1e-4,
+                                  adam_weight_decay=0.01, num_workers=args.num_workers, seed=0,
+                                  report_to=["visualdl"])
+        run(loop_args, run_data, lambda dist: TextToImage(model_args, run_data, sampling, recompute=False, seed=0))
+        steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/global_samples_per_second")
+        return args.batch / rates[steps.index(2 * args.updates)]
+
+    if args.against == "latents":
+        # one autoencoder with saved weights for the encode and both runs (an untrained preset's is drawn anew)
+        vae = os.path.join(folder, "vae")
+        TextToImage(model_args, data, sampling, recompute=False, seed=0).components.vae.save_pretrained(vae)
+        model_args = dataclasses.replace(model_args, vae_name_or_path=vae)
+        latent_data = dataclasses.replace(data, file_list=encode(listing, vae, args.resolution, folder))
+        images, latents = [], []
+        for round_index in range(args.rounds):
+            images.append(loop_update_seconds(data, f"images{round_index}"))
+            latents.append(loop_update_seconds(latent_data, f"latents{round_index}"))
+            print(f"round {round_index + 1}: update on images {images[-1] * 1e3:.1f} ms, on latents "
+                  f"{latents[-1] * 1e3:.1f} ms")
+        images_ms, latents_ms = statistics.median(images) * 1e3, statistics.median(latents) * 1e3
+        print(f"loop update on images {images_ms:.1f} ms, on latents {latents_ms:.1f} ms (medians of {args.rounds} "
+              f"rounds, {args.preset}, batch {args.batch}, {args.resolution} px)")
+        print(f"speed-up of an update on latents: {images_ms / latents_ms:.2f}")
+        return
+
     bare, loop = [], []
     for round_index in range(args.rounds):
         objective = TextToImage(model_args, data, sampling, recompute=False, seed=0)
         bare.append(bare_step_seconds(objective, args.batch, args.resolution, args.updates, 1e-4))
-        out = os.path.join(folder, f"run{round_index}")
-        loop_args = LoopArguments(output_dir=out, train_batch_size=args.batch, max_train_steps=2 * args.updates,
-                                  logging_steps=args.updates, save_steps=10 * args.updates, learning_rate=1e-4,
-                                  adam_weight_decay=0.01, num_workers=0, seed=0, report_to=["visualdl"])
-        run(loop_args, data, lambda dist: TextToImage(model_args, data, sampling, recompute=False, seed=0))
-        steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/global_samples_per_second")
-        loop.append(args.batch / rates[steps.index(2 * args.updates)])
+        loop.append(loop_update_seconds(data, f"run{round_index}"))
         print(f"round {round_index + 1}: bare step {bare[-1] * 1e3:.1f} ms, loop update {loop[-1] * 1e3:.1f} ms")
     bare_ms, loop_ms = statistics.median(bare) * 1e3, statistics.median(loop) * 1e3
     print(f"bare step {bare_ms:.1f} ms, loop update {loop_ms:.1f} ms (medians of {args.rounds} rounds, "
           f"{args.preset}, batch {args.batch})")
     print(f"loop speed as a fraction of the bare step: {bare_ms / loop_ms:.3f}")
+
+
+def encode(listing: str, vae: str, resolution: int, folder: str) -> str:
+    """The corpus encoded by the autoencoder `vae` (`python -m ldm.data encode`); returns its file list."""
+    from ldm.data.tools import main as data_tool
+
+    out = os.path.join(folder, "latents")
+    code = data_tool(["encode", "--file_list", listing, "--vae_name_or_path", vae, "--output_dir", out,
+                      "--resolution", str(resolution), "--center_crop", "--num_workers", "0"])
+    if code:
+        raise SystemExit(f"encode failed ({code})")
+    return os.path.join(out, "latents.filelist.list")
 
 
 if __name__ == "__main__":

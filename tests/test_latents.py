@@ -228,6 +228,17 @@ def test_latent_shards_train_on_the_loop_and_refuse_another_autoencoder(encoded,
     assert "needs image shards" in autoencoder.stderr and not os.path.exists(tmp_path / "c")
 
 
+def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_path):
+    result = run_entry("train_txt2img_laion400m_trainer.py", [
+        "--do_train", "--model_name_or_path", "ldm-tiny", "--vae_name_or_path", vae, "--file_list", encoded[0],
+        "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", str(RESOLUTION),
+        "--per_device_train_batch_size", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2",
+        "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds latent shards" in result.stderr and "data_ok: 8" in result.stderr
+    assert os.path.isdir(tmp_path / "run" / "pipeline")
+
+
 def test_a_file_list_mixing_two_encodings_stops_the_run_with_one_line(encoded, corpus, vae, vocab_dir, tmp_path):
     other = save_autoencoder(tmp_path / "other_vae", seed=2)
     out = tmp_path / "other"
