@@ -19,6 +19,9 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
+VAE_DTYPES = ("float32", "float16", "bfloat16")
+
+
 class ArgumentError(ValueError):
     """A flag has a value the run cannot use."""
 
@@ -54,6 +57,8 @@ class ModelArguments:
     attention: str = arg("default", "UNet attention: default (ppdiffusers') or sdpa (Paddle's fused "
                                     "scaled_dot_product_attention: FlashAttention on a GPU in fp16/bf16)")
     ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
+    vae_dtype: str = arg("float32", "precision of the frozen autoencoder's encode: float32, or float16/bfloat16 under "
+                                    "autocast on a GPU (its weights stay float32; float32 where unsupported)")
 
     def __post_init__(self):
         _check(self.prediction_type in (None, "epsilon", "v_prediction"),
@@ -62,6 +67,8 @@ class ModelArguments:
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
         _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")
         _check(self.attention in ("default", "sdpa"), f"--attention must be default or sdpa, not {self.attention!r}")
+        _check(self.vae_dtype in VAE_DTYPES,
+               f"--vae_dtype must be one of {', '.join(VAE_DTYPES)}, not {self.vae_dtype!r}")
 
 
 @dataclass

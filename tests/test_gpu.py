@@ -57,3 +57,22 @@ def test_trainer_path_fp16_exports_a_pipeline(corpus, tmp_path):
         "--output_dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.isdir(out / "pipeline")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_encoder_in_half_precision_stays_close_to_float32(dtype):
+    if dtype == "bfloat16" and not paddle.amp.is_bfloat16_supported():
+        pytest.skip("this card has no bf16")
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.data.encode import encode_moments
+    from ldm.models.build import read_config, vae_folder
+
+    paddle.seed(0)
+    vae = AutoencoderKL.from_config(read_config(vae_folder("ldm-tiny")))
+    vae.eval()
+    pixels = np.random.default_rng(0).integers(0, 256, (4, 3, 32, 32), dtype=np.uint8)
+    full = encode_moments(vae, pixels, flips=True)
+    half = encode_moments(vae, pixels, flips=True, dtype=dtype)
+    assert half.dtype == np.float32 and not np.array_equal(half, full)  # it really ran in half precision
+    np.testing.assert_allclose(half, full, rtol=5e-2, atol=5e-2)

@@ -40,7 +40,7 @@ from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import ShardError, ShardTruncated, iter_lines
 from ldm.data.watchdog import error_batch, in_worker_process, raise_if_error
 from ldm.distributed import Distributed
-from ldm.models.autoencoder import autoencoder_identity, unit_range
+from ldm.models.autoencoder import autoencoder_identity, encode_autocast, unit_range
 
 logger = logging.getLogger("ldm.data")
 
@@ -119,12 +119,15 @@ class ShardBatches(IterableDataset):
 
 
 @paddle.no_grad()
-def encode_moments(vae, pixels, flips: bool) -> np.ndarray:
-    """uint8 [B, 3, R, R] -> float32 posterior moments [B, copies, 2C, h, w] (copy 1: the mirror image)."""
+def encode_moments(vae, pixels, flips: bool, dtype: str = "float32") -> np.ndarray:
+    """uint8 [B, 3, R, R] -> float32 posterior moments [B, copies, 2C, h, w] (copy 1: the mirror image); the
+    encoder runs in `dtype` (`encode_autocast`)."""
     x = unit_range(paddle.to_tensor(pixels))
     if flips:
         x = paddle.concat([x, x.flip([3])])
-    moments = vae.encode(x).latent_dist.parameters.astype("float32").numpy()
+    with encode_autocast(dtype):
+        moments = vae.encode(x).latent_dist.parameters
+    moments = moments.astype("float32").numpy()
     n = len(pixels)
     return np.stack([moments[:n], moments[n:]], 1) if flips else moments[:, None]
 
@@ -173,7 +176,7 @@ def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
     return {"file_list": args.file_list, "input_shards": len(shards), "input_shards_sha256": listed,
             "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
-            "min_image_size": args.min_image_size, "seed": args.seed}
+            "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype}
 
 
 def claim(output_dir: str, settings: dict) -> int:
@@ -252,6 +255,9 @@ def encode_corpus(args) -> int:
     if dist.from_main(lambda: probe([s.path for s in shards])) is not None:
         raise EncodeError(f"{args.file_list} holds latent shards already")
     vae = load_autoencoder(args.vae_name_or_path, args.allow_untrained_vae)
+    from ldm.train.setup import resolve_vae_dtype
+
+    args.vae_dtype = resolve_vae_dtype(args.vae_dtype)
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
     meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
                       args.resolution)
@@ -276,7 +282,7 @@ def encode_corpus(args) -> int:
             index = int(np.asarray(batch["shard"])[0])
             records = json.loads(batch["records"])
             if records:
-                moments = encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip)
+                moments = encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip, args.vae_dtype)
                 writers.write(index, [latent_line(caption, key, m, meta)
                                       for (caption, key), m in zip(records, moments, strict=True)])
             if "done" in batch:

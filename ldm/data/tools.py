@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also encode each crop's mirror image, so that training can flip at random")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                    help="stored precision of the posterior moments")
+    p.add_argument("--vae_dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="precision the encoder runs in (float16/bfloat16: autocast on a GPU; float32 where "
+                        "unsupported)")
     p.add_argument("--min_image_size", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--num_workers", type=int, default=2, help="decoding processes per rank")

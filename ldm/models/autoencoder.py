@@ -50,6 +50,14 @@ def reconstruct(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
     return to_uint8(vae.decode(vae.encode(unit_range(pixel_values)).latent_dist.mode()).sample)
 
 
+def encode_autocast(dtype: str):
+    """Where the frozen encoder runs: float32 (also under a training run's AMP), or float16/bfloat16 under
+    autocast; its weights stay float32 either way, so its identity and its export do not change."""
+    if dtype == "float32":
+        return paddle.amp.auto_cast(enable=False)
+    return paddle.amp.auto_cast(enable=True, dtype=dtype, level="O1")
+
+
 def unit_range(pixels: paddle.Tensor) -> paddle.Tensor:
     """Batch pixels as float32 in [-1, 1] on the device: uint8 batches (as the loader sends them) are
     scaled here; float ones are taken as already scaled."""

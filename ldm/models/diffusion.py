@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
-from ldm.models.autoencoder import unit_range
+from ldm.models.autoencoder import encode_autocast, unit_range
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -34,6 +34,7 @@ class LatentDiffusion(nn.Layer):
         snr_gamma: float | None = None,
         freeze_text_encoder: bool = False,
         recompute: bool = False,
+        vae_dtype: str = "float32",
     ):
         super().__init__()
         prediction_type = noise_scheduler.config.prediction_type
@@ -44,6 +45,7 @@ class LatentDiffusion(nn.Layer):
         self.prediction_type = prediction_type
         self.noise_offset, self.snr_gamma = float(noise_offset), snr_gamma
         self.freeze_text_encoder = freeze_text_encoder
+        self.vae_dtype = vae_dtype
         self.scaling_factor = float(vae.config.scaling_factor)
         freeze(vae)
         # LDMBert's `to_logits` head is never used to encode captions: keep it out of the optimizer
@@ -67,10 +69,12 @@ class LatentDiffusion(nn.Layer):
 
     @paddle.no_grad()
     def encode_latents(self, pixel_values: paddle.Tensor) -> paddle.Tensor:
-        """Frozen VAE in fp32 (even under AMP): latents scaled by the VAE config's factor."""
-        with paddle.amp.auto_cast(enable=False):
+        """Frozen VAE in `vae_dtype` (float32 by default, even under AMP): float32 latents scaled by the VAE
+        config's factor."""
+        with encode_autocast(self.vae_dtype):
             posterior = self.vae.encode(unit_range(pixel_values)).latent_dist
-            return posterior.sample() * self.scaling_factor
+            latents = posterior.sample()
+        return latents.astype("float32") * self.scaling_factor
 
     def encode_text(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         if self.freeze_text_encoder:

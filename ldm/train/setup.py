@@ -28,14 +28,21 @@ def setup_logging(dist: Distributed) -> None:
     quiet_libraries()
 
 
-def resolve_precision(requested: str) -> str:
+def resolve_precision(requested: str, what: str = "training") -> str:
     """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
     supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
     if requested in supported and not supported[requested]():
-        logger.warning("%s mixed precision is not supported on this device (%s): training in fp32",
-                       requested, paddle.device.get_device())
+        logger.warning("%s mixed precision is not supported on this device (%s): %s in fp32",
+                       requested, paddle.device.get_device(), what)
         return "no"
     return requested
+
+
+def resolve_vae_dtype(requested: str) -> str:
+    """`--vae_dtype` where this device supports it, else float32 with a message."""
+    short = {"float16": "fp16", "bfloat16": "bf16"}
+    resolved = resolve_precision(short.get(requested, "no"), "encoding with the autoencoder")
+    return {v: k for k, v in short.items()}.get(resolved, "float32")
 
 
 def build_tokenizer(data: DataArguments):
@@ -63,6 +70,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
             freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
+            vae_dtype=resolve_vae_dtype(model_args.vae_dtype),
         )
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
