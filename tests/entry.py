@@ -15,6 +15,15 @@ PRELOAD = ["paddle", "paddle.distributed", "paddlenlp.trainer", "ppdiffusers", "
            "ldm.train.loop", "ldm.train.trainer", "ldm.train.autoencoder", "ldm.data.tools"]
 _forkserver = None
 
+# `python -c FILE_SIZE_LIMIT BYTES SCRIPT ARGS...`: SCRIPT run with no file allowed past BYTES, a real failed write
+FILE_SIZE_LIMIT = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 
 def _run_in_child(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str, new_session: bool) -> None:
     """In the forked child: become `python ARGV` run in `cwd` with `env` and its output in files."""

@@ -7,8 +7,9 @@ import signal
 import numpy as np
 import paddle
 import pytest
+from conftest import ROOT
 from corpus import write_corpus
-from entry import launch_report, run_entry, run_python, start_python
+from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python
 
 from ldm.data import latents
 from ldm.data.encode import encode_moments, load_autoencoder
@@ -133,7 +134,7 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
 
     stats = run_python(["-m", "ldm.data", "stats", "--file_list", listing, "--json"])
     assert stats.returncode == 0, stats.stderr[-2000:]
-    assert '"kind": "latents"' in stats.stdout and '"ok": 40' in stats.stdout and '"bad": {}' in stats.stdout
+    assert '"kinds": {"latents": 40}' in stats.stdout and '"ok": 40' in stats.stdout and '"bad": {}' in stats.stdout
 
 
 def test_an_interrupted_encode_goes_on_to_the_same_output(corpus, vae, encoded, tmp_path):
@@ -208,6 +209,18 @@ def test_an_unreadable_shard_is_named_and_retried_by_the_next_run(corpus, vae, t
     assert len(listed(out / "latents.filelist")) == 6
 
 
+def test_an_encode_that_finds_no_space_ends_with_one_line_and_the_retry_finishes(corpus, vae, encoded, tmp_path):
+    out = tmp_path / "latents"
+    args = encode_args(corpus, vae, out, "--random_flip")[len(ENCODE):]
+    full = run_python(["-c", FILE_SIZE_LIMIT, str(4 << 10), ROOT / "encode_latents.py", *args])
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1].startswith(f"error: no space left to write in {out}")
+    assert not [n for n in os.listdir(out) if n.endswith(".partial")]
+    retry = run_python([*ENCODE, *args])
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert records_of(str(out / "latents.filelist.list")) == records_of(encoded[0])
+
+
 def test_latent_shards_train_on_the_loop_and_refuse_another_autoencoder(encoded, vae, vocab_dir, tmp_path):
     listing, _ = encoded
     common = ["--pretrained_model_name_or_path", "ldm-tiny", "--file_list", listing, "--tokenizer_name", vocab_dir,
@@ -216,13 +229,14 @@ def test_latent_shards_train_on_the_loop_and_refuse_another_autoencoder(encoded,
     script = "train_txt2img_laion400m_no_trainer.py"
     ok = run_entry(script, common + ["--vae_name_or_path", vae, "--random_flip", "--output_dir", str(tmp_path / "a")])
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "holds latent shards" in ok.stderr and "data_ok 12" in ok.stderr
+    assert "training on precomputed latents" in ok.stderr and "data_ok 12" in ok.stderr
     assert os.path.isdir(tmp_path / "a" / "pipeline")
 
     other = save_autoencoder(tmp_path / "other_vae", seed=2)
     refused = run_entry(script, common + ["--vae_name_or_path", other, "--output_dir", str(tmp_path / "b")])
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: {listing} holds latents of autoencoder")
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "latents-0000" in last and "latents of autoencoder" in last, last
     assert not os.path.exists(tmp_path / "b")
 
     autoencoder = run_entry("train_autoencoder.py", ["--model_name_or_path", "ldm-tiny", "--file_list",
@@ -239,11 +253,11 @@ def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_pa
         "--per_device_train_batch_size", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2",
         "--output_dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "holds latent shards" in result.stderr and "data_ok: 8" in result.stderr
+    assert "training on precomputed latents" in result.stderr and "data_ok: 8" in result.stderr
     assert os.path.isdir(tmp_path / "run" / "pipeline")
 
 
-def test_a_file_list_mixing_two_encodings_stops_the_run_with_one_line(encoded, corpus, vae, vocab_dir, tmp_path):
+def test_a_file_list_mixing_two_autoencoders_stops_the_run_with_one_line(encoded, corpus, vae, vocab_dir, tmp_path):
     other = save_autoencoder(tmp_path / "other_vae", seed=2)
     out = tmp_path / "other"
     assert run_python(encode_args(corpus, other, out)).returncode == 0
@@ -258,7 +272,8 @@ def test_a_file_list_mixing_two_encodings_stops_the_run_with_one_line(encoded, c
         "--train_batch_size", "4", "--max_train_steps", "20", "--shuffle_buffer", "16", "--output_dir",
         str(tmp_path / "run")])
     assert run.returncode == 2, run.stderr[-3000:]
-    assert "mixes latent shards of two encodings" in run.stderr.strip().splitlines()[-1]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out}/latents-000001.gz:") and "latents of autoencoder" in last, last
 
 
 @pytest.mark.distributed

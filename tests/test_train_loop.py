@@ -10,11 +10,12 @@ import paddle
 import pytest
 from conftest import ROOT
 from corpus import write_corpus
-from entry import launch_report, run_entry, run_until, subprocess_result, weights
+from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_until, subprocess_result, weights
 
 from ldm.checkpoint import read_training_state
 from ldm.run_folder import checkpoint_problem, latest_checkpoint
 from ldm.tracking import read_scalars
+from ldm.train.loop import Objective
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +321,7 @@ def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpu
     assert waited < 30, f"the launcher took {waited:.0f} s to end the run"
 
 
-class PixelRegression:
+class PixelRegression(Objective):
     """A deterministic objective (no noise, no dropout): a small conv net predicts each image's mean colour.
     The loss is a per-image mean, so a batch of 8 and two micro-batches of 4 of the same images must give the
     same update, through the loop's loss scaling, accumulation, clipping, LR schedule and AdamW. (AdamW and a
@@ -426,15 +427,6 @@ def test_trackers_tensorboard_and_wandb_offline_or_none(corpus, tmp_path, monkey
     assert result.returncode == 0, result.stderr[-3000:]
     assert not {"visualdl", "tensorboard", "wandb"} & set(os.listdir(quiet))
     assert os.listdir(quiet / "images" / "validation" / "guidance_7.5") == ["00000002.png"]  # asked for by a flag
-
-
-FILE_SIZE_LIMIT = """
-import resource, runpy, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(corpus, tmp_path):

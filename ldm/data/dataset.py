@@ -21,7 +21,7 @@ from paddle.io import DataLoader, IterableDataset, get_worker_info
 
 from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
-from ldm.data.latents import LatentTransform
+from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.record import ImageTransform, sample_rng
 from ldm.data.shard import ShardError, iter_lines
 from ldm.data.stream import Record, SlotStream
@@ -87,7 +87,8 @@ class CaptionImageStream(IterableDataset):
         shards: list[Shard],
         *,
         tokenize,
-        transform: ImageTransform | LatentTransform,
+        transform: ImageTransform,
+        latents: LatentTransform | None = None,
         batch_size: int,
         caption_dropout_prob: float = 0.1,
         seed: int = 0,
@@ -98,7 +99,7 @@ class CaptionImageStream(IterableDataset):
         state: dict[str, Any] | None = None,
     ):
         super().__init__()
-        self.shards, self.tokenize, self.transform = shards, tokenize, transform
+        self.shards, self.tokenize, self.transform, self.latents = shards, tokenize, transform, latents
         self.batch_size, self.caption_dropout_prob, self.seed = batch_size, caption_dropout_prob, seed
         self.rank, self.world_size = rank, world_size
         self.workers = max(1, num_workers)
@@ -130,11 +131,22 @@ class CaptionImageStream(IterableDataset):
             )
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        caption, payload = self.transform.parse(record.line)
+        """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content."""
+        transform = self.transform
+        if is_latent_line(record.line):
+            if self.latents is None:
+                raise LatentMismatch(f"{record.shard}:{record.line_number} is a latent record; this run trains on "
+                                     "images (train_autoencoder.py needs image shards)")
+            transform = self.latents
+        caption, payload = transform.parse(record.line)
         rng = sample_rng(self.seed, record.pass_index, record.shard, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""
-        return self.transform(payload, rng), self.tokenize(caption) if self.tokenize else None
+        try:
+            sample = transform(payload, rng)
+        except LatentMismatch as e:
+            raise LatentMismatch(f"{record.shard}:{record.line_number}: {e}") from None
+        return sample, self.tokenize(caption) if self.tokenize else None
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
@@ -162,12 +174,18 @@ class CaptionImageStream(IterableDataset):
         where = f"slot {stream.slot} of {stream.num_slots}"
         stream.on_open = lambda path: self.board.post(worker, f"{where}: opening {path}")
         images, ids = [], []
+        latents = None  # the slot's kind, from its first sample: one batch holds one kind
         for image, input_ids in stream.samples(self.make_sample):
+            if latents is None:
+                latents = image.dtype != np.uint8
+            elif latents != (image.dtype != np.uint8):
+                raise LatentMismatch(f"the file list mixes image shards and latent shards ({stream.reading()}); "
+                                     "train on one kind")
             images.append(image)
             ids.append(input_ids)
             if len(images) == self.batch_size:
                 batch = {"stream_state": json.dumps(stream.state_dict())}
-                if isinstance(self.transform, LatentTransform):
+                if latents:
                     batch["latent_moments"] = np.stack(images)
                 else:
                     batch["pixel_values"] = to_uint8_batch(images)

@@ -19,6 +19,7 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -33,6 +34,7 @@ from paddle.io import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
 from ldm.compat import READER_POLL_SECONDS, stop_loader
+from ldm.data import remote
 from ldm.data.dataset import to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
@@ -41,6 +43,7 @@ from ldm.data.shard import ShardError, ShardTruncated, iter_lines
 from ldm.data.watchdog import error_batch, in_worker_process, raise_if_error
 from ldm.distributed import Distributed
 from ldm.models.autoencoder import autoencoder_identity, encode_autocast, unit_range
+from ldm.run_folder import NO_SPACE
 
 logger = logging.getLogger("ldm.data")
 
@@ -170,6 +173,15 @@ class ShardWriters:
             f.close()
         self.open = {}
 
+    def discard(self) -> None:
+        """Drop the shards in progress (after a failed write: their files may be cut anywhere)."""
+        for index, f in self.open.items():
+            with contextlib.suppress(OSError):
+                f.close()
+            with contextlib.suppress(OSError):
+                os.remove(self.partial(index))
+        self.open = {}
+
 
 def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
     listed = hashlib.sha256("\n".join(f"{s.path} {s.weight}" for s in shards).encode()).hexdigest()
@@ -249,6 +261,9 @@ def load_autoencoder(name_or_path: str, allow_untrained: bool):
 
 def encode_corpus(args) -> int:
     """Encode `args.file_list` into `args.output_dir`; returns the exit status (1: some shards unreadable)."""
+    if remote.is_url(args.output_dir):
+        raise EncodeError(f"--output_dir must be a local or mounted folder, not {args.output_dir}: encode there, "
+                          "then copy the folder to the store (its file lists are relative)")
     dist = Distributed.init()
     shards = read_file_list(args.file_list)
     dist.from_main(lambda: check_shards(shards, args.file_list))
@@ -289,6 +304,12 @@ def encode_corpus(args) -> int:
                 done = json.loads(batch["done"])
                 writers.finish(index, done["counts"], done["unreadable"])
                 progress.update(1)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        writers.discard()
+        raise EncodeError(f"no space left to write in {args.output_dir} ({e.strerror}); the shards finished are kept: "
+                          "free space, then run the same command again") from None
     finally:
         stop_loader(iterator)
         writers.close()

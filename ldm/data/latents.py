@@ -131,20 +131,35 @@ class LatentTransform:
     """The latent counterpart of `ImageTransform`: a record's moments, its mirror image at random when
     `random_flip` asks for it (drawn from the record's generator, as the image path draws its flip).
 
-    `expected` is the corpus's meta, checked at the start (`check_corpus`); a record of another
-    autoencoder, dtype or shape raises `LatentMismatch`, which ends the run: such a corpus is a mix-up,
-    and silently skipping it could drop most of the data."""
+    Each record is checked against the run: encoded by its autoencoder (`vae`, a fingerprint; None
+    checks nothing, for the data tools), at its `resolution`, with a mirror image when it flips. A
+    record that fails raises `LatentMismatch`, which ends the run (at its start when the first batch
+    holds it): such a corpus is a mix-up, and skipping its records could silently drop most of the data."""
 
-    expected: LatentMeta
+    vae: str | None = None
+    vae_source: str = ""
+    resolution: int | None = None
     random_flip: bool = False
 
     parse = staticmethod(parse_latent_record)
 
+    def check(self, meta: LatentMeta) -> None:
+        if self.vae is not None and meta.vae != self.vae:
+            raise LatentMismatch(
+                f"latents of autoencoder {meta.vae}, but this run's autoencoder ({self.vae_source}) is {self.vae}: "
+                "the diffusion model must learn the latents of the autoencoder it is exported with. Encode the "
+                "corpus with this run's autoencoder (python -m ldm.data encode --vae_name_or_path ...) or pass "
+                "the one it was encoded with")
+        if self.resolution is not None and meta.resolution != self.resolution:
+            raise LatentMismatch(f"latents of {meta.resolution}px crops; this run asks for --resolution "
+                                 f"{self.resolution}")
+        if self.random_flip and meta.copies < 2:
+            raise LatentMismatch("latents without mirror images (encoded without --random_flip); this run asks for "
+                                 "--random_flip: encode with --random_flip or train without it")
+
     def __call__(self, payload: tuple[bytes, LatentMeta], rng: random.Random) -> np.ndarray:
         data, meta = payload
-        if meta != self.expected:
-            raise LatentMismatch(f"a latent record ({meta.describe()}) differs from the corpus's first one "
-                                 f"({self.expected.describe()}): the file list mixes latent shards of two encodings")
+        self.check(meta)
         try:
             moments = from_bytes(data, meta.dtype, list(meta.shape))
         except ValueError as e:
@@ -154,7 +169,8 @@ class LatentTransform:
 
 
 def probe(paths: list[str]) -> LatentMeta | None:
-    """The meta of the first record of the first readable shard among the first few, or None for images."""
+    """The meta of the first record of the first readable shard among the first few, or None for images (the data
+    tools' guess of a corpus's kind; training tells each record's kind from its content)."""
     from ldm.data.shard import ShardError, iter_lines
 
     for path in paths[:PROBED_SHARDS]:
@@ -171,23 +187,3 @@ def probe(paths: list[str]) -> LatentMeta | None:
         except SkipRecord as e:
             raise LatentMismatch(f"{path}: the first latent record is unusable: {e.reason} {e.detail}") from None
     return None
-
-
-def check_corpus(meta: LatentMeta, file_list: str, *, vae: str | None, vae_source: str, resolution: int,
-                 random_flip: bool) -> None:
-    """Refuse latent shards this run cannot use, before anything is written."""
-    if vae is None:
-        raise LatentMismatch(f"{file_list} holds latent shards; this run trains on images (train_autoencoder.py "
-                             "needs image shards)")
-    if meta.vae != vae:
-        raise LatentMismatch(
-            f"{file_list} holds latents of autoencoder {meta.vae}, but this run's autoencoder ({vae_source}) is "
-            f"{vae}: the diffusion model must learn the latents of the autoencoder it is exported with. Encode the "
-            "corpus with this run's autoencoder (python -m ldm.data encode --vae_name_or_path ...) or pass the one "
-            "it was encoded with")
-    if meta.resolution != resolution:
-        raise LatentMismatch(f"{file_list} holds latents of {meta.resolution}px crops; this run asks for "
-                             f"--resolution {resolution}")
-    if random_flip and meta.copies < 2:
-        raise LatentMismatch(f"{file_list} holds no mirror images (encoded without --random_flip); this run asks "
-                             "for --random_flip: encode with --random_flip or train without it")

@@ -28,17 +28,13 @@ class UserError(Exception):
 
 
 # -- stats ---------------------------------------------------------------------------------------
-def corpus_transform(shards, resolution: int, **image_args):
-    """What training would make of the records: `ImageTransform`, or `LatentTransform` for latent shards."""
-    from ldm.data.latents import LatentTransform, probe
-
-    meta = probe([s.path for s in shards])
-    return (LatentTransform(meta) if meta is not None else ImageTransform(resolution, **image_args)), meta
-
-
 def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progress: bool = True) -> dict:
+    from ldm.data.latents import LatentTransform, is_latent_line
+
     shards = read_file_list(file_list)
-    transform, meta = corpus_transform(shards, resolution, center_crop=True, min_image_size=min_image_size)
+    transforms = {False: ImageTransform(resolution, center_crop=True, min_image_size=min_image_size),
+                  True: LatentTransform()}  # each record's kind from its content, as training reads it
+    kinds: Counter = Counter()
     bad: Counter = Counter()
     shard_errors: Counter = Counter()
     missing, records, ok = [], 0, 0
@@ -46,10 +42,12 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
         try:
             for number, line in enumerate(iter_lines(shard.path), 1):
                 records += 1
+                transform = transforms[is_latent_line(line)]
                 try:
                     _, payload = transform.parse(line)
                     transform(payload, sample_rng(0, 0, shard.path, number))
                     ok += 1
+                    kinds["latents" if transform is transforms[True] else "images"] += 1
                 except SkipRecord as e:
                     bad[e.reason] += 1
         except ShardMissing:
@@ -57,8 +55,7 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
         except ShardError as e:
             shard_errors[shard_error_reason(e)] += 1
     return {
-        "kind": "latents" if meta else "images",
-        **({"latents": meta.describe()} if meta else {}),
+        "kinds": dict(sorted(kinds.items())),
         "shards": len(shards),
         "missing_shards": len(missing),
         "records": records,
@@ -74,7 +71,7 @@ def cmd_stats(args) -> None:
     if args.json:
         print(json.dumps(stats))
         return
-    print(f"kind            {stats.get('latents', 'images')}")
+    print(f"kinds           {', '.join(f'{n} {kind}' for kind, n in stats['kinds'].items()) or 'none usable'}")
     print(f"shards          {stats['shards']} ({stats['missing_shards']} missing)")
     print(f"records         {stats['records']}")
     print(f"usable          {stats['ok']}")
@@ -139,12 +136,14 @@ def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) ->
     import numpy as np
 
     from ldm.data.dataset import CaptionImageStream, to_pixel_values
+    from ldm.data.latents import LatentTransform, probe
     from ldm.data.naive import naive_samples
 
     shards = read_file_list(file_list)
-    transform, meta = corpus_transform(shards, resolution)
+    meta = probe([s.path for s in shards])
     # the training sample path itself, without tokenization (the naive reference has none either)
-    dataset = CaptionImageStream(shards, tokenize=str, transform=transform, batch_size=1)
+    dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution),
+                                 latents=LatentTransform(), batch_size=1)
     finish = (lambda sample: np.stack([sample])) if meta else (lambda sample: to_pixel_values([sample]))
 
     def real():

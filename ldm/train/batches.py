@@ -12,9 +12,9 @@ from collections import Counter
 
 from ldm.args import DataArguments
 from ldm.compat import stop_loader
-from ldm.data import latents
 from ldm.data.dataset import CaptionImageStream, StreamState, batch_samples, build_dataloader, rank_stream_state
 from ldm.data.filelist import check_shards, read_file_list
+from ldm.data.latents import LatentTransform
 from ldm.data.record import ImageTransform
 from ldm.data.tokenize import CaptionTokenizer
 from ldm.data.watchdog import StallWatchdog, raise_if_error
@@ -68,6 +68,8 @@ class TimedBatches:
         iterator = self._batches()
         self._iterators.append(iterator)
         self._first = (iterator, next(iterator))
+        if "latent_moments" in self._first[1]:
+            logger.info("training on precomputed latents: the autoencoder is not run while training")
 
     def __iter__(self):
         """Batches until the stream ends; `close()` stops the loader at once."""
@@ -126,26 +128,19 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
-    shards (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
-    (its fingerprint; None: this run trains on images only); batches then carry `latent_moments`.
+    records (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
+    (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`.
     """
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
     dist.from_main(lambda: check_shards(shards, data.file_list))
-    latent_meta = dist.from_main(lambda: latents.probe([s.path for s in shards]))
-    if latent_meta is not None:
-        latents.check_corpus(latent_meta, data.file_list, vae=autoencoder, vae_source=autoencoder_source,
-                             resolution=data.resolution, random_flip=data.random_flip)
-        logger.info("%s holds latent shards (%s): the autoencoder is not run while training", data.file_list,
-                    latent_meta.describe())
-        transform = latents.LatentTransform(latent_meta, random_flip=data.random_flip)
-    else:
-        transform = ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
-                                   min_image_size=data.min_image_size)
     stream = CaptionImageStream(
         shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
-        transform=transform,
+        transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
+                                 min_image_size=data.min_image_size),
+        latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip)
+        if autoencoder is not None else None,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
         seed=seed,

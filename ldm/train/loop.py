@@ -185,7 +185,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     state, data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                        dist=dist, num_workers=loop.num_workers)
-    writer = NullWriter()
+    writer, progress = NullWriter(), None
     try:
         run_dir.create(resume)  # the first write
         objective.start(run_dir)
@@ -291,6 +291,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
             else:
                 objective.finish(last_checkpoint, batches, dist, run_dir)
     finally:
+        if progress is not None:
+            progress.close()  # an error's message then starts on a line of its own
         data_stream.close()  # loader workers and reader thread stop here, not during interpreter exit
         writer.close()
     dist.barrier()
