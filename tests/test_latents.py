@@ -1,5 +1,6 @@
 """Precomputed latents: the encode tool, run as users run it, and training on its output."""
 
+import json
 import os
 import shutil
 import signal
@@ -187,25 +188,58 @@ def read_text(path) -> str:
         return f.read()
 
 
-def test_an_unreadable_shard_is_named_and_retried_by_the_next_run(corpus, vae, tmp_path):
+def test_a_done_log_cut_by_a_crash_loses_no_shard(corpus, vae, encoded, tmp_path):
+    out = tmp_path / "latents"
+    shutil.copytree(os.path.dirname(encoded[0]), out)
+    log = out / ".encode" / "done-rank0.jsonl"
+    log.write_bytes(log.read_bytes()[: log.stat().st_size // 2])  # later entries gone, one cut in the middle
+    again = run_python(encode_args(corpus, vae, out, "--random_flip"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "6 done already" in again.stderr and "encoded 40 records of 6 of 6 shards" in again.stdout
+    assert records_of(str(out / "latents.filelist.list")) == records_of(encoded[0])
+
+
+def test_records_whose_moments_do_not_fit_the_stored_dtype_are_skipped_and_counted(tmp_path):
+    from ldm.data.encode import ShardWriters
+
+    meta = latents.LatentMeta("v", "float16", (1, 2, 1, 1), 8)
+    (tmp_path / ".encode").mkdir()
+    writers = ShardWriters(str(tmp_path), rank=0)
+    moments = np.array([[1.0, 2.0], [np.nan, 0.0], [7e4, 0.0], [-3.0, 0.5]], np.float32).reshape(4, 1, 2, 1, 1)
+    writers.write(0, [[f"c{i}", f"k{i}"] for i in range(4)], moments, meta)
+    writers.finish(0, {"counts": {"ok": 4}, "unreadable": "", "missing": ""}, meta)
+    lines = list(iter_lines(str(tmp_path / "latents-000000.gz")))
+    assert [parse_latent_record(line)[0] for line in lines] == ["c0", "c3"]  # NaN and 7e4 (> float16's max) dropped
+    entry = json.loads(read_text(tmp_path / ".encode" / "done-rank0.jsonl").strip().splitlines()[-1])
+    assert entry == {"shard": 0, "counts": {"ok": 2, "non_finite_latent": 2}}
+
+
+def test_an_unreadable_shard_is_retried_and_a_missing_one_left_out(corpus, vae, tmp_path):
     folder = tmp_path / "corpus"
     shutil.copytree(os.path.dirname(corpus), folder)
-    hidden = folder / "train-00002.gz"
-    hidden.rename(folder / "away.gz")
+    listing = str(folder / os.path.basename(corpus))
+    shard = folder / "train-00002.gz"
+    shard.rename(folder / "away.gz")
+    shard.mkdir()  # there, but it cannot be read (as a store that keeps failing)
     out = tmp_path / "latents"
-    first = run_python(encode_args(str(folder / os.path.basename(corpus)), vae, out, "--vae_dtype", "bfloat16"))
+    first = run_python(encode_args(listing, vae, out, "--vae_dtype", "bfloat16"))
     assert first.returncode == 1, first.stderr[-3000:]
+    assert "error: 1 shard(s) could not be read" in first.stdout and "train-00002.gz" in first.stdout
+    assert "run the same command again" in first.stdout
+    assert listed(out / "latents.filelist") == [f"latents-00000{i}.gz" for i in (0, 1, 3, 4, 5)]
     if not paddle.amp.is_bfloat16_supported():  # a CPU: the encoder falls back to float32, and says so
         assert "bf16 mixed precision is not supported on this device" in first.stderr
         assert "encoding with the autoencoder in fp32" in first.stderr
-    assert "1 shard(s) could not be read" in first.stdout and "train-00002.gz" in first.stdout
-    assert "run the same command again" in first.stdout
-    assert listed(out / "latents.filelist") == [f"latents-00000{i}.gz" for i in (0, 1, 3, 4, 5)]
 
-    (folder / "away.gz").rename(hidden)
-    second = run_python(encode_args(str(folder / os.path.basename(corpus)), vae, out))
+    shard.rmdir()  # gone for good: left out, as training counts and skips a missing shard
+    second = run_python(encode_args(listing, vae, out))
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "5 done already" in second.stderr
+    assert "warning: 1 shard(s) do not exist" in second.stdout and "5 done already" in second.stderr
+    assert len(listed(out / "latents.filelist")) == 5
+
+    (folder / "away.gz").rename(shard)
+    third = run_python(encode_args(listing, vae, out))
+    assert third.returncode == 0 and "warning" not in third.stdout, third.stderr[-3000:]
     assert len(listed(out / "latents.filelist")) == 6
 
 

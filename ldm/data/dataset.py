@@ -81,6 +81,19 @@ def rank_stream_state(saved: list[dict], rank: int, world_size: int) -> dict:
     return {"num_workers": saved[0]["num_workers"], "batches": 0, "slots": slots}
 
 
+def run_slot(batches):
+    """`batches(worker)` in a loader worker (or, without workers, the loader's thread): one OpenCV thread (the
+    slots are the parallelism), the worker's set-up, and any exception carried to the consumer as a batch."""
+    cv2.setNumThreads(1)
+    info = get_worker_info()
+    if info is not None:
+        in_worker_process()
+    try:
+        yield from batches(info.id if info is not None else 0)
+    except Exception as e:  # noqa: BLE001 - carried to the training loop and raised there (ldm.data.watchdog)
+        yield error_batch(e)
+
+
 class CaptionImageStream(IterableDataset):
     def __init__(
         self,
@@ -104,6 +117,7 @@ class CaptionImageStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.workers = max(1, num_workers)
         self.shuffle_buffer = shuffle_buffer
+        self.kind: bool | None = None  # latent records? set by the first record this process reads
         check_enough_records(shards, world_size * self.workers)
         self.board = ReadingBoard(self.workers)
         self.slot_states: dict[int, dict] = {}
@@ -132,12 +146,16 @@ class CaptionImageStream(IterableDataset):
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
         """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content."""
-        transform = self.transform
-        if is_latent_line(record.line):
-            if self.latents is None:
-                raise LatentMismatch(f"{record.shard}:{record.line_number} is a latent record; this run trains on "
-                                     "images (train_autoencoder.py needs image shards)")
-            transform = self.latents
+        latent = is_latent_line(record.line)
+        if latent and self.latents is None:
+            raise LatentMismatch(f"{record.shard}:{record.line_number} is a latent record; this run trains on "
+                                 "images (train_autoencoder.py needs image shards)")
+        if self.kind is None:
+            self.kind = latent  # this process's slot batches one kind: the kind of its first record
+        elif latent != self.kind:
+            raise LatentMismatch(f"{record.shard}:{record.line_number} is {'a latent' if latent else 'an image'} "
+                                 "record, but the file list began with the other kind: train on one kind")
+        transform = self.latents if latent else self.transform
         caption, payload = transform.parse(record.line)
         rng = sample_rng(self.seed, record.pass_index, record.shard, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
@@ -159,33 +177,19 @@ class CaptionImageStream(IterableDataset):
         return stream
 
     def __iter__(self):
-        cv2.setNumThreads(1)  # one thread per loader slot; the slots are the parallelism
-        info = get_worker_info()
-        if info is not None:
-            in_worker_process()
-        worker = info.id if info is not None else 0
-        try:
-            yield from self.batches(worker)
-        except Exception as e:  # noqa: BLE001 - carried to the training loop and raised there (ldm.data.watchdog)
-            yield error_batch(e)
+        return run_slot(self.batches)
 
     def batches(self, worker: int):
         stream = self.slot_stream((worker + self.first_role) % self.workers)
         where = f"slot {stream.slot} of {stream.num_slots}"
         stream.on_open = lambda path: self.board.post(worker, f"{where}: opening {path}")
         images, ids = [], []
-        latents = None  # the slot's kind, from its first sample: one batch holds one kind
         for image, input_ids in stream.samples(self.make_sample):
-            if latents is None:
-                latents = image.dtype != np.uint8
-            elif latents != (image.dtype != np.uint8):
-                raise LatentMismatch(f"the file list mixes image shards and latent shards ({stream.reading()}); "
-                                     "train on one kind")
             images.append(image)
             ids.append(input_ids)
             if len(images) == self.batch_size:
                 batch = {"stream_state": json.dumps(stream.state_dict())}
-                if latents:
+                if self.kind:
                     batch["latent_moments"] = np.stack(images)
                 else:
                     batch["pixel_values"] = to_uint8_batch(images)

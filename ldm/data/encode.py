@@ -27,22 +27,22 @@ import logging
 import os
 from collections import Counter
 
-import cv2
 import numpy as np
 import paddle
-from paddle.io import DataLoader, IterableDataset, get_worker_info
+from paddle.io import DataLoader, IterableDataset
 from tqdm import tqdm
 
-from ldm.compat import READER_POLL_SECONDS, stop_loader
+from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
-from ldm.data.dataset import to_uint8_batch
+from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
-from ldm.data.shard import ShardError, ShardTruncated, iter_lines
-from ldm.data.watchdog import error_batch, in_worker_process, raise_if_error
+from ldm.data.shard import LineTooLong, ShardError, ShardMissing, ShardTruncated, iter_lines
+from ldm.data.stream import shard_error_reason
+from ldm.data.watchdog import ReadingBoard
 from ldm.distributed import Distributed
-from ldm.models.autoencoder import autoencoder_identity, encode_autocast, unit_range
+from ldm.models.autoencoder import autoencoder_identity, posterior, unit_range
 from ldm.run_folder import NO_SPACE
 
 logger = logging.getLogger("ldm.data")
@@ -60,7 +60,8 @@ def output_name(index: int) -> str:
 
 class ShardBatches(IterableDataset):
     """The crops of this rank's input shards, batch by batch: each batch says its shard, and the last one
-    of a shard carries the shard's counts (and why it could not be read, if so)."""
+    of a shard carries the shard's counts (and why it could not be read, if so). `board` says what each
+    slot reads, for the stall watchdog."""
 
     def __init__(self, shards: list[Shard], output_dir: str, transform: ImageTransform, *, batch_size: int,
                  seed: int, rank: int, world_size: int, num_workers: int):
@@ -69,6 +70,7 @@ class ShardBatches(IterableDataset):
         self.batch_size, self.seed = batch_size, seed
         self.workers = max(1, num_workers)
         self.first_slot, self.num_slots = rank * self.workers, world_size * self.workers
+        self.board = ReadingBoard(self.workers)
 
     def todo(self, slot: int) -> list[int]:
         """The input shards of a slot whose output does not exist yet."""
@@ -76,20 +78,18 @@ class ShardBatches(IterableDataset):
                 if not os.path.exists(os.path.join(self.output_dir, output_name(i)))]
 
     def __iter__(self):
-        cv2.setNumThreads(1)
-        info = get_worker_info()
-        if info is not None:
-            in_worker_process()
-        try:
-            for index in self.todo(self.first_slot + (info.id if info is not None else 0)):
-                yield from self.shard_batches(index)
-        except Exception as e:  # noqa: BLE001 - raised in the main process (ldm.data.watchdog)
-            yield error_batch(e)
+        return run_slot(self.batches)
 
-    def shard_batches(self, index: int):
+    def batches(self, worker: int):
+        for index in self.todo(self.first_slot + worker):
+            yield from self.shard_batches(index, worker)
+
+    def shard_batches(self, index: int, worker: int):
         path = self.shards[index].path
         crops, records, counts = [], [], Counter()
-        unreadable = ""
+        unreadable = missing = ""
+        self.board.post(worker, f"slot {self.first_slot + worker}: opening {path}")
+        number = 0
         try:
             for number, line in enumerate(iter_lines(path), 1):
                 try:
@@ -101,23 +101,26 @@ class ShardBatches(IterableDataset):
                 key = line.split(b"\t", 2)[1].decode("utf-8", "replace").strip()
                 records.append((caption, key or f"{os.path.basename(path)}:{number}"))
                 if len(crops) == self.batch_size:
+                    self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
                     yield self.batch(index, crops, records)
                     counts["ok"] += len(crops)
                     crops, records = [], []
-        except ShardTruncated:
-            counts["truncated_shard"] += 1  # the records before the break are kept, as training keeps them
+        except (ShardTruncated, LineTooLong) as e:  # the records before the break are kept, as training keeps them
+            counts[shard_error_reason(e)] += 1
+        except ShardMissing as e:
+            missing = str(e)
         except ShardError as e:
             unreadable = str(e)
         counts["ok"] += len(crops)
-        yield self.batch(index, crops, records, counts=counts, unreadable=unreadable)
+        yield self.batch(index, crops, records, done={"counts": counts, "unreadable": unreadable, "missing": missing})
 
     @staticmethod
-    def batch(index: int, crops, records, counts: Counter | None = None, unreadable: str = "") -> dict:
+    def batch(index: int, crops, records, done: dict | None = None) -> dict:
         batch = {"shard": np.array([index], np.int64), "records": json.dumps(records)}
         if crops:
             batch["pixel_values"] = to_uint8_batch(crops)
-        if counts is not None:  # the shard's last batch
-            batch["done"] = json.dumps({"counts": counts, "unreadable": unreadable})
+        if done is not None:  # the shard's last batch
+            batch["done"] = json.dumps(done)
         return batch
 
 
@@ -125,12 +128,10 @@ class ShardBatches(IterableDataset):
 def encode_moments(vae, pixels, flips: bool, dtype: str = "float32") -> np.ndarray:
     """uint8 [B, 3, R, R] -> float32 posterior moments [B, copies, 2C, h, w] (copy 1: the mirror image); the
     encoder runs in `dtype` (`encode_autocast`)."""
-    x = unit_range(paddle.to_tensor(pixels))
+    x = unit_range(paddle.to_tensor(pixels))  # (Paddle's CPU flip has no uint8 kernel)
     if flips:
         x = paddle.concat([x, x.flip([3])])
-    with encode_autocast(dtype):
-        moments = vae.encode(x).latent_dist.parameters
-    moments = moments.astype("float32").numpy()
+    moments = posterior(vae, x, dtype).parameters.astype("float32").numpy()
     n = len(pixels)
     return np.stack([moments[:n], moments[n:]], 1) if flips else moments[:, None]
 
@@ -144,26 +145,36 @@ class ShardWriters:
         self.log = os.path.join(output_dir, STATE, f"done-rank{rank}.jsonl")
         self.open: dict[int, object] = {}
         self.unreadable: dict[int, str] = {}
+        self.missing: dict[int, str] = {}
+        self.skipped: dict[int, Counter] = {}  # records dropped here (non-finite moments), by shard
 
     def partial(self, index: int) -> str:
         return os.path.join(self.output_dir, f".{output_name(index)}.partial")
 
-    def write(self, index: int, lines: list[bytes]) -> None:
+    def write(self, index: int, records: list, moments: np.ndarray, meta: LatentMeta) -> None:
+        """Append a batch's records; one whose moments are not finite in the stored dtype is skipped and counted."""
         import gzip
 
         if index not in self.open:
             self.open[index] = gzip.open(self.partial(index), "wb", compresslevel=1)  # noqa: SIM115 - closed in finish
-        self.open[index].write(b"".join(lines))
+        finite = np.isfinite(moments).all(axis=(1, 2, 3, 4))
+        if meta.dtype == "float16":
+            finite &= (np.abs(moments) <= np.finfo(np.float16).max).all(axis=(1, 2, 3, 4))
+        self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
+        self.open[index].write(b"".join(latent_line(caption, key, m, meta)
+                                        for (caption, key), m, ok in zip(records, moments, finite, strict=True) if ok))
 
-    def finish(self, index: int, counts: dict, unreadable: str) -> None:
-        self.write(index, [])
+    def finish(self, index: int, done: dict, meta: LatentMeta) -> None:
+        self.write(index, [], np.zeros([0, *meta.shape], np.float32), meta)
         self.open.pop(index).close()
-        if unreadable:
+        if done["unreadable"] or done["missing"]:
             os.remove(self.partial(index))
-            self.unreadable[index] = unreadable
+            (self.unreadable if done["unreadable"] else self.missing)[index] = done["unreadable"] or done["missing"]
             return
-        with open(self.log, "a") as f:
-            f.write(json.dumps({"shard": index, "counts": counts}) + "\n")
+        counts = Counter(done["counts"]) + self.skipped.pop(index, Counter())
+        counts["ok"] -= counts["non_finite_latent"]
+        with open(self.log, "a") as f:  # a line a crash cut stays a line of its own: the next one starts anew
+            f.write("\n" + json.dumps({"shard": index, "counts": counts}) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(self.partial(index), os.path.join(self.output_dir, output_name(index)))
@@ -184,7 +195,8 @@ class ShardWriters:
 
 
 def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
-    listed = hashlib.sha256("\n".join(f"{s.path} {s.weight}" for s in shards).encode()).hexdigest()
+    # the shards' order and names make the output's (weights only shape the file lists, written anew each run)
+    listed = hashlib.sha256("\n".join(s.path for s in shards).encode()).hexdigest()
     return {"file_list": args.file_list, "input_shards": len(shards), "input_shards_sha256": listed,
             "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
@@ -205,7 +217,7 @@ def claim(output_dir: str, settings: dict) -> int:
                               f"{', '.join(f'{saved.get(k)!r} there, {settings[k]!r} now' for k in differ)}); pass "
                               "the same flags and file list to go on, or another --output_dir")
         return len(glob.glob(os.path.join(output_dir, "latents-*.gz")))
-    if os.path.isdir(output_dir) and os.listdir(output_dir):
+    if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {STATE}:  # (a start cut before its settings)
         raise EncodeError(f"{output_dir} exists and is not an encode's output folder: pass a new or empty --output_dir")
     os.makedirs(os.path.join(output_dir, STATE), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -214,18 +226,22 @@ def claim(output_dir: str, settings: dict) -> int:
     return 0
 
 
-def read_done(output_dir: str) -> dict[int, dict]:
-    """Counts of every output shard that exists (the last logged entry of each)."""
-    done: dict[int, dict] = {}
+def read_done(output_dir: str, num_shards: int) -> dict[int, dict]:
+    """Counts of every output shard that exists: its last logged entry, or its lines counted when it has none."""
+    logged: dict[int, dict] = {}
     for log in sorted(glob.glob(os.path.join(output_dir, STATE, "done-rank*.jsonl"))):
         with open(log) as f:
             for line in f:
                 try:
                     entry = json.loads(line)
                 except ValueError:
-                    continue  # a line cut by a crash: that shard's output was not renamed into place after it
-                if os.path.exists(os.path.join(output_dir, output_name(entry["shard"]))):
-                    done[entry["shard"]] = entry["counts"]
+                    continue  # blank, or cut by a crash before its shard was renamed into place
+                logged[entry["shard"]] = entry["counts"]
+    done = {}
+    for index in range(num_shards):
+        path = os.path.join(output_dir, output_name(index))
+        if os.path.exists(path):
+            done[index] = logged.get(index) or {"ok": sum(1 for _ in iter_lines(path))}
     return done
 
 
@@ -288,21 +304,18 @@ def encode_corpus(args) -> int:
                         timeout=READER_POLL_SECONDS)
     writers = ShardWriters(args.output_dir, dist.rank)
     progress = tqdm(total=todo, desc=f"encode (rank {dist.rank})", unit="shard", disable=not dist.is_main)
-    from ldm.train.batches import start_workers
+    from ldm.train.batches import watched
 
-    iterator = start_workers(loader)
+    batches = watched(loader, args.data_timeout)
     try:
-        for batch in iterator:
-            raise_if_error(batch)
+        for batch in batches:
             index = int(np.asarray(batch["shard"])[0])
             records = json.loads(batch["records"])
             if records:
-                moments = encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip, args.vae_dtype)
-                writers.write(index, [latent_line(caption, key, m, meta)
-                                      for (caption, key), m in zip(records, moments, strict=True)])
+                writers.write(index, records, encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip,
+                                                             args.vae_dtype), meta)
             if "done" in batch:
-                done = json.loads(batch["done"])
-                writers.finish(index, done["counts"], done["unreadable"])
+                writers.finish(index, json.loads(batch["done"]), meta)
                 progress.update(1)
     except OSError as e:
         if e.errno not in NO_SPACE:
@@ -311,13 +324,14 @@ def encode_corpus(args) -> int:
         raise EncodeError(f"no space left to write in {args.output_dir} ({e.strerror}); the shards finished are kept: "
                           "free space, then run the same command again") from None
     finally:
-        stop_loader(iterator)
+        batches.close()
         writers.close()
         progress.close()
-    unreadable = {i: e for rank_unreadable in dist.gather(writers.unreadable) for i, e in rank_unreadable.items()}
+    unreadable, missing = ({i: e for rank_part in dist.gather(part) for i, e in rank_part.items()}
+                           for part in (writers.unreadable, writers.missing))
     dist.barrier()
     if dist.is_main:
-        done = read_done(args.output_dir)
+        done = read_done(args.output_dir, len(shards))
         listing = write_file_lists(args.output_dir, shards, done)
         totals = Counter()
         for counts in done.values():
@@ -325,9 +339,13 @@ def encode_corpus(args) -> int:
         skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(totals.items()) if reason != "ok") or "none"
         print(f"encoded {totals['ok']} records of {len(done)} of {len(shards)} shards into {args.output_dir} "
               f"({meta.describe()}); skipped: {skipped}")
+        if missing:
+            first = missing[min(missing)]
+            print(f"warning: {len(missing)} shard(s) do not exist (the first: {first}): left out of the file list, as "
+                  "training counts and skips them; the same command encodes them if they appear")
         if unreadable:
-            first = min(unreadable)
-            print(f"error: {len(unreadable)} shard(s) could not be read (the first: {unreadable[first]}); run the same "
-                  "command again to retry them (encoded shards are skipped)")
+            first = unreadable[min(unreadable)]
+            print(f"error: {len(unreadable)} shard(s) could not be read (the first: {first}); run the same command "
+                  "again to retry them (encoded shards are skipped)")
         print(f"use --file_list {listing}")
     return 1 if unreadable else 0

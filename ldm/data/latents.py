@@ -19,7 +19,6 @@ module reads and writes the format; it imports neither Paddle nor PaddleNLP.
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import json
 import random
@@ -28,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import pybase64
 
-from ldm.data.record import MAX_CAPTION_CHARS, SkipRecord
+from ldm.data.record import LATENT_PREFIX as PREFIX
+from ldm.data.record import SkipRecord, decode_base64, decode_caption
 
-PREFIX = b"latent:"
 FORMAT = 1
 DTYPES = ("float16", "bfloat16", "float32")
 PROBED_SHARDS = 4
@@ -47,8 +46,10 @@ def fingerprint(identity: dict) -> str:
 
 
 def is_latent_line(line: bytes) -> bool:
-    fields = line.split(b"\t", 3)
-    return len(fields) >= 3 and fields[2].startswith(PREFIX)
+    """Is the third column a latent payload? (found without splitting, which would copy the payload)"""
+    first = line.find(b"\t")
+    second = line.find(b"\t", first + 1) if first >= 0 else -1
+    return second >= 0 and line.startswith(PREFIX, second + 1)
 
 
 def to_bytes(array: np.ndarray, dtype: str) -> bytes:
@@ -111,19 +112,12 @@ def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta]]:
         raise SkipRecord("missing_columns", f"{len(fields)} column(s), a latent record has 4")
     if not fields[2].startswith(PREFIX):
         raise SkipRecord("image_record", "an image record in a latent corpus")
-    try:
-        caption = fields[0].decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        raise SkipRecord("bad_caption", str(e)) from None
+    caption = decode_caption(fields[0])
     try:
         meta = LatentMeta.from_json(fields[3])
     except (ValueError, KeyError, TypeError) as e:
         raise SkipRecord("bad_latent", f"meta: {e}") from None
-    try:
-        data = pybase64.b64decode(fields[2][len(PREFIX):], validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise SkipRecord("bad_base64", str(e)) from None
-    return caption[:MAX_CAPTION_CHARS], (data, meta)
+    return caption, (decode_base64(fields[2][len(PREFIX):]), meta)
 
 
 @dataclass(frozen=True)

@@ -42,27 +42,38 @@ class SkipRecord(Exception):
         self.detail = detail
 
 
+LATENT_PREFIX = b"latent:"  # starts the payload of a latent record (ldm.data.latents): ":" is not a base64 character
+
+
+def decode_caption(field: bytes) -> str:
+    try:
+        return field.decode("utf-8").strip()[:MAX_CAPTION_CHARS]
+    except UnicodeDecodeError as e:
+        raise SkipRecord("bad_caption", str(e)) from None
+
+
+def decode_base64(payload: bytes) -> bytes:
+    try:
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise SkipRecord("bad_base64", str(e)) from None
+
+
 def parse_record(line: bytes) -> tuple[str, bytes]:
     """`caption \\t <ignored> \\t base64(image)[\\t ...]` -> (caption, image bytes)."""
     fields = line.split(b"\t", 3)
     if len(fields) < 3:
         raise SkipRecord("missing_columns", f"{len(fields)} column(s)")
-    try:
-        caption = fields[0].decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        raise SkipRecord("bad_caption", str(e)) from None
+    caption = decode_caption(fields[0])
     payload = fields[2].strip()
     if not payload:
         raise SkipRecord("empty_image")
-    if payload.startswith(b"latent:"):  # ldm.data.latents: ":" is not a base64 character
+    if payload.startswith(LATENT_PREFIX):
         raise SkipRecord("latent_record", "a latent record in an image corpus")
-    try:
-        image_bytes = pybase64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise SkipRecord("bad_base64", str(e)) from None
+    image_bytes = decode_base64(payload)
     if not image_bytes:
         raise SkipRecord("empty_image")
-    return caption[:MAX_CAPTION_CHARS], image_bytes
+    return caption, image_bytes
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -13,8 +13,9 @@ from itertools import islice
 
 from tqdm import tqdm
 
-from ldm.args import ToolParser
+from ldm.args import VAE_DTYPES, ToolParser
 from ldm.data.filelist import FileListError, read_file_list
+from ldm.data.latents import DTYPES as LATENT_DTYPES
 from ldm.data.record import ImageTransform, SkipRecord, sample_rng
 from ldm.data.shard import ShardError, ShardMissing, iter_lines
 from ldm.data.stream import SlotStream, shard_error_reason
@@ -285,6 +286,8 @@ def cmd_encode(args) -> int:
         code = encode_corpus(args)
     except ModelSourceError as e:
         raise UserError(str(e)) from None
+    except OSError as e:  # the output folder (permissions, a read-only mount...): the finished shards are kept
+        raise UserError(f"{e}; the shards finished are kept: fix it, then run the same command again") from None
     if launched_world_size() > 1:
         exit_process(code)
     return code
@@ -346,9 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--center_crop", action="store_true", help="center crop (default: one random crop per record)")
     p.add_argument("--random_flip", action="store_true",
                    help="also encode each crop's mirror image, so that training can flip at random")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+    p.add_argument("--dtype", choices=LATENT_DTYPES, default="float16",
                    help="stored precision of the posterior moments")
-    p.add_argument("--vae_dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+    p.add_argument("--vae_dtype", choices=VAE_DTYPES, default="float32",
                    help="precision the encoder runs in (float16/bfloat16: autocast on a GPU; float32 where "
                         "unsupported)")
     p.add_argument("--min_image_size", type=int, default=0)
@@ -357,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random crops")
     p.add_argument("--allow_untrained_vae", action="store_true", help="encode with an autoencoder without weights "
                    "(tests)")
+    p.add_argument("--data_timeout", type=float, default=600,
+                   help="seconds without a batch before the run stops with stacks and the shards being read (0: never)")
     p.set_defaults(run=cmd_encode)
 
     p = sub.add_parser("synth", help="write a captioned-shapes corpus (demo and tests) with its tokenizer vocab")

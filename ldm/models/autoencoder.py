@@ -58,6 +58,12 @@ def encode_autocast(dtype: str):
     return paddle.amp.auto_cast(enable=True, dtype=dtype, level="O1")
 
 
+def posterior(vae: nn.Layer, pixel_values: paddle.Tensor, dtype: str = "float32"):
+    """The frozen encoder's posterior of a batch of pixels (uint8 or [-1, 1]), computed in `dtype`."""
+    with encode_autocast(dtype):
+        return vae.encode(unit_range(pixel_values)).latent_dist
+
+
 def unit_range(pixels: paddle.Tensor) -> paddle.Tensor:
     """Batch pixels as float32 in [-1, 1] on the device: uint8 batches (as the loader sends them) are
     scaled here; float ones are taken as already scaled."""

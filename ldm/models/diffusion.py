@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
-from ldm.models.autoencoder import encode_autocast, unit_range
+from ldm.models.autoencoder import posterior
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -71,10 +71,7 @@ class LatentDiffusion(nn.Layer):
     def encode_latents(self, pixel_values: paddle.Tensor) -> paddle.Tensor:
         """Frozen VAE in `vae_dtype` (float32 by default, even under AMP): float32 latents scaled by the VAE
         config's factor."""
-        with encode_autocast(self.vae_dtype):
-            posterior = self.vae.encode(unit_range(pixel_values)).latent_dist
-            latents = posterior.sample()
-        return latents.astype("float32") * self.scaling_factor
+        return posterior(self.vae, pixel_values, self.vae_dtype).sample().astype("float32") * self.scaling_factor
 
     def encode_text(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         if self.freeze_text_encoder:

@@ -49,6 +49,30 @@ def start_workers(loader):
         gc.unfreeze()
 
 
+def watched(loader, data_timeout: float):
+    """The loader's batches, its workers started here and stopped when the generator closes; a data-path
+    exception is raised as itself, and a wait longer than `data_timeout` seconds ends the process with
+    stacks and what each slot reads (`loader.dataset.board`, `ldm.data.watchdog`)."""
+    if loader.num_workers:
+        warn_if_loader_threads_run()
+    iterator = start_workers(loader)
+    watchdog = StallWatchdog(data_timeout, loader.dataset.board)  # its thread starts after the fork
+    try:
+        while True:
+            watchdog.waiting()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                watchdog.received()
+            raise_if_error(batch)
+            yield batch
+    finally:
+        watchdog.close()
+        stop_loader(iterator)
+
+
 class TimedBatches:
     """The training batches: records each batch's stream state and the time spent waiting for it.
 
@@ -88,27 +112,12 @@ class TimedBatches:
         self._iterators, self._first = [], None
 
     def _batches(self):
-        if self.loader.num_workers:
-            warn_if_loader_threads_run()
-        iterator = start_workers(self.loader)
-        watchdog = StallWatchdog(self.data_timeout, self.loader.dataset.board)  # its thread starts after that
-        try:
-            while True:
-                start = time.perf_counter()
-                watchdog.waiting()
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    return
-                finally:
-                    watchdog.received()
-                raise_if_error(batch)
-                batch = self.tracker.update(batch)
-                self.clock.waited(time.perf_counter() - start, batch_samples(batch))
-                yield batch
-        finally:
-            watchdog.close()
-            stop_loader(iterator)
+        start = time.perf_counter()
+        for batch in watched(self.loader, self.data_timeout):
+            batch = self.tracker.update(batch)
+            self.clock.waited(time.perf_counter() - start, batch_samples(batch))
+            yield batch
+            start = time.perf_counter()
 
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
         """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""

@@ -40,9 +40,10 @@ def resolve_precision(requested: str, what: str = "training") -> str:
 
 def resolve_vae_dtype(requested: str) -> str:
     """`--vae_dtype` where this device supports it, else float32 with a message."""
-    short = {"float16": "fp16", "bfloat16": "bf16"}
-    resolved = resolve_precision(short.get(requested, "no"), "encoding with the autoencoder")
-    return {v: k for k, v in short.items()}.get(resolved, "float32")
+    if requested == "float32":
+        return requested
+    short = "fp16" if requested == "float16" else "bf16"
+    return requested if resolve_precision(short, "encoding with the autoencoder") == short else "float32"
 
 
 def build_tokenizer(data: DataArguments):
