@@ -10,7 +10,7 @@ import paddle
 import pytest
 from conftest import ROOT
 from corpus import write_corpus
-from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python
+from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
 from ldm.data.encode import encode_moments, load_autoencoder
@@ -278,6 +278,25 @@ def test_latent_shards_train_on_the_loop_and_refuse_another_autoencoder(encoded,
                                                      str(tmp_path / "c"), "--max_train_steps", "1"])
     assert autoencoder.returncode == 2, autoencoder.stderr[-3000:]
     assert "needs image shards" in autoencoder.stderr and not os.path.exists(tmp_path / "c")
+
+
+def test_a_run_on_latents_resumes_to_the_weights_of_an_uninterrupted_one(encoded, vae, vocab_dir, tmp_path):
+    common = ["--pretrained_model_name_or_path", "ldm-tiny", "--vae_name_or_path", vae, "--file_list", encoded[0],
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", str(RESOLUTION),
+              "--train_batch_size", "4", "--num_workers", "2", "--random_flip", "--use_ema", "--seed", "3",
+              "--save_steps", "2", "--shuffle_buffer", "8"]
+    script = "train_txt2img_laion400m_no_trainer.py"
+    straight = run_entry(script, common + ["--max_train_steps", "4", "--output_dir", str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = run_entry(script, common + ["--max_train_steps", "2", "--output_dir", str(tmp_path / "b")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_entry(script, common + ["--max_train_steps", "4", "--output_dir", str(tmp_path / "b"),
+                                          "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    expected, _ = weights(tmp_path / "a" / "checkpoint-4")
+    got, _ = weights(tmp_path / "b" / "checkpoint-4")
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
 def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_path):
