@@ -1,11 +1,11 @@
-"""The end-to-end demo on CPU: corpus -> autoencoder -> LDM -> export -> samples -> evaluation.
+"""The end-to-end demo on CPU: corpus -> autoencoder -> latents -> LDM -> export -> samples -> evaluation.
 
     bash scripts/demo.sh [--quick] [--output_dir outputs/demo] [--processes N]
 
 Every stage runs the project's own command line, exactly as a user would (the commands are
 printed); this module only chains them, times them and writes the report. Outputs, all under
-`--output_dir`: corpus/, autoencoder/ (its run), ldm/ (its run), pipeline/ (the exported
-LDMTextToImagePipeline), samples.png (rows = prompts, columns = seeds, guidance on),
+`--output_dir`: corpus/, autoencoder/ (its run), latents/ (the corpus encoded once), ldm/ (its run),
+pipeline/ (the exported LDMTextToImagePipeline), samples.png (rows = prompts, columns = seeds, guidance on),
 reconstructions.png (autoencoder inputs above, outputs below), loss.png, report.json.
 `--quick` runs the same stages on a few steps (for the tests; its numbers mean nothing).
 """
@@ -72,7 +72,7 @@ class Demo:
             settings = replace(settings, processes=default_processes())
         self.out, self.settings = os.path.abspath(output_dir), settings
         self.times: dict[str, float] = {}
-        self.stage_index, self.stage_count = 0, 6
+        self.stage_index, self.stage_count = 0, 7
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.out, *parts)
@@ -112,10 +112,10 @@ class Demo:
     def batches(steps: int, batch: int, n: int = 1) -> str:
         return f"{steps} updates of {batch}" + (f" ({batch // n} in each of {n} processes)" if n > 1 else "")
 
-    def data_flags(self, batch: int, steps: int, lr: float, output: str) -> list[str]:
+    def data_flags(self, batch: int, steps: int, lr: float, output: str, file_list: str) -> list[str]:
         """The flags both training stages share; `batch` is per process."""
         s = self.settings
-        return ["--file_list", self.path("corpus", "shapes.filelist.list"), "--resolution", str(s.resolution),
+        return ["--file_list", file_list, "--resolution", str(s.resolution),
                 "--center_crop", "True", "--train_batch_size", str(batch), "--max_train_steps", str(steps),
                 "--learning_rate", str(lr), "--lr_scheduler", "cosine", "--lr_warmup_steps", str(min(100, steps // 10)),
                 "--logging_steps", str(max(1, min(50, steps // 4))), "--save_steps", str(steps),
@@ -129,11 +129,22 @@ class Demo:
                  [*self.trainer("train_autoencoder.py", "autoencoder", 1), "--model_name_or_path", PRESET,
                   "--adam_weight_decay", "0", "--scale_batches", "8",
                   *self.data_flags(s.autoencoder_batch, s.autoencoder_steps, s.autoencoder_lr,
-                                   self.path("autoencoder"))])
+                                   self.path("autoencoder"), self.path("corpus", "shapes.filelist.list"))])
         with open(self.path("autoencoder", "vqvae", "config.json")) as f:
             factor = json.load(f)["scaling_factor"]
         loss = last_scalar(self.path("autoencoder", "visualdl"), "train/reconstruction_l1")
         self.summary("autoencoder", f"reconstruction L1 {loss:.4f}, scaling_factor {factor:.4f}")
+
+    def latents(self) -> None:
+        """The corpus encoded once by the trained autoencoder: the LDM stage then never runs its encoder."""
+        s = self.settings
+        shutil.rmtree(self.path("latents"), ignore_errors=True)  # made by the previous run's autoencoder
+        self.run("latents", f"the corpus encoded once by the trained autoencoder, in {s.processes} process(es)",
+                 [*self.trainer("encode_latents.py", "latents", s.processes), "--file_list",
+                  self.path("corpus", "shapes.filelist.list"), "--vae_name_or_path", self.path("autoencoder", "vqvae"),
+                  "--output_dir", self.path("latents"), "--resolution", str(s.resolution), "--center_crop",
+                  "--num_workers", "0", "--batch_size", "256"], capture=True)
+        self.summary("latents", "latent shards in latents/ (python -m ldm.data encode)")
 
     def ldm(self) -> None:
         s = self.settings
@@ -144,7 +155,8 @@ class Demo:
                   "--tokenizer_name", self.path("corpus", "tokenizer"), "--model_max_length", "16",
                   "--caption_dropout_prob", str(s.caption_dropout_prob), "--adam_weight_decay", "0.01",
                   "--snr_gamma", "5",
-                  *self.data_flags(s.ldm_batch // s.processes, s.ldm_steps, s.ldm_lr, self.path("ldm"))])
+                  *self.data_flags(s.ldm_batch // s.processes, s.ldm_steps, s.ldm_lr, self.path("ldm"),
+                                   self.path("latents", "latents.filelist.list"))])
         loss = last_scalar(self.path("ldm", "visualdl"), "train/loss")
         self.summary("ldm", f"final loss {loss:.4f}; checkpoints and pipeline in ldm/")
 
@@ -253,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo.corpus()
         demo.autoencoder()
+        demo.latents()
         demo.ldm()
         demo.export()
         demo.samples()

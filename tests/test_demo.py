@@ -28,13 +28,14 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out)],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for stage in ("corpus", "autoencoder", "ldm", "export", "samples", "evaluate"):
+    for stage in ("corpus", "autoencoder", "latents", "ldm", "export", "samples", "evaluate"):
         assert f"    {stage} done in " in result.stdout, stage  # one summary line per stage
     assert "==> demo finished" in result.stdout
 
     report = json.loads((out / "report.json").read_text())
     assert report["quick"] is True
-    assert set(report["stage_seconds"]) == {"corpus", "autoencoder", "ldm", "export", "samples", "evaluate"}
+    assert set(report["stage_seconds"]) == {"corpus", "autoencoder", "latents", "ldm", "export", "samples",
+                                            "evaluate"}
     assert report["generated"]["images"] == 24 * report["num_images_per_prompt"]
     assert report["classifier_on_corpus"]["all_three"] >= 0.99
     assert 0 < report["autoencoder"]["scaling_factor"] != 1.0  # measured, not the preset's
