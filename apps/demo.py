@@ -1,6 +1,6 @@
 """The end-to-end demo on CPU: corpus -> autoencoder -> latents -> LDM -> export -> samples -> evaluation.
 
-    bash scripts/demo.sh [--quick] [--output_dir outputs/demo] [--processes N]
+    bash scripts/demo.sh [--quick] [--output_dir outputs/demo] [--processes N] [--seed S]
 
 Every stage runs the project's own command line, exactly as a user would (the commands are
 printed); this module only chains them, times them and writes the report. Outputs, all under
@@ -33,13 +33,14 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 class Settings:
     records: int = 20000
     resolution: int = 32
-    autoencoder_steps: int = 900
-    autoencoder_batch: int = 8
+    autoencoder_steps: int = 1200
+    autoencoder_batch: int = 8  # global, like the LDM's: split across the training processes
     autoencoder_lr: float = 2e-3
     ldm_steps: int = 1900  # no EMA: with the learning rate decayed to 0, the last weights did as well or better
     ldm_batch: int = 32  # global: split across the LDM's training processes
     ldm_lr: float = 2e-3
-    processes: int = 0  # LDM training processes (paddle.distributed.launch); 0: default_processes()
+    processes: int = 0  # training processes (paddle.distributed.launch); 0: default_processes()
+    seed: int = 0  # of both training stages (the corpus is the same for every seed)
     num_workers: int = 0  # 32 px PNGs decode faster in the training process than through a worker
     caption_dropout_prob: float = 0.1
     guidance_scale: float = 7.5
@@ -119,16 +120,16 @@ class Demo:
                 "--center_crop", "True", "--train_batch_size", str(batch), "--max_train_steps", str(steps),
                 "--learning_rate", str(lr), "--lr_scheduler", "cosine", "--lr_warmup_steps", str(min(100, steps // 10)),
                 "--logging_steps", str(max(1, min(50, steps // 4))), "--save_steps", str(steps),
-                "--num_workers", str(s.num_workers), "--seed", "0", "--output_dir", output,
+                "--num_workers", str(s.num_workers), "--seed", str(s.seed), "--output_dir", output,
                 "--overwrite_output_dir", "True"]
 
     def autoencoder(self) -> None:
         s = self.settings
         self.run("autoencoder", f"AutoencoderKL (x4, from the {PRESET} preset) on the corpus, "
-                 f"{self.batches(s.autoencoder_steps, s.autoencoder_batch)}",
-                 [*self.trainer("train_autoencoder.py", "autoencoder", 1), "--model_name_or_path", PRESET,
-                  "--adam_weight_decay", "0", "--scale_batches", "8",
-                  *self.data_flags(s.autoencoder_batch, s.autoencoder_steps, s.autoencoder_lr,
+                 f"{self.batches(s.autoencoder_steps, s.autoencoder_batch, s.processes)}",
+                 [*self.trainer("train_autoencoder.py", "autoencoder", s.processes), "--model_name_or_path", PRESET,
+                  "--adam_weight_decay", "0", "--scale_batches", str(8 // s.processes),
+                  *self.data_flags(s.autoencoder_batch // s.processes, s.autoencoder_steps, s.autoencoder_lr,
                                    self.path("autoencoder"), self.path("corpus", "shapes.filelist.list"))])
         with open(self.path("autoencoder", "vqvae", "config.json")) as f:
             factor = json.load(f)["scaling_factor"]
@@ -253,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", default=os.environ.get("LDM_DEMO_QUICK") == "1",
                         help="a few steps per stage, for tests (also: LDM_DEMO_QUICK=1)")
     parser.add_argument("--processes", type=int, default=0,
-                        help="LDM training processes (default: 2 on a CPU with 2+ cores, 1 on a GPU); the batch "
-                             "size is global: it changes the speed, not the recipe")
+                        help="training processes (default: 2 on a CPU with 2+ cores, 1 on a GPU); the batch "
+                             "sizes are global: it changes the speed, not the recipe")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the autoencoder and LDM training runs")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    if args.processes < 0 or args.processes and settings.ldm_batch % args.processes:
-        parser.error(f"--processes {args.processes}: must divide the LDM batch size {settings.ldm_batch}")
-    demo = Demo(args.output_dir, replace(settings, processes=args.processes))
+    if args.processes < 0 or args.processes and (settings.ldm_batch % args.processes
+                                                  or settings.autoencoder_batch % args.processes):
+        parser.error(f"--processes {args.processes}: must divide the batch sizes {settings.autoencoder_batch} "
+                     f"(autoencoder) and {settings.ldm_batch} (LDM)")
+    demo = Demo(args.output_dir, replace(settings, processes=args.processes, seed=args.seed))
     os.makedirs(demo.out, exist_ok=True)
     start = time.perf_counter()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -181,6 +182,8 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
 
     folder = vae if isinstance(vae, str) else None
     if folder:
+        if not os.path.isfile(os.path.join(folder, "config.json")):  # ppdiffusers would make it as a cache folder
+            raise OSError(f"{folder}: not an AutoencoderKL folder (no config.json)")
         vae = AutoencoderKL.from_pretrained(folder)
     vae.eval()
     captions, originals = zip(*(record(i, seed, resolution) for i in range(num_images)), strict=True)

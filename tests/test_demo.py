@@ -25,7 +25,7 @@ def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
 @pytest.mark.distributed
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out)],
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out), "--seed", "5"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for stage in ("corpus", "autoencoder", "latents", "ldm", "export", "samples", "evaluate"):
@@ -33,7 +33,8 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     assert "==> demo finished" in result.stdout
 
     report = json.loads((out / "report.json").read_text())
-    assert report["quick"] is True
+    assert report["quick"] is True and report["settings"]["seed"] == 5
+    assert result.stdout.count(" --seed 5 ") == 2  # the printed commands of both training stages
     assert set(report["stage_seconds"]) == {"corpus", "autoencoder", "latents", "ldm", "export", "samples",
                                             "evaluate"}
     assert report["generated"]["images"] == 24 * report["num_images_per_prompt"]
@@ -44,11 +45,12 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     from ldm.run_folder import latest_checkpoint
 
     processes = report["settings"]["processes"]
-    # the LDM trains in one process per core up to two on a CPU, in one process on a GPU
+    # both training stages run in one process per core up to two on a CPU, in one process on a GPU
     on_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     assert processes == (1 if on_gpu else min(2, os.cpu_count()))
-    state = read_training_state(latest_checkpoint(str(out / "ldm")))
-    assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
+    for stage in ("autoencoder", "ldm"):
+        state = read_training_state(latest_checkpoint(str(out / stage)))
+        assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
 
     # rows = prompts (written at the left), columns = seeds, the 32 px images enlarged 4x
     samples = np.asarray(Image.open(out / "samples.png").convert("RGB"))

@@ -65,4 +65,5 @@ def test_autoencoder_command_scores_the_reconstructions_not_the_inputs(tmp_path,
 
     with pytest.raises(SystemExit) as error:
         main(["autoencoder", "--vqvae", str(tmp_path / "missing"), "--resolution", "32"])
-    assert error.value.code == 2 and "error:" in capsys.readouterr().err
+    assert error.value.code == 2 and "not an AutoencoderKL folder" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()  # a mistyped path is not made into an empty folder
