@@ -25,8 +25,8 @@ def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
 @pytest.mark.distributed
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out), "--seed", "5"],
-                            capture_output=True, text=True, cwd=ROOT)
+    command = ["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out), "--seed", "5"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for stage in ("corpus", "autoencoder", "latents", "ldm", "export", "samples", "evaluate"):
         assert f"    {stage} done in " in result.stdout, stage  # one summary line per stage
