@@ -128,7 +128,7 @@ class Demo:
         self.run("autoencoder", f"AutoencoderKL (x4, from the {PRESET} preset) on the corpus, "
                  f"{self.batches(s.autoencoder_steps, s.autoencoder_batch, s.processes)}",
                  [*self.trainer("train_autoencoder.py", "autoencoder", s.processes), "--model_name_or_path", PRESET,
-                  "--adam_weight_decay", "0", "--scale_batches", str(8 // s.processes),
+                  "--adam_weight_decay", "0", "--scale_batches", "8",  # 64 images on 2 processes, as on 1
                   *self.data_flags(s.autoencoder_batch // s.processes, s.autoencoder_steps, s.autoencoder_lr,
                                    self.path("autoencoder"), self.path("corpus", "shapes.filelist.list"))])
         with open(self.path("autoencoder", "vqvae", "config.json")) as f:
