@@ -36,7 +36,7 @@ class Settings:
     autoencoder_steps: int = 1200
     autoencoder_batch: int = 8  # global, like the LDM's: split across the training processes
     autoencoder_lr: float = 2e-3
-    ldm_steps: int = 1700  # no EMA: with the learning rate decayed to 0, the last weights did as well or better
+    ldm_steps: int = 2400  # no EMA: with the learning rate decayed to 0, the last weights did as well or better
     ldm_batch: int = 32  # global: split across the LDM's training processes
     ldm_lr: float = 2e-3
     processes: int = 0  # training processes (paddle.distributed.launch); 0: default_processes()
