@@ -166,6 +166,26 @@ def test_caption_dropout_uses_the_stream_seed(corpus, vocab_dir):
     np.testing.assert_array_equal(ids_a, ids_b)
 
 
+def test_a_corpus_copied_elsewhere_gives_the_same_batches(corpus, vocab_dir, tmp_path):
+    """Caption dropout and random crops are seeded by the shards as the lists name them, not by the folder
+    the corpus sits in: two clones of a project train alike (the demo's LDM drifted between clones)."""
+    import os
+    import shutil
+
+    copy = shutil.copytree(os.path.dirname(corpus), tmp_path / "elsewhere")
+    listing = os.path.join(copy, os.path.basename(corpus))
+    paths = [{s.path for s in read_file_list(f)} for f in (corpus, listing)]
+    assert paths[0].isdisjoint(paths[1])  # the copy's shards are read from the copy
+
+    def batches(file_list):
+        stream = make_stream(file_list, vocab_dir, num_workers=0, caption_dropout_prob=0.5)
+        return consume(build_dataloader(stream, 0), StreamState(0), 10)
+
+    for (pixels_a, ids_a), (pixels_b, ids_b) in zip(batches(corpus), batches(listing), strict=True):
+        np.testing.assert_array_equal(ids_a, ids_b)
+        np.testing.assert_array_equal(pixels_a, pixels_b)
+
+
 def test_fewer_records_than_slots_fails_at_start(tmp_path, vocab_dir):
     listing = write_corpus(str(tmp_path), num_records=3, records_per_shard=2)
     with pytest.raises(ValueError, match="3 record.*4 .rank, dataloader worker. slots"):

@@ -29,6 +29,14 @@ class FileListError(ValueError):
 class Shard:
     path: str
     weight: float = 1.0
+    # The shard as the lists name it ("filelist entry:shard entry", as written). Each record's caption
+    # dropout and augmentations are seeded by it, not by `path`: a corpus read from another folder
+    # (another clone, another mount point) trains the same. Empty: `path` stands for it.
+    name: str = ""
+
+    @property
+    def seed_key(self) -> str:
+        return self.name or self.path
 
 
 def resolve(path: str, relative_to: str) -> str:
@@ -80,7 +88,8 @@ def read_file_list(path: str) -> list[Shard]:
             if not weight > 0 or weight == float("inf"):
                 raise FileListError(f"{path}:{number}: weight must be a positive finite number, got {weight}")
         filelist = resolve(fields[0], path)
-        shards.extend(Shard(resolve(shard, filelist), weight) for _, shard in _entries(filelist))
+        shards.extend(Shard(resolve(shard, filelist), weight, name=f"{fields[0]}:{shard}")
+                      for _, shard in _entries(filelist))
     if not shards:
         raise FileListError(f"no shards listed in {path}")
     return shards
