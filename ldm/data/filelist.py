@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ldm.data import remote
 
@@ -32,7 +32,7 @@ class Shard:
     # The shard as the lists name it ("filelist entry:shard entry", as written). Each record's caption
     # dropout and augmentations are seeded by it, not by `path`: a corpus read from another folder
     # (another clone, another mount point) trains the same. Empty: `path` stands for it.
-    name: str = ""
+    name: str = field(default="", compare=False)
 
     @property
     def seed_key(self) -> str:
