@@ -113,7 +113,6 @@ class CaptionImageStream(IterableDataset):
     ):
         super().__init__()
         self.shards, self.tokenize, self.transform, self.latents = shards, tokenize, transform, latents
-        self.seed_keys = {shard.path: shard.seed_key for shard in shards}
         self.batch_size, self.caption_dropout_prob, self.seed = batch_size, caption_dropout_prob, seed
         self.rank, self.world_size = rank, world_size
         self.workers = max(1, num_workers)
@@ -158,8 +157,7 @@ class CaptionImageStream(IterableDataset):
                                  "record, but the file list began with the other kind: train on one kind")
         transform = self.latents if latent else self.transform
         caption, payload = transform.parse(record.line)
-        rng = sample_rng(self.seed, record.pass_index, self.seed_keys.get(record.shard, record.shard),
-                         record.line_number, record.copy)
+        rng = sample_rng(self.seed, record.pass_index, record.seed_key, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""
         try:

@@ -36,6 +36,7 @@ class Record(NamedTuple):
     copy: int
     pass_index: int
     line: bytes
+    seed_key: str  # the shard's `Shard.seed_key`: what seeds this record's randomness
 
 
 def shard_error_reason(error: ShardError) -> str:
@@ -148,7 +149,8 @@ class SlotStream:
         unit_pos, number, line = self.buffer.pop()
         self.pops += 1
         unit = units[unit_pos]
-        return Record(self.shards[unit.shard].path, number, unit.copy, self.pass_index, line)
+        shard = self.shards[unit.shard]
+        return Record(shard.path, number, unit.copy, self.pass_index, line, shard.seed_key)
 
     def pass_records(self) -> Iterator[Record]:
         """The rest of the current pass; the state after a yield is the state to resume from."""
