@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 
 import numpy as np
@@ -216,13 +217,19 @@ def checkpoint_digest(checkpoint) -> dict[str, str]:
 @pytest.mark.slow
 def test_two_process_runs_of_one_seed_end_with_bit_identical_weights(corpus, tmp_path):
     """The demo preset, 150 updates in two processes, twice: the same bytes at the end. Two runs of the demo's
-    LDM stage once drifted apart after 50-100 updates; this is past that point, with caption dropout on."""
+    LDM stage once drifted apart after 50-100 updates; this is past that point, with caption dropout on. The
+    second run reads a copy of the corpus in another folder, as a second clone of the project would: the
+    drift came from records seeded by their shard's absolute path."""
     args = [a if a != "ldm-tiny" else "ldm-demo" for a in corpus]
     args[args.index("--train_batch_size") + 1] = "2"
+    listing = args[args.index("--file_list") + 1]
     digests = []
     for run_name in ("first", "second"):
         folder = tmp_path / run_name
         folder.mkdir()
+        if run_name == "second":
+            shutil.copytree(os.path.dirname(listing), folder / "corpus")
+            args[args.index("--file_list") + 1] = str(folder / "corpus" / os.path.basename(listing))
         result = run(args + ["--max_train_steps", "150", "--save_steps", "150", "--logging_steps", "50",
                              "--caption_dropout_prob", "0.1", "--learning_rate", "1e-3", "--num_workers", "0",
                              "--output_dir", str(folder / "out")], launch=True, cwd=folder)
