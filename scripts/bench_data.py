@@ -1,13 +1,18 @@
 """Benchmark the data path against the naive reference on LAION-like images made here.
 
-    .venv/bin/python scripts/bench_data.py [--corpus synthetic|photos] [--num_images 300] [--folder F]
+    .venv/bin/python scripts/bench_data.py [--corpus synthetic|photos|photos-jpeg] [--num_images 300] [--folder F]
 
 `synthetic` (default): photo-like JPEGs (512x384 ... 1024x768, quality 90, smooth content with texture
 so that they compress like photographs, ~60-120 kB). `photos`: real photographs shipped inside
 installed packages (matplotlib's and scikit-learn's sample images), cut and rescaled to mixed sizes
 (shorter side 216-768 px) and encoded as LAION's mix is: JPEG quality 75-95, some progressive, some
-greyscale or CMYK, some PNG (with alpha or a palette). Either is written into one gzipped shard, then
-`python -m ldm.data bench` runs on it: both loaders on one pinned core, interleaved rounds, medians.
+greyscale or CMYK, some PNG (with alpha or a palette). `photos-jpeg`: the same photographs in the JPEG
+kinds only, as img2dataset writes LAION by default (it re-encodes every image to JPEG). Either is written
+into one gzipped shard, then `python -m ldm.data bench` runs on it: both loaders on one pinned core,
+interleaved rounds, medians.
+
+A PNG costs both loaders the same (zlib inflate, no reduced-size decode), so the share of PNGs bounds
+the ratio: in `photos`, the third of the images that are PNG take about 60% of the decode time.
 """
 
 import argparse
@@ -54,7 +59,11 @@ def package_photos() -> list[Image.Image]:
     return found
 
 
-def photo_variant(photos: list[Image.Image], rng: np.random.Generator) -> bytes:
+PHOTO_KINDS = ("jpeg", "jpeg", "jpeg", "progressive", "grey", "cmyk", "png", "png_alpha", "palette")
+JPEG_KINDS = tuple(kind for kind in PHOTO_KINDS if kind not in ("png", "png_alpha", "palette"))
+
+
+def photo_variant(photos: list[Image.Image], rng: np.random.Generator, kinds: tuple[str, ...] = PHOTO_KINDS) -> bytes:
     """One LAION-like record image: a crop of a real photograph at a mixed size and encoding."""
     photo = photos[int(rng.integers(len(photos)))]
     width, height = photo.size
@@ -64,7 +73,7 @@ def photo_variant(photos: list[Image.Image], rng: np.random.Generator) -> bytes:
     short = int(rng.integers(216, 769))
     scale = short / min(image.size)
     image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC)
-    kind = rng.choice(["jpeg", "jpeg", "jpeg", "progressive", "grey", "cmyk", "png", "png_alpha", "palette"])
+    kind = rng.choice(kinds)
     quality = int(rng.integers(75, 96))
     if kind == "progressive":
         return encode_image(image, "JPEG", quality=quality, progressive=True)
@@ -81,7 +90,7 @@ def photo_variant(photos: list[Image.Image], rng: np.random.Generator) -> bytes:
 
 def main() -> int:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", choices=["synthetic", "photos"], default="synthetic")
+    parser.add_argument("--corpus", choices=["synthetic", "photos", "photos-jpeg"], default="synthetic")
     parser.add_argument("--num_images", type=int, default=300)
     parser.add_argument("--folder", help="where the corpus is written (default /tmp/ldm-bench-<corpus>)")
     args = parser.parse_args()
@@ -89,11 +98,15 @@ def main() -> int:
     listing = os.path.join(folder, "bench.filelist.list")
     if not os.path.exists(listing):
         rng = np.random.default_rng(0)
-        photos = package_photos() if args.corpus == "photos" else None
+        photos = package_photos() if args.corpus.startswith("photos") else None
+        kinds = JPEG_KINDS if args.corpus == "photos-jpeg" else PHOTO_KINDS
         sizes = []
         with ShardWriter(folder, "bench", records_per_shard=args.num_images) as writer:
             for i in range(args.num_images):
-                data = photo_variant(photos, rng) if photos else encode_image(photo_like(rng), "JPEG", quality=90)
+                if photos:
+                    data = photo_variant(photos, rng, kinds)
+                else:
+                    data = encode_image(photo_like(rng), "JPEG", quality=90)
                 sizes.append(len(data))
                 writer.write(record_line(f"a photo number {i}", data))
         print(f"wrote {args.num_images} {args.corpus} images, mean {np.mean(sizes) / 1000:.0f} kB, to {folder}")
