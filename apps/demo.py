@@ -36,10 +36,6 @@ class Settings:
     autoencoder_steps: int = 1200
     autoencoder_batch: int = 8  # global, like the LDM's: split across the training processes
     autoencoder_lr: float = 2e-3
-    # 10x the project's default: a posterior twice as wide (scaling_factor ~0.8 instead of ~0.45) makes a
-    # decoder that forgives the LDM's small latent errors; outlines came out cleaner (seed 2: shape 76.0%
-    # against 66.7%, reconstruction L1 0.0523 against 0.0497)
-    autoencoder_kl_weight: float = 1e-5
     ldm_steps: int = 2400  # no EMA: with the learning rate decayed to 0, the last weights did as well or better
     ldm_batch: int = 32  # global: split across the LDM's training processes
     ldm_lr: float = 2e-3
@@ -132,8 +128,7 @@ class Demo:
         self.run("autoencoder", f"AutoencoderKL (x4, from the {PRESET} preset) on the corpus, "
                  f"{self.batches(s.autoencoder_steps, s.autoencoder_batch, s.processes)}",
                  [*self.trainer("train_autoencoder.py", "autoencoder", s.processes), "--model_name_or_path", PRESET,
-                  "--adam_weight_decay", "0", "--kl_weight", str(s.autoencoder_kl_weight),
-                  "--scale_batches", "8",  # 64 images on 2 processes, as on 1
+                  "--adam_weight_decay", "0", "--scale_batches", "8",  # 64 images on 2 processes, as on 1
                   *self.data_flags(s.autoencoder_batch // s.processes, s.autoencoder_steps, s.autoencoder_lr,
                                    self.path("autoencoder"), self.path("corpus", "shapes.filelist.list"))])
         with open(self.path("autoencoder", "vqvae", "config.json")) as f:
