@@ -2,6 +2,8 @@
 
 import json
 import multiprocessing
+import os
+import shutil
 import threading
 import time
 from itertools import islice
@@ -169,9 +171,6 @@ def test_caption_dropout_uses_the_stream_seed(corpus, vocab_dir):
 def test_a_corpus_copied_elsewhere_gives_the_same_batches(corpus, vocab_dir, tmp_path):
     """Caption dropout and random crops are seeded by the shards as the lists name them, not by the folder
     the corpus sits in: two clones of a project train alike (the demo's LDM drifted between clones)."""
-    import os
-    import shutil
-
     copy = shutil.copytree(os.path.dirname(corpus), tmp_path / "elsewhere")
     listing = os.path.join(copy, os.path.basename(corpus))
     paths = [{s.path for s in read_file_list(f)} for f in (corpus, listing)]
