@@ -187,7 +187,7 @@ class Demo:
         self.summary("samples", "samples.png (a row per prompt, written at its left; a column per seed; 4x enlarged)")
 
     def evaluate(self) -> dict:
-        from apps.eval import eval_prompts
+        from apps.eval import eval_prompts, misread_text
 
         s = self.settings
         result = json.loads(self.run(
@@ -199,8 +199,9 @@ class Demo:
              "--num_inference_steps", str(s.num_inference_steps), "--reference_images", str(s.reference_images),
              "--reconstructions", self.path("reconstructions.png"), "--json"], capture=True))
         g = result["generated"]
+        misread = misread_text(g)
         self.summary("evaluate", f"object colour {g['object_colour']:.1%}, background {g['background']:.1%}, "
-                     f"shape {g['shape']:.1%}")
+                     f"shape {g['shape']:.1%}" + (f" (misread: {misread})" if misread else ""))
         return result
 
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,11 @@ def score(readings: list[Reading], captions: list[str]) -> dict:
     shape = sum(r.shape == t[1] for r, t in zip(readings, truth, strict=True)) / n
     background = sum(r.background == t[2] for r, t in zip(readings, truth, strict=True)) / n
     exact = sum((r.colour, r.shape, r.background) == t for r, t in zip(readings, truth, strict=True)) / n
-    return {"object_colour": colour, "background": background, "shape": shape, "all_three": exact, "images": n}
+    # where shape is lost: e.g. a blurred small triangle's point fills its box like a circle
+    misread = Counter(f"{t[1]} as {r.shape or 'nothing'}" for r, t in zip(readings, truth, strict=True)
+                      if r.shape != t[1])
+    return {"object_colour": colour, "background": background, "shape": shape, "all_three": exact, "images": n,
+            "shape_misread": dict(misread.most_common())}
 
 
 def eval_prompts() -> list[str]:
@@ -199,14 +204,21 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     return {"vqvae": folder, "scaling_factor": float(vae.config.scaling_factor), "reconstructions": result}
 
 
+def misread_text(scores: dict) -> str:
+    """`triangle as circle 5, square as circle 1` (empty when every shape was read right)."""
+    return ", ".join(f"{k} {v}" for k, v in scores.get("shape_misread", {}).items())
+
+
 def print_table(result: dict) -> None:
     rows = {"generated": result.get("generated"),
             "reconstructions": result.get("autoencoder", result).get("reconstructions"),
             "classifier_on_corpus": result.get("classifier_on_corpus")}
     for name, r in rows.items():
         if r:
+            misread = misread_text(r)
             print(f"{name:>22}: object colour {r['object_colour']:.1%}  background {r['background']:.1%}  "
-                  f"shape {r['shape']:.1%}  all three {r['all_three']:.1%}  ({r['images']} images)")
+                  f"shape {r['shape']:.1%}  all three {r['all_three']:.1%}  ({r['images']} images)"
+                  + (f"; shapes misread: {misread}" if misread else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

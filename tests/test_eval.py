@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFilter
+from PIL import Image, ImageDraw, ImageFilter
 
 from apps.eval import classify, corpus_reference, eval_prompts, parse_caption, score
 from ldm.data.synth import COLOURS, SHAPES, record
@@ -32,6 +32,21 @@ def test_an_image_without_an_object_has_no_colour_or_shape_and_scores_wrong():
     assert (reading.colour, reading.shape, reading.background) == (None, None, "blue")
     result = score([reading], ["a red circle on a blue background"])
     assert result["background"] == 1.0 and result["object_colour"] == 0.0 and result["shape"] == 0.0
+    assert result["shape_misread"] == {"circle as nothing": 1}
+
+
+def test_score_counts_which_shape_was_read_as_which():
+    """A triangle whose point is lost (as a blurring decoder loses small ones) fills 72% of its box: a circle."""
+    captions = [record(i, 11, 32)[0] for i in range(60)]
+    readings = [classify(np.asarray(record(i, 11, 32)[1])) for i in range(60)]
+    for colour in ("red", "green"):
+        image = Image.new("RGB", (32, 32), COLOURS["blue"])
+        ImageDraw.Draw(image).polygon([(10, 8), (22, 8), (26, 24), (6, 24)], fill=COLOURS[colour])
+        captions.append(f"a {colour} triangle on a blue background")
+        readings.append(classify(np.asarray(image)))
+    result = score(readings, captions)
+    assert result["shape_misread"] == {"triangle as circle": 2}, result
+    assert result["shape"] == 60 / 62 and result["object_colour"] == 1.0
 
 
 def test_eval_prompts_cover_every_colour_background_and_shape():
