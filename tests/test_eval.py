@@ -37,8 +37,9 @@ def test_an_image_without_an_object_has_no_colour_or_shape_and_scores_wrong():
 
 def test_score_counts_which_shape_was_read_as_which():
     """A triangle whose point is lost (as a blurring decoder loses small ones) fills 72% of its box: a circle."""
-    captions = [record(i, 11, 32)[0] for i in range(60)]
-    readings = [classify(np.asarray(record(i, 11, 32)[1])) for i in range(60)]
+    records = [record(i, 11, 32) for i in range(60)]
+    captions = [text for text, _ in records]
+    readings = [classify(np.asarray(image)) for _, image in records]
     for colour in ("red", "green"):
         image = Image.new("RGB", (32, 32), COLOURS["blue"])
         ImageDraw.Draw(image).polygon([(10, 8), (22, 8), (26, 24), (6, 24)], fill=COLOURS[colour])
