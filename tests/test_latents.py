@@ -14,6 +14,7 @@ from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_p
 
 from ldm.data import latents
 from ldm.data.encode import encode_moments, load_autoencoder
+from ldm.data.filelist import read_file_list
 from ldm.data.latents import from_bytes, parse_latent_record, to_bytes
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import iter_lines
@@ -111,6 +112,7 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
     assert len(shards) == len(inputs) == 6
     assert "skipped: " in stdout and "empty_image 1, missing_columns 1" in stdout  # bad lines, counted by reason
 
+    seed_keys = {shard.path: shard.seed_key for shard in read_file_list(corpus)}
     meta = None
     for name, lines in shards.items():
         source = os.path.join(os.path.dirname(corpus), inputs[int(name[len("latents-"):-3])])
@@ -125,7 +127,7 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
         assert meta.shape == (2, 8, RESOLUTION // 4, RESOLUTION // 4) and meta.dtype == "float16"
         # the first record's two copies are the autoencoder's moments of its crop and of the mirrored crop
         number, _, image = usable[0]
-        crop = ImageTransform(RESOLUTION)(image, sample_rng(0, 0, source, number))
+        crop = ImageTransform(RESOLUTION)(image, sample_rng(0, 0, seed_keys[source], number))
         expected = encode_moments(load_autoencoder(vae, False), crop.transpose(2, 0, 1)[None], flips=True)[0]
         data, _ = parse_latent_record(lines[0])[1]
         got = from_bytes(data, "float16", list(meta.shape))
@@ -160,6 +162,15 @@ def test_an_interrupted_encode_goes_on_to_the_same_output(corpus, vae, encoded, 
     for name in expected:
         assert got[name] == expected[name], name  # line for line: no record lost, none written twice
     assert not [n for n in os.listdir(out) if n.endswith(".partial")]
+
+
+def test_a_corpus_moved_to_another_folder_encodes_to_the_same_latents(corpus, vae, encoded, tmp_path):
+    """Random crops are seeded by the shard as the lists name it, not by where the corpus lies."""
+    moved = shutil.copytree(os.path.dirname(corpus), tmp_path / "moved")
+    result = run_python(encode_args(os.path.join(moved, os.path.basename(corpus)), vae, tmp_path / "latents",
+                                    "--random_flip"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert records_of(str(tmp_path / "latents" / "latents.filelist.list")) == records_of(encoded[0])
 
 
 def run_until_encode(args, pattern, signum):

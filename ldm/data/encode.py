@@ -85,7 +85,7 @@ class ShardBatches(IterableDataset):
             yield from self.shard_batches(index, worker)
 
     def shard_batches(self, index: int, worker: int):
-        path = self.shards[index].path
+        path, seed_key = self.shards[index].path, self.shards[index].seed_key
         crops, records, counts = [], [], Counter()
         unreadable = missing = ""
         self.board.post(worker, f"slot {self.first_slot + worker}: opening {path}")
@@ -94,7 +94,7 @@ class ShardBatches(IterableDataset):
             for number, line in enumerate(iter_lines(path), 1):
                 try:
                     caption, image = parse_record(line)
-                    crops.append(self.transform(image, sample_rng(self.seed, 0, path, number)))
+                    crops.append(self.transform(image, sample_rng(self.seed, 0, seed_key, number)))
                 except SkipRecord as e:
                     counts[e.reason] += 1
                     continue

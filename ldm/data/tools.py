@@ -46,7 +46,7 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
                 transform = transforms[is_latent_line(line)]
                 try:
                     _, payload = transform.parse(line)
-                    transform(payload, sample_rng(0, 0, shard.path, number))
+                    transform(payload, sample_rng(0, 0, shard.seed_key, number))
                     ok += 1
                     kinds["latents" if transform is transforms[True] else "images"] += 1
                 except SkipRecord as e:
