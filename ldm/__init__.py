@@ -11,3 +11,7 @@ Imports go at the top of a module. A function imports inside itself only for one
 """
 
 __version__ = "0.1.0"
+
+from ldm.cpu import choose_mkl_kernels
+
+choose_mkl_kernels()  # before any tensor work: MKL's AVX2 kernels on AMD CPUs (see ldm.cpu)
