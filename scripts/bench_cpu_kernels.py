@@ -62,13 +62,13 @@ def measure(updates: int) -> dict:
         autoencoder_step()
     autoencoder_ms = (time.perf_counter() - start) / updates * 1e3
 
-    folder = tempfile.mkdtemp(prefix="bench_cpu_kernels_")
-    listing = synth_corpus(os.path.join(folder, "corpus"), num_records=64, resolution=32, records_per_shard=64)
-    data = DataArguments(file_list=listing, tokenizer_name=os.path.join(folder, "corpus", "tokenizer"),
-                         model_max_length=16, resolution=32, center_crop=True)
-    objective = TextToImage(ModelArguments(model_name_or_path="ldm-demo", allow_untrained_vae=True), data,
-                            SamplingArguments(), recompute=False, seed=0)
-    ldm_ms = bare_step_seconds(objective, 16, 32, updates, 1e-4) * 1e3
+    with tempfile.TemporaryDirectory(prefix="bench_cpu_kernels_") as folder:
+        listing = synth_corpus(os.path.join(folder, "corpus"), num_records=64, resolution=32, records_per_shard=64)
+        data = DataArguments(file_list=listing, tokenizer_name=os.path.join(folder, "corpus", "tokenizer"),
+                             model_max_length=16, resolution=32, center_crop=True)
+        objective = TextToImage(ModelArguments(model_name_or_path="ldm-demo", allow_untrained_vae=True), data,
+                                SamplingArguments(), recompute=False, seed=0)
+        ldm_ms = bare_step_seconds(objective, 16, 32, updates, 1e-4) * 1e3
     return {"matmul_gflops": gflops, "autoencoder_ms": autoencoder_ms, "ldm_ms": ldm_ms}
 
 
@@ -79,7 +79,7 @@ def run_child(updates: int, baseline: bool) -> dict:
         env["MKL_DEBUG_CPU_TYPE"] = ""  # set, so ldm.cpu leaves it; empty, so MKL chooses by itself
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--updates", str(updates)],
-                         env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+                         env=env, cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
