@@ -180,11 +180,13 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     import paddle
     from ppdiffusers import AutoencoderKL
 
+    from ldm.compat import fast_conv_bias
     from ldm.data.dataset import to_pixel_values
     from ldm.data.synth import record
     from ldm.models.autoencoder import reconstruct
     from ldm.sampling import image_grid
 
+    fast_conv_bias()
     folder = vae if isinstance(vae, str) else None
     if folder:
         if not os.path.isfile(os.path.join(folder, "config.json")):  # ppdiffusers would make it as a cache folder

@@ -11,6 +11,7 @@ from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
 from ldm.checkpoint import EMA_FILE, MODEL_JSON, checkpoint_autoencoder, is_checkpoint
+from ldm.compat import fast_conv_bias
 from ldm.models.build import read_config
 
 
@@ -33,6 +34,7 @@ def load_for_inference(path: str, use_ema: bool = True):
     if not (is_pipeline(path) or is_checkpoint(path)):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")
+    fast_conv_bias()
     unet = UNet2DConditionModel.from_pretrained(os.path.join(path, "unet"))
     text_encoder = LDMBertModel.from_pretrained(os.path.join(path, "bert"))
     tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))

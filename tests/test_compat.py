@@ -52,3 +52,55 @@ def test_loader_iterators_have_what_stop_loader_uses(num_workers):
         thread = iterator._thread
         compat.stop_loader(iterator)
     assert not thread.is_alive()
+
+
+def conv_outputs_and_gradients(forward, x, layer):
+    x = x.detach()
+    x.stop_gradient = False
+    out = forward(x)
+    (out * out).sum().backward()
+    results = [out.numpy(), x.grad.numpy(), layer.weight.grad.numpy(), layer.bias.grad.numpy()]
+    layer.clear_gradients()
+    return results
+
+
+@pytest.mark.parametrize("data_format", ["NCHW", "NHWC"])
+def test_the_fast_conv_bias_gives_paddles_outputs_and_gradients(data_format):
+    import paddle.nn.functional as F
+    import paddle.nn.functional.conv as conv
+
+    assert compat.fast_conv_bias()  # the installed Paddle's _conv_nd is the one wrapped
+    assert F.conv2d.fast_conv_bias and conv._conv_nd.fast_conv_bias
+    paddle.seed(0)
+    layer = paddle.nn.Conv2D(8, 16, 3, padding=1, data_format=data_format)
+    x = paddle.randn([2, 8, 12, 12] if data_format == "NCHW" else [2, 12, 12, 8])
+    args = (layer._stride, layer._padding, layer._dilation, layer._groups, data_format)
+
+    def paddles(x):  # Paddle's conv2d as it was, bias and all
+        return F.conv2d.original(x, layer.weight, layer.bias, *args)
+
+    expected = conv_outputs_and_gradients(paddles, x, layer)
+    ours = {  # ppdiffusers' convolutions call the functional; paddle.nn.Conv2D the private _conv_nd
+        "functional": lambda x: F.conv2d(x, layer.weight, layer.bias, *args),
+        "layer": layer,
+    }
+    for name, forward in ours.items():
+        for got, want in zip(conv_outputs_and_gradients(forward, x, layer), expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_fast_conv_bias_is_installed_once_and_leaves_a_changed_conv_nd_alone(monkeypatch, caplog):
+    import paddle.nn.functional as F
+    import paddle.nn.functional.conv as conv
+
+    compat.fast_conv_bias()
+    wrapped = F.conv2d
+    assert compat.fast_conv_bias() and F.conv2d is wrapped  # a second call wraps nothing again
+
+    def changed(x, weight, bias=None, stride=1, padding=0, new_argument=None):
+        raise AssertionError("a _conv_nd of another signature must not be wrapped or called")
+
+    monkeypatch.setattr(conv, "_conv_nd", changed)
+    assert not compat.fast_conv_bias()
+    assert conv._conv_nd is changed
+    assert "keeps Paddle's slower bias add" in caplog.text and "paddlepaddle 3.3" in caplog.text

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ldm.compat import fast_conv_bias
+
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
 HUB_PRESETS = {"CompVis/ldm_laion400M_pretrain": "ldm-32layer", "CompVis/ldm_12_laion400M_pretrain": "ldm-12layer"}
@@ -186,6 +188,7 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 
 def load_part(model_class, folder: str):
     """(model, loaded): a ppdiffusers model from its weights, or built from its config alone."""
+    fast_conv_bias()
     if has_weights(folder):
         return model_class.from_pretrained(folder), True
     return model_class.from_config(read_config(folder)), False
