@@ -82,37 +82,39 @@ def fast_conv_bias() -> bool:
     import paddle.nn.functional.conv as conv
     from paddle import _C_ops
 
-    def cpu_nchw_bias(x, bias, data_format) -> bool:
-        return bias is not None and data_format == "NCHW" and len(bias.shape) == 1 and x.place.is_cpu_place()
+    def with_bias(convolve, x, bias, data_format):
+        """`convolve(bias)`, or on a CPU NCHW tensor `convolve(None)` plus the bias as [C, 1, 1]."""
+        if bias is None or data_format != "NCHW" or len(bias.shape) != 1 or not x.place.is_cpu_place():
+            return convolve(bias)
+        return _C_ops.add(convolve(None), bias.reshape([-1, 1, 1]))
 
     if not getattr(F.conv2d, "fast_conv_bias", False):
         public = F.conv2d
 
         def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, data_format="NCHW", name=None):
-            if not cpu_nchw_bias(x, bias, data_format):
-                return public(x, weight, bias, stride, padding, dilation, groups, data_format, name)
-            out = public(x, weight, None, stride, padding, dilation, groups, data_format, name)
-            return _C_ops.add(out, bias.reshape([-1, 1, 1]))
+            return with_bias(lambda b: public(x, weight, b, stride, padding, dilation, groups, data_format, name),
+                             x, bias, data_format)
 
         conv2d.__doc__, conv2d.fast_conv_bias, conv2d.original = public.__doc__, True, public
         F.conv2d = conv2d
     conv_nd = getattr(conv, "_conv_nd", None)
+    if getattr(conv_nd, "fast_conv_bias", False):
+        return True
     if conv_nd is None or tuple(inspect.signature(conv_nd).parameters) != CONV_ND_PARAMETERS:
         logger.warning("paddle.nn.Conv2D keeps Paddle's slower bias add on the CPU: the installed %s changed "
                        "paddle.nn.functional.conv._conv_nd (this project supports %s)", installed_versions(), SUPPORTED)
         return False
-    if not getattr(conv_nd, "fast_conv_bias", False):
-        def private_conv_nd(x, weight, bias=None, stride=1, padding=0, padding_algorithm=None, dilation=1, groups=1,
-                            data_format="NCHW", channel_dim=1, op_type="conv2d", use_cudnn=True, name=None):
-            if op_type != "conv2d" or not cpu_nchw_bias(x, bias, data_format):
-                return conv_nd(x, weight, bias, stride, padding, padding_algorithm, dilation, groups, data_format,
-                               channel_dim, op_type, use_cudnn, name)
-            out = conv_nd(x, weight, None, stride, padding, padding_algorithm, dilation, groups, data_format,
-                          channel_dim, op_type, use_cudnn, name)
-            return _C_ops.add(out, bias.reshape([-1, 1, 1]))
 
-        private_conv_nd.fast_conv_bias, private_conv_nd.original = True, conv_nd
-        conv._conv_nd = private_conv_nd
+    def private_conv_nd(x, weight, bias=None, stride=1, padding=0, padding_algorithm=None, dilation=1, groups=1,
+                        data_format="NCHW", channel_dim=1, op_type="conv2d", use_cudnn=True, name=None):
+        def convolve(b):
+            return conv_nd(x, weight, b, stride, padding, padding_algorithm, dilation, groups, data_format,
+                           channel_dim, op_type, use_cudnn, name)
+
+        return with_bias(convolve, x, bias, data_format) if op_type == "conv2d" else convolve(bias)
+
+    private_conv_nd.fast_conv_bias, private_conv_nd.original = True, conv_nd
+    conv._conv_nd = private_conv_nd
     return True
 
 

@@ -19,13 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import paddle.nn.functional.conv as conv
-from bench_train import bare_step_seconds
+from bench_train import bare_step_seconds, seconds_per_call
 
 from ldm.args import DataArguments, ModelArguments, SamplingArguments
 from ldm.cpu import choose_mkl_kernels, cpu_identity
@@ -54,11 +53,7 @@ def measure(updates: int, fast_bias: bool) -> dict:
         F.conv2d, conv._conv_nd = F.conv2d.original, conv._conv_nd.original
 
     a, b = paddle.randn([512, 512]), paddle.randn([512, 512])
-    paddle.matmul(a, b)
-    start = time.perf_counter()
-    for _ in range(50):
-        paddle.matmul(a, b)
-    gflops = 2 * 512**3 * 50 / (time.perf_counter() - start) / 1e9
+    gflops = 2 * 512**3 / seconds_per_call(lambda: paddle.matmul(a, b), 50) / 1e9
 
     model = AutoencoderTraining(vae, 1e-6)
     optimizer = paddle.optimizer.AdamW(2e-3, parameters=model.parameters(), weight_decay=0.0)
@@ -69,12 +64,7 @@ def measure(updates: int, fast_bias: bool) -> dict:
         optimizer.step()
         optimizer.clear_grad()
 
-    for _ in range(updates):
-        autoencoder_step()
-    start = time.perf_counter()
-    for _ in range(updates):
-        autoencoder_step()
-    autoencoder_ms = (time.perf_counter() - start) / updates * 1e3
+    autoencoder_ms = seconds_per_call(autoencoder_step, updates) * 1e3
 
     ldm_ms = bare_step_seconds(objective, 16, 32, updates, 1e-4) * 1e3
     return {"matmul_gflops": gflops, "autoencoder_ms": autoencoder_ms, "ldm_ms": ldm_ms}
@@ -108,8 +98,7 @@ def main() -> None:
         return
 
     vendor, _ = cpu_identity()
-    chosen = {}
-    print(f"CPU vendor {vendor or 'unknown'}; ldm.cpu sets MKL_DEBUG_CPU_TYPE here: {choose_mkl_kernels(chosen)}")
+    print(f"CPU vendor {vendor or 'unknown'}; ldm.cpu sets MKL_DEBUG_CPU_TYPE here: {choose_mkl_kernels({})}")
     results = {name: [] for name in ARMS}
     for round_index in range(args.rounds):
         for name in results:

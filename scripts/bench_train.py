@@ -49,14 +49,19 @@ def bare_step_seconds(objective: TextToImage, batch: int, resolution: int, updat
         optimizer.step()
         optimizer.clear_grad()
 
-    for _ in range(updates):
-        step()
-    float(trained[0].sum())  # wait for the device
+    return seconds_per_call(step, updates, lambda: float(trained[0].sum()))
+
+
+def seconds_per_call(call, times: int, wait=lambda: None) -> float:
+    """Seconds per `call()` over `times` calls, after as many warm-up calls; `wait()` waits for the device."""
+    for _ in range(times):
+        call()
+    wait()
     start = time.perf_counter()
-    for _ in range(updates):
-        step()
-    float(trained[0].sum())
-    return (time.perf_counter() - start) / updates
+    for _ in range(times):
+        call()
+    wait()
+    return (time.perf_counter() - start) / times
 
 
 def main() -> None:
