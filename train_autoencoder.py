@@ -14,9 +14,11 @@ from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArgumen
 
 def main(argv=None) -> int:
     args, data_args, loop_args = parse([AutoencoderArguments, DataArguments, AutoencoderLoopArguments], argv)
+    from ldm.runtime import use_fast_cpu_kernels
     from ldm.train.autoencoder import train
     from ldm.train.errors import user_errors
 
+    use_fast_cpu_kernels()
     with user_errors():
         result = train(loop_args, args, data_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop

@@ -10,9 +10,11 @@ from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArgum
 def main(argv=None) -> int:
     model_args, data_args, sampling_args, loop_args = parse(
         [ModelArguments, DataArguments, SamplingArguments, LoopArguments], argv)
+    from ldm.runtime import use_fast_cpu_kernels
     from ldm.train.errors import user_errors
     from ldm.train.loop import train
 
+    use_fast_cpu_kernels()
     with user_errors():
         result = train(loop_args, model_args, data_args, sampling_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop

@@ -16,9 +16,11 @@ def main(argv=None) -> int:
         [ModelArguments, DataArguments, SamplingArguments, TrainingArguments], argv)
     if not training_args.do_train:
         sys.exit("error: nothing to do: pass --do_train")
+    from ldm.runtime import use_fast_cpu_kernels
     from ldm.train.errors import user_errors
     from ldm.train.trainer import train
 
+    use_fast_cpu_kernels()
     with user_errors():
         result = train(training_args, model_args, data_args, sampling_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop

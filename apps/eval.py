@@ -180,13 +180,11 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.compat import fast_conv_bias
     from ldm.data.dataset import to_pixel_values
     from ldm.data.synth import record
     from ldm.models.autoencoder import reconstruct
     from ldm.sampling import image_grid
 
-    fast_conv_bias()
     folder = vae if isinstance(vae, str) else None
     if folder:
         if not os.path.isfile(os.path.join(folder, "config.json")):  # ppdiffusers would make it as a cache folder
@@ -244,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     auto.add_argument("--grid", help="save inputs (top row) vs reconstructions (bottom row)")
     auto.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    from ldm.runtime import use_fast_cpu_kernels
+
+    use_fast_cpu_kernels()
     from ldm.run_folder import CheckpointError
     from ldm.tracking import quiet_libraries
 

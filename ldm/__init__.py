@@ -1,6 +1,7 @@
 """Pretraining text-to-image latent diffusion models on LAION-style shards with PaddlePaddle.
 
-Submodules are imported on demand: `import ldm` stays cheap (no Paddle import).
+Submodules are imported on demand: `import ldm` stays cheap (no Paddle import) and changes nothing in the
+process; the entry points set the process up explicitly (`ldm.runtime.use_fast_cpu_kernels`).
 
 Imports go at the top of a module. A function imports inside itself only for one of these reasons:
 - the module serves a command before its arguments are checked (`ldm.args`, `ldm.models.build`,
@@ -11,7 +12,3 @@ Imports go at the top of a module. A function imports inside itself only for one
 """
 
 __version__ = "0.1.0"
-
-from ldm.cpu import choose_mkl_kernels
-
-choose_mkl_kernels()  # before any tensor work: MKL's AVX2 kernels on AMD CPUs (see ldm.cpu)

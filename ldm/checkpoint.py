@@ -1,73 +1,125 @@
-"""What a training checkpoint holds: writing and reading its parts (inference loading: `ldm.inference`).
+"""What a training checkpoint holds, in formats that load without running code (writing: `ldm.train.checkpointer`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) holds:
-  unet/, bert/          the trained weights (ppdiffusers / PaddleNLP `save_pretrained` layout), once
-  tokenizer/            the tokenizer, so the folder is self-describing
-  scheduler/            the DDPM noise scheduler config (with prediction_type)
-  ldm_model.json        where the frozen autoencoder is (relative to this folder) and its identity
-  ema.pdparams          EMA weights and update counter (with --use_ema)
-  training_state.pkl    step, data position, per-rank weight checksums (the loop's also RNG, LR, scaler)
-  optimizer.pdopt       the optimizer (the Trainer path adds PaddleNLP's scheduler, RNG and state files)
-  manifest.json         every file's size and sha256, written last
-An autoencoder run's checkpoints (`ldm.train.autoencoder`) hold `vqvae/` and the training files.
-The frozen autoencoder is written once per run to `<output_dir>/vqvae/` rather than into every
-checkpoint (330 MB for KL-f8, times `save_total_limit`).
+  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once
+  tokenizer/, scheduler/         the tokenizer and the DDPM noise scheduler config: the folder describes itself
+  ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity
+  ema.json, ema.safetensors      EMA weights and update counter (with --use_ema)
+  optimizer.json, .safetensors   the optimizer's moments and counters
+  training_state.json, .safetensors
+                                 step, world size, learning-rate schedule, loss scaler, every rank's data
+                                 position, random states and weights fingerprint (`trainer_state.json` too
+                                 on the Trainer path, which PaddleNLP reads back itself)
+  manifest.json                  every file's size and sha256, written last
+An autoencoder run's checkpoints hold `vqvae/` and the same training files. The frozen autoencoder is
+written once per run to `<output_dir>/vqvae/` rather than into every checkpoint (330 MB for KL-f8).
+
+Nothing here unpickles. Checkpoints of earlier versions (`training_state.pkl`, `*.pdparams`, `*.pdopt`)
+are refused with the command that converts them: `python -m ldm.checkpoint upgrade DIR`, which does
+unpickle, once, the files of a run the user wrote.
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import logging
 import os
-import pickle
+import sys
 
-import paddle
-from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+from ldm.run_folder import LEGACY_STATE_FILE, VAE_FOLDER, CheckpointError, atomic_folder, write_manifest
+from ldm.serialization import has_state, load_state, save_state
 
-from ldm.distributed import weights_checksum
-from ldm.models.autoencoder import autoencoder_identity
-from ldm.run_folder import CheckpointError
+logger = logging.getLogger("ldm.train")
 
 MODEL_JSON = "ldm_model.json"
-EMA_FILE = "ema.pdparams"
+EMA = "ema"
+OPTIMIZER = "optimizer"
+TRAINING_STATE = "training_state"
+# files an earlier version pickled
+PICKLED = (LEGACY_STATE_FILE, "ema.pdparams", "optimizer.pdopt", "model_state.pdparams",
+           "diffusion_paddle_model.pdparams", "scheduler.pdparams", "scaler.pdparams", "rng_state.pth",
+           "training_args.bin")
+UPGRADE = "python -m ldm.checkpoint upgrade"
 
 
 def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MODEL_JSON))
 
 
+def pickled_files(folder: str) -> list[str]:
+    """Files of `folder` (and its model part folders) that only pickle can read."""
+    names = [os.path.relpath(p, folder) for p in glob.glob(os.path.join(folder, "**", "*"), recursive=True)]
+    return sorted(n for n in names if os.path.basename(n) in PICKLED or n.endswith((".pdparams", ".pdopt", ".pkl")))
+
+
+def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
+    """A folder whose weights or state are pickles is refused before anything of it is loaded."""
+    found = pickled_files(folder)
+    if found:
+        raise CheckpointError(
+            f"{folder} is a {what} in the pickle format of an earlier version ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): loading a pickle runs whatever code it carries, so it is not "
+            f"loaded. If you wrote it yourself, convert it once with `{UPGRADE} {folder}`")
+
+
+# -- model parts -------------------------------------------------------------------------------------
 def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str, vae_identity: dict,
-               ema_state: dict | None = None, final_folder: str | None = None) -> None:
+               final_folder: str | None = None) -> None:
     """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
 
     `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
     the autoencoder is written relative to it.
     """
     os.makedirs(folder, exist_ok=True)
-    unet.save_pretrained(os.path.join(folder, "unet"))
-    text_encoder.save_pretrained(os.path.join(folder, "bert"))
+    unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
+    text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # PaddleNLP: pickle by default
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
     vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))
     with open(os.path.join(folder, MODEL_JSON), "w") as f:
         json.dump({"vae": vae, "vae_identity": vae_identity}, f, indent=2)
-    if ema_state is not None:
-        paddle.save(ema_state, os.path.join(folder, EMA_FILE))
 
 
-# -- training checkpoints ------------------------------------------------------------------------
-STATE_FILE = "training_state.pkl"
-OPTIMIZER_FILE = "optimizer.pdopt"
+def write_frozen_autoencoder(run_dir, vae) -> tuple[str, dict]:
+    """The frozen autoencoder of an LDM run, written once to `<output_dir>/vqvae`: (its folder, its identity).
+
+    A resumed run finds it there and checks that it is the same autoencoder.
+    """
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.autoencoder import autoencoder_identity
+
+    folder, identity = run_dir.path(VAE_FOLDER), autoencoder_identity(vae)
+
+    def write() -> None:
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            refuse_pickles(folder, "autoencoder")
+            if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
+                raise CheckpointError(
+                    f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
+                    "autoencoder the run started with")
+        else:
+            with atomic_folder(folder) as temp:
+                vae.save_pretrained(temp, safe_serialization=True)
+
+    run_dir.dist.from_main(write)
+    return folder, identity
 
 
 def checkpoint_autoencoder(path: str):
     """The frozen autoencoder a checkpoint was trained with, refused if it is not the recorded one."""
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.autoencoder import autoencoder_identity
+
     with open(os.path.join(path, MODEL_JSON)) as f:
         recorded = json.load(f)
     vae_path = os.path.normpath(os.path.join(path, recorded["vae"]))
     if not os.path.isfile(os.path.join(vae_path, "config.json")):
         raise CheckpointError(f"{path} was trained with the autoencoder in {vae_path}, which is gone")
+    refuse_pickles(vae_path, "autoencoder")
     vae = AutoencoderKL.from_pretrained(vae_path)
     check_autoencoder(path, recorded.get("vae_identity"), autoencoder_identity(vae), vae_path)
     return vae
@@ -75,8 +127,8 @@ def checkpoint_autoencoder(path: str):
 
 def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, source: str) -> None:
     if recorded is None:  # written before checkpoints recorded it
-        logging.getLogger("ldm.train").warning(
-            "%s does not record which autoencoder it was trained with: make sure %s is that one", checkpoint, source)
+        logger.warning("%s does not record which autoencoder it was trained with: make sure %s is that one",
+                       checkpoint, source)
         return
     if recorded != identity:
         changed = " and ".join(k.split("_")[0] for k in ("config_sha256", "weights_sha256")
@@ -90,44 +142,108 @@ def recorded_autoencoder(path: str) -> dict | None:
         return json.load(f).get("vae_identity")
 
 
-def training_state(step: int, dist, batches, trained, **extra) -> dict:
-    """The training-state dict of a checkpoint (both entry points): step, world size, every rank's data
-    position and a fingerprint of every rank's trained weights (ranks that drifted apart show here)."""
-    return {
-        "step": step,
-        "world_size": dist.world_size,
-        "stream": dist.gather(batches.tracker.state_dict()),
-        "weights_checksum": dist.gather(weights_checksum(trained)),
-        **extra,
-    }
-
-
-def write_training_state(folder: str, state: dict) -> None:
-    with open(os.path.join(folder, STATE_FILE), "wb") as f:
-        pickle.dump(state, f)
-
-
-def read_training_state(folder: str) -> dict:
-    with open(os.path.join(folder, STATE_FILE), "rb") as f:
-        return pickle.load(f)
-
-
-def save_optimizer(folder: str, optimizer) -> None:
-    paddle.save(optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
-
-
-def load_optimizer(folder: str, optimizer) -> None:
-    optimizer.set_state_dict(paddle.load(os.path.join(folder, OPTIMIZER_FILE)))
-
-
-def load_ema(path: str, ema) -> None:
-    ema_path = os.path.join(path, EMA_FILE)
-    if not os.path.isfile(ema_path):
-        raise CheckpointError(f"{path} has no EMA state but --use_ema is on")
-    ema.load_state_dict(paddle.load(ema_path))
-
-
 def load_ldm_weights(path: str, model) -> None:
     """UNet and LDMBert weights of a checkpoint into the training wrapper's parts."""
+    from ppdiffusers import UNet2DConditionModel
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+    refuse_pickles(path)
     model.unet.set_state_dict(UNet2DConditionModel.from_pretrained(os.path.join(path, "unet")).state_dict())
     model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())
+
+
+def read_ema(path: str) -> dict | None:
+    """The EMA state of a checkpoint (arrays as numpy), None when it has none."""
+    return load_state(path, EMA) if has_state(path, EMA) else None
+
+
+# -- training state ----------------------------------------------------------------------------------
+def read_training_state(folder: str) -> dict:
+    """Step, world size and per-rank states of a checkpoint (`ldm.train.checkpointer` writes them)."""
+    if not has_state(folder, TRAINING_STATE):
+        refuse_pickles(folder)
+        raise CheckpointError(f"{folder} has no {TRAINING_STATE}.json: not a training checkpoint")
+    return load_state(folder, TRAINING_STATE)
+
+
+def upgrade(folder: str) -> list[str]:
+    """Rewrite a checkpoint of an earlier version (pickles) in today's format; returns the files replaced.
+
+    Unpickles: for checkpoints the user wrote. The manifest is rewritten last, so an interrupted upgrade
+    leaves a checkpoint that `latest` skips, not a mixed one.
+    """
+    import pickle
+
+    import paddle
+
+    found = pickled_files(folder)
+    if not found:
+        return []
+    manifest = os.path.join(folder, "manifest.json")
+    if os.path.exists(manifest):
+        os.remove(manifest)
+    for part in ("unet", "bert", "vqvae"):
+        part_folder = os.path.join(folder, part)
+        if any(n.startswith(part + os.sep) for n in found):
+            _resave_part(part_folder, part)
+    legacy = os.path.join(folder, LEGACY_STATE_FILE)
+    if os.path.isfile(legacy):
+        with open(legacy, "rb") as f:
+            state = pickle.load(f)
+        world = state.get("world_size", 1)
+        if "rng" in state:  # the loop's: three per-rank generator lists
+            state["random"] = [{"paddle": [list(g.__getstate__()) for g in state["rng"][r]],
+                                "numpy": state["numpy"][r], "python": state["python"][r]} for r in range(world)]
+            for key in ("rng", "numpy", "python"):
+                state.pop(key)
+        for name, key in (("scheduler.pdparams", "lr_scheduler"), ("scaler.pdparams", "scaler")):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):  # the Trainer path's, written by PaddleNLP
+                state[key] = paddle.load(path)
+        save_state(folder, TRAINING_STATE, state)
+    for name, target in (("ema.pdparams", EMA), ("optimizer.pdopt", OPTIMIZER)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            save_state(folder, target, paddle.load(path))
+    for rel in found:
+        path = os.path.join(folder, rel)
+        if os.path.exists(path):
+            os.remove(path)
+    write_manifest(folder)
+    return found
+
+
+def _resave_part(folder: str, part: str) -> None:
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+    cls = {"unet": UNet2DConditionModel, "bert": LDMBertModel, "vqvae": AutoencoderKL}[part]
+    model = cls.from_pretrained(folder)
+    with atomic_folder(folder) as temp:
+        model.save_pretrained(temp, safe_serialization=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ldm.checkpoint", description="Checkpoint maintenance.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("upgrade", help="convert checkpoints of an earlier version (pickles) to safetensors "
+                                             "and JSON; unpickles them once: only for checkpoints you wrote")
+    up.add_argument("folders", nargs="+", help="checkpoint-<step> folders, or a run folder (all its checkpoints)")
+    args = parser.parse_args(argv)
+    from ldm.run_folder import checkpoint_dirs
+
+    status = 0
+    for folder in args.folders:
+        targets = [folder] if is_checkpoint(folder) or os.path.isfile(os.path.join(folder, LEGACY_STATE_FILE)) \
+            else checkpoint_dirs(folder)
+        if not targets:
+            print(f"error: {folder} is neither a checkpoint nor a run folder with checkpoints", file=sys.stderr)
+            status = 2
+        for target in targets:
+            replaced = upgrade(target)
+            print(f"{target}: " + (f"converted {len(replaced)} pickled file(s)" if replaced else "already current"))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

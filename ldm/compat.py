@@ -120,7 +120,8 @@ def fast_conv_bias() -> bool:
 
 # --- PaddleNLP Trainer: the hooks `ldm.train.trainer.LDMTrainer` overrides or calls ----------------
 
-TRAINER_HOOKS = ("_save", "_save_checkpoint", "_load_from_checkpoint", "_rotate_checkpoints", "_load_rng_state")
+TRAINER_HOOKS = ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_rotate_checkpoints",
+                 "_load_rng_state")
 
 
 def check_trainer_hooks() -> None:
@@ -129,11 +130,6 @@ def check_trainer_hooks() -> None:
 
     for name in TRAINER_HOOKS:
         private(Trainer, name, "the Trainer path (checkpoint layout, resume)")
-
-
-def load_trainer_rng_state(trainer, checkpoint: str) -> None:
-    """The Trainer restores random states only when it replays data; this run restores data exactly."""
-    private(trainer, "_load_rng_state", "resuming the Trainer path")(checkpoint)
 
 
 def save_trainer_checkpoint(trainer) -> None:

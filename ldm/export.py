@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the pipeline folder to write")
     parser.add_argument("--no_ema", action="store_true", help="export the raw weights even if EMA weights exist")
     args = parser.parse_args(argv)
+    from ldm.runtime import use_fast_cpu_kernels
+
+    use_fast_cpu_kernels()
     from ldm.run_folder import CheckpointError
     from ldm.tracking import quiet_libraries
 

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="smallest side of an image in grid.png, in pixels (enlarged by a whole factor)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args(argv)
+    from ldm.runtime import use_fast_cpu_kernels
+
+    use_fast_cpu_kernels()
 
     prompts = list(args.prompt)
     if args.prompts_file:

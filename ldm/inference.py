@@ -10,8 +10,7 @@ from paddlenlp.transformers import BertTokenizer
 from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
-from ldm.checkpoint import EMA_FILE, MODEL_JSON, checkpoint_autoencoder, is_checkpoint
-from ldm.compat import fast_conv_bias
+from ldm.checkpoint import MODEL_JSON, checkpoint_autoencoder, is_checkpoint, read_ema, refuse_pickles
 from ldm.models.build import read_config
 
 
@@ -34,7 +33,7 @@ def load_for_inference(path: str, use_ema: bool = True):
     if not (is_pipeline(path) or is_checkpoint(path)):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")
-    fast_conv_bias()
+    refuse_pickles(path, "pipeline" if is_pipeline(path) else "checkpoint")
     unet = UNet2DConditionModel.from_pretrained(os.path.join(path, "unet"))
     text_encoder = LDMBertModel.from_pretrained(os.path.join(path, "bert"))
     tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
@@ -43,11 +42,10 @@ def load_for_inference(path: str, use_ema: bool = True):
         vae = AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))
     else:
         vae = checkpoint_autoencoder(path)
-    used_ema = False
-    ema_path = os.path.join(path, EMA_FILE)
-    if use_ema and os.path.isfile(ema_path):
-        apply_ema(paddle.load(ema_path), unet, text_encoder)
-        used_ema = True
+    ema = read_ema(path) if use_ema else None
+    if ema is not None:
+        apply_ema(ema, unet, text_encoder)
+    used_ema = ema is not None
     for model in (unet, text_encoder, vae):
         model.eval()
     return unet, text_encoder, vae, tokenizer, scheduler_config, used_ema

@@ -7,6 +7,9 @@
       checkpoint-<step>/    one resumable state; its manifest.json is written last
       pipeline/ or vqvae/   the export at the end
 
+This module is the filesystem and nothing else: it imports nothing of `ldm`, and what goes into a
+checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint`).
+
 Rules:
 - Nothing is written before every input has been checked (`check` reads only): a failed start
   leaves nothing that blocks the corrected retry.
@@ -14,9 +17,8 @@ Rules:
   (`--overwrite_output_dir`, which empties it: nothing of the earlier run survives or is reused).
 - A checkpoint is complete when its `manifest.json` (every file's size and sha256) is there and
   matches. `latest` resumes from the newest complete checkpoint and names any it skips; a damaged
-  checkpoint named explicitly is an error. The loop's checkpoints are written into a temporary
-  sibling and renamed; the Trainer's are written in place by PaddleNLP, and the manifest is what
-  makes them count.
+  checkpoint named explicitly is an error. Checkpoints are written into a temporary sibling and
+  renamed.
 - `auto` resumes from the newest complete checkpoint when there is one and otherwise starts afresh
   (emptying a run folder that holds none): one command for a job that is requeued after preemption.
 - Resuming from an older checkpoint while newer ones exist (they were skipped as damaged, or the
@@ -99,7 +101,7 @@ def write_manifest(folder: str) -> dict:
     return manifest
 
 
-STATE_FILE = "training_state.pkl"  # the last file a checkpoint of an earlier version wrote
+LEGACY_STATE_FILE = "training_state.pkl"  # the last file a checkpoint of the pre-manifest versions wrote
 
 
 def is_legacy_run(output_dir: str) -> bool:
@@ -111,7 +113,8 @@ def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
     """Why `folder` is not a complete checkpoint (None when it is)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        if is_legacy_run(os.path.dirname(os.path.abspath(folder))) and os.path.isfile(os.path.join(folder, STATE_FILE)):
+        legacy = os.path.isfile(os.path.join(folder, LEGACY_STATE_FILE))
+        if legacy and is_legacy_run(os.path.dirname(os.path.abspath(folder))):
             return None  # written before checkpoints had manifests: complete as far as can be told
         return "incomplete: no manifest.json (its writing was interrupted)"
     try:
@@ -275,30 +278,6 @@ class RunFolder:
                 os.replace(folder, target)
                 logger.warning("resuming from %s: set the newer %s aside as %s", resume, folder, target)
 
-    def write_vae(self, vae) -> tuple[str, dict]:
-        """The frozen autoencoder, written once per run: (its folder, its identity).
-
-        A resumed run finds it there and checks that it is the same autoencoder.
-        """
-        from ldm.models.autoencoder import autoencoder_identity
-
-        folder, identity = self.path(VAE_FOLDER), autoencoder_identity(vae)
-
-        def write() -> None:
-            if os.path.isfile(os.path.join(folder, "config.json")):
-                from ppdiffusers import AutoencoderKL
-
-                if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
-                    raise CheckpointError(
-                        f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
-                        "autoencoder the run started with")
-            else:
-                with atomic_folder(folder) as temp:
-                    vae.save_pretrained(temp)
-
-        self.dist.from_main(write)
-        return folder, identity
-
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int, write: Callable[[str, str], None]) -> str:
         """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder, then the manifest, the
@@ -312,26 +291,19 @@ class RunFolder:
         return final
 
     @contextmanager
-    def no_space_ends_the_run(self, folder: str, written_in_place: bool = False):
-        """Around the writing of checkpoint `folder`: no space to write it becomes a one-line CheckpointError,
-        with a checkpoint written in place (the Trainer's) removed; a temporary one already is."""
+    def no_space_ends_the_run(self, folder: str):
+        """Around the writing of checkpoint `folder`: no space to write it becomes a one-line CheckpointError
+        (the temporary folder is removed already)."""
         try:
             yield
         except OSError as e:
             if e.errno not in NO_SPACE:
                 raise
-            if written_in_place:
-                remove(folder)
             newest = latest_checkpoint(self.output_dir)
             raise CheckpointError(
                 f"no space to write {os.path.basename(folder)} in {self.output_dir} ({e.strerror}); nothing of it "
                 f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
                 "--resume_from_checkpoint auto") from None
-
-    def complete(self, folder: str) -> None:
-        """Seal a checkpoint written in place (the Trainer's): manifest last, then rotation. Rank 0 only."""
-        write_manifest(folder)
-        self.rotate(keep=folder)
 
     def rotate(self, keep: str | None = None) -> None:
         """Delete all but the `limit` newest complete checkpoints (incomplete ones older than those go too);
@@ -346,14 +318,6 @@ class RunFolder:
         for folder in folders[:folders.index(oldest_kept)]:
             if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
                 remove(folder)
-
-    def export(self, checkpoint: str) -> str:
-        """The inference pipeline of a checkpoint, as `<output_dir>/pipeline`. Rank 0 only."""
-        from ldm.export import export_checkpoint
-
-        pipeline, used_ema = export_checkpoint(checkpoint, self.path("pipeline"))
-        logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
-        return pipeline
 
 
 def remove(path: str) -> None:

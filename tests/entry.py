@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import numpy as np
-import paddle
 from conftest import ROOT
 from safetensors.numpy import load_file
+
+from ldm.serialization import load_state
 
 # What every training run and tool imports: the fork server imports it once, and each run starts as a fork
 # of that process instead of a new interpreter that spends 6-10 s importing Paddle, PaddleNLP and ppdiffusers.
@@ -127,9 +128,8 @@ def weights(checkpoint):
     """Every UNet, LDMBert and EMA weight of a checkpoint by name, and the EMA update counter."""
     out = {f"unet.{k}": v for k, v in load_file(os.path.join(checkpoint, "unet",
                                                              "diffusion_paddle_model.safetensors")).items()}
-    out.update({f"bert.{k}": v.numpy() for k, v in paddle.load(os.path.join(checkpoint, "bert",
-                                                                           "model_state.pdparams")).items()})
-    ema = paddle.load(os.path.join(checkpoint, "ema.pdparams"))
+    out.update({f"bert.{k}": v for k, v in load_file(os.path.join(checkpoint, "bert", "model.safetensors")).items()})
+    ema = load_state(str(checkpoint), "ema")
     out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
     return out, ema["num_updates"]
 

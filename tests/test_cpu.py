@@ -56,14 +56,17 @@ def test_an_unreadable_cpuinfo_sets_nothing(tmp_path):
     assert environ == {}
 
 
-def test_importing_ldm_makes_the_choice_before_paddle_for_the_process_and_its_children():
-    """`import ldm` decides before Paddle is even imported (so before MKL's first call), and a process
-    it starts (a launched rank, a loader worker) inherits the choice."""
+def test_the_entry_points_start_up_makes_the_choice_for_the_process_and_its_children():
+    """`use_fast_cpu_kernels()`, which every entry point calls first, decides before it imports Paddle (so
+    before MKL's first call), and a process it starts (a launched rank, a loader worker) inherits the choice;
+    `import ldm` alone decides nothing."""
     env = {k: v for k, v in os.environ.items() if k != "MKL_DEBUG_CPU_TYPE"}
-    code = ("import os, subprocess, sys, ldm; print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); "
-            "print('paddle' in sys.modules, flush=True); "
+    code = ("import os, subprocess, sys, ldm, ldm.runtime; print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); "
+            "import ldm.cpu; ldm.cpu.choose_mkl_kernels = (lambda f: lambda: (print('paddle' in sys.modules), f()))"
+            "(ldm.cpu.choose_mkl_kernels); ldm.runtime.use_fast_cpu_kernels(); "
+            "print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); "
             "subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get(\"MKL_DEBUG_CPU_TYPE\"))'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     expected = "5" if choose_mkl_kernels({}) else "None"  # what this machine's /proc/cpuinfo calls for
-    assert out == [expected, "False", expected]
+    assert out == ["None", "False", expected, expected]

@@ -16,6 +16,7 @@ from ldm.models.build import PRESETS_DIR, build_components
 from ldm.models.diffusion import LatentDiffusion
 from ldm.models.ema import EMA
 from ldm.models.init import fan_in, unet_zero_init_layers
+from ldm.serialization import load_state, save_state
 
 MAX_LENGTH = 16
 
@@ -200,9 +201,9 @@ def test_ema_warmup_and_counter_survive_save_load(tokenizer, tmp_path):
         weight.set_value(weight + 1.0)
         ema.update()
     assert ema.num_updates == 3 and ema.decay() == pytest.approx(4 / 13)
-    paddle.save(ema.state_dict(), str(tmp_path / "ema.pdparams"))
+    save_state(str(tmp_path), "ema", ema.state_dict())
     restored = EMA(model, decay=0.999)
-    restored.load_state_dict(paddle.load(str(tmp_path / "ema.pdparams")))
+    restored.load_state_dict(load_state(str(tmp_path), "ema"))
     assert restored.num_updates == 3
     for n in ema.shadow:
         np.testing.assert_array_equal(ema.shadow[n].numpy(), restored.shadow[n].numpy())
@@ -227,7 +228,8 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     checkpoint = tmp_path / "checkpoint-1"
     save_model(str(checkpoint), unet=c.unet, text_encoder=c.text_encoder, tokenizer=tokenizer,
                noise_scheduler=c.noise_scheduler, vae_folder=str(tmp_path / "vqvae"),
-               vae_identity=autoencoder_identity(c.vae), ema_state=ema.state_dict())
+               vae_identity=autoencoder_identity(c.vae))
+    save_state(str(checkpoint), "ema", ema.state_dict())
 
     output, used_ema = export_checkpoint(str(checkpoint), str(tmp_path / "pipeline"))
     assert used_ema

@@ -16,8 +16,9 @@ from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_until, subproce
 
 from ldm.checkpoint import read_training_state
 from ldm.run_folder import MANIFEST, checkpoint_problem, latest_checkpoint
+from ldm.serialization import load_state, save_state
 from ldm.tracking import read_scalars
-from ldm.train.loop import Objective
+from ldm.train.objective import Objective
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(
         assert code == -signal.SIGKILL, log[-3000:]
         # and the newest complete checkpoint is damaged afterwards: latest must skip it too
         newest = latest_checkpoint(str(out))
-        with open(os.path.join(newest, "optimizer.pdopt"), "r+b") as f:
+        with open(os.path.join(newest, "optimizer.safetensors"), "r+b") as f:
             f.truncate(100)
     else:
         code, log = run_until(SCRIPT, common + ["--save_steps", "100", "--output_dir", str(out)], "step 3 ",
@@ -69,7 +70,7 @@ def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     if fault == "SIGKILL":
-        assert f"skipping {newest}: optimizer.pdopt has 100 bytes" in resumed.stderr
+        assert f"skipping {newest}: optimizer.safetensors has 100 bytes" in resumed.stderr
     assert not [name for name in os.listdir(out) if name.startswith(".tmp-")]
 
     expected, expected_updates = weights(tmp_path / "a" / "checkpoint-8")
@@ -96,7 +97,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]
     state = read_training_state(out / "checkpoint-5")
-    assert state["step"] == 5 and paddle.load(str(out / "checkpoint-5" / "ema.pdparams"))["num_updates"] == 5
+    assert state["step"] == 5 and load_state(str(out / "checkpoint-5"), "ema")["num_updates"] == 5
     # 5 updates x 2 micro-steps x 4 images, nothing more read
     assert state["stream"][0]["batches"] == 10
     # the exported pipeline loads offline
@@ -210,7 +211,7 @@ def checkpoint_digest(checkpoint) -> dict[str, str]:
     """The sha256 of a checkpoint's weights and optimizer state, as its manifest records them (checked first)."""
     assert checkpoint_problem(str(checkpoint)) is None  # the manifest matches the bytes on disk
     files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-    return {rel: info["sha256"] for rel, info in files.items() if rel.endswith((".safetensors", ".pdparams", ".pdopt"))}
+    return {rel: info["sha256"] for rel, info in files.items() if rel.endswith(".safetensors")}
 
 
 @pytest.mark.distributed
@@ -257,7 +258,7 @@ def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpo
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
 def test_clip_grad_norm_matches_paddles(max_norm):
-    from ldm.train.optim import clip_grad_norm
+    from ldm.train.objective import clip_grad_norm
 
     def clipped(clip):
         paddle.seed(0)
@@ -300,12 +301,12 @@ def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus
     refused = run(args + ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # the preset's autoencoder
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "was trained with another autoencoder" in refused.stderr
-    with open(out / "checkpoint-2" / "optimizer.pdopt", "r+b") as f:
+    with open(out / "checkpoint-2" / "optimizer.safetensors", "r+b") as f:
         f.truncate(100)
     named = run(args + ["--max_train_steps", "3", "--vae_name_or_path", str(tmp_path / "other_vae"),
                         "--resume_from_checkpoint", str(out / "checkpoint-2")])
     assert named.returncode == 2 and "Traceback" not in named.stderr
-    assert "not a usable checkpoint: optimizer.pdopt has 100 bytes" in named.stderr
+    assert "not a usable checkpoint: optimizer.safetensors has 100 bytes" in named.stderr
 
 
 @pytest.mark.distributed
@@ -382,7 +383,7 @@ class PixelRegression(Objective):
         pass
 
     def save(self, folder, final_folder):
-        paddle.save(self.model.state_dict(), os.path.join(folder, "net.pdparams"))
+        save_state(folder, "net", self.model.state_dict())
 
     def finish(self, checkpoint, batches, dist, run_dir):
         pass
@@ -407,7 +408,7 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
         assert run(loop, data, lambda dist: objective)["step"] == 4
         logged = {tag: read_scalars(str(out / "visualdl"), tag)[1]
                   for tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
-        return paddle.load(str(out / "checkpoint-4" / "net.pdparams")), logged
+        return load_state(str(out / "checkpoint-4"), "net"), logged
 
     (one, logged_one), (two, logged_two) = train(8, 1), train(4, 2)
     start = PixelRegression().model.state_dict()

@@ -59,12 +59,14 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(corpus, tmp_p
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # the data position came from the checkpoint: 8 updates x 2 micro-steps, no batch replayed
     assert read_training_state(tmp_path / "b" / "checkpoint-8")["stream"][0]["batches"] == 16
-    # each trained weight once, no frozen autoencoder: not PaddleNLP's whole-wrapper model_state.pdparams
+    # each trained weight once, no frozen autoencoder (not PaddleNLP's whole-wrapper model_state.pdparams), and
+    # no pickle at all: not PaddleNLP's optimizer.pdopt, scheduler.pdparams, rng_state.pth or training_args.bin
     with open(tmp_path / "b" / "checkpoint-8" / "manifest.json") as f:
         files = json.load(f)["files"]
-    assert not [name for name in files if name.endswith((".pdparams", ".safetensors"))
-                and not name.startswith(("unet/", "bert/", "ema.", "scheduler."))]
-    assert "optimizer.pdopt" in files and "trainer_state.json" in files
+    assert not [name for name in files if name.endswith(".safetensors")
+                and not name.startswith(("unet/", "bert/", "ema.", "optimizer.", "training_state."))]
+    assert not [name for name in files if name.endswith((".pdparams", ".pdopt", ".pth", ".bin", ".pkl"))]
+    assert "optimizer.safetensors" in files and "trainer_state.json" in files
 
 
 def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):

@@ -37,6 +37,7 @@ from ldm.data import remote
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
+from ldm.data.loader import watched
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import LineTooLong, ShardError, ShardMissing, ShardTruncated, iter_lines
 from ldm.data.stream import shard_error_reason
@@ -44,6 +45,7 @@ from ldm.data.watchdog import ReadingBoard
 from ldm.distributed import Distributed
 from ldm.models.autoencoder import autoencoder_identity, posterior, unit_range
 from ldm.run_folder import NO_SPACE
+from ldm.runtime import resolve_vae_dtype, use_fast_cpu_kernels
 
 logger = logging.getLogger("ldm.data")
 
@@ -266,8 +268,7 @@ def write_file_lists(output_dir: str, shards: list[Shard], done: dict[int, dict]
 def load_autoencoder(name_or_path: str, allow_untrained: bool):
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.build import load_part, vae_folder
-    from ldm.train.setup import check_autoencoder_trained
+    from ldm.models.build import check_autoencoder_trained, load_part, vae_folder
 
     vae, loaded = load_part(AutoencoderKL, vae_folder(name_or_path))
     check_autoencoder_trained(loaded, name_or_path, allow_untrained)
@@ -280,13 +281,13 @@ def encode_corpus(args) -> int:
     if remote.is_url(args.output_dir):
         raise EncodeError(f"--output_dir must be a local or mounted folder, not {args.output_dir}: encode there, "
                           "then copy the folder to the store (its file lists are relative)")
+    use_fast_cpu_kernels()
     dist = Distributed.init()
     shards = read_file_list(args.file_list)
     dist.from_main(lambda: check_shards(shards, args.file_list))
     if dist.from_main(lambda: probe([s.path for s in shards])) is not None:
         raise EncodeError(f"{args.file_list} holds latent shards already")
     vae = load_autoencoder(args.vae_name_or_path, args.allow_untrained_vae)
-    from ldm.train.setup import resolve_vae_dtype
 
     args.vae_dtype = resolve_vae_dtype(args.vae_dtype)
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
@@ -304,7 +305,6 @@ def encode_corpus(args) -> int:
                         timeout=READER_POLL_SECONDS)
     writers = ShardWriters(args.output_dir, dist.rank)
     progress = tqdm(total=todo, desc=f"encode (rank {dist.rank})", unit="shard", disable=not dist.is_main)
-    from ldm.train.batches import watched
 
     batches = watched(loader, args.data_timeout)
     try:

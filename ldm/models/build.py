@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ldm.compat import fast_conv_bias
-
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
 HUB_PRESETS = {"CompVis/ldm_laion400M_pretrain": "ldm-32layer", "CompVis/ldm_12_laion400M_pretrain": "ldm-12layer"}
@@ -188,7 +186,6 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 
 def load_part(model_class, folder: str):
     """(model, loaded): a ppdiffusers model from its weights, or built from its config alone."""
-    fast_conv_bias()
     if has_weights(folder):
         return model_class.from_pretrained(folder), True
     return model_class.from_config(read_config(folder)), False
@@ -266,3 +263,18 @@ def build_components(
     scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})
+
+
+def check_autoencoder_trained(loaded: bool, source: str, allowed: bool) -> None:
+    """Refuse a frozen autoencoder with no trained weights (a multi-day run would learn nothing), unless
+    `--allow_untrained_vae` says it is meant."""
+    if loaded:
+        return
+    if not allowed:
+        raise ModelSourceError(
+            f"the autoencoder from {source} has no trained weights: the diffusion model would learn "
+            f"random projections. Pass --vae_name_or_path with a pretrained KL autoencoder: online the hub name "
+            f"{PRETRAINED_VAE}; offline a folder trained by train_autoencoder.py (its OUTPUT_DIR/vqvae). "
+            "--allow_untrained_vae trains on it anyway (tests)")
+    logger.warning("--allow_untrained_vae: the autoencoder from %s has NO TRAINED WEIGHTS; what this run learns is "
+                   "useful for tests only", source)

@@ -15,6 +15,7 @@ import paddle
 from ppdiffusers import AutoencoderKL
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
+from ldm.checkpoint import refuse_pickles
 from ldm.models.autoencoder import (
     AutoencoderTraining,
     latent_moments,
@@ -27,7 +28,8 @@ from ldm.models.build import load_part, vae_folder
 from ldm.models.init import pytorch_default_init
 from ldm.run_folder import atomic_folder
 from ldm.sampling import image_grid
-from ldm.train.loop import Objective, run
+from ldm.train.loop import run
+from ldm.train.objective import Objective
 
 logger = logging.getLogger("ldm.train")
 
@@ -58,9 +60,10 @@ class Autoencoder(Objective):
         return loss, {"reconstruction_l1": l1, "kl": kl}
 
     def save(self, folder, final_folder):
-        self.vae.save_pretrained(os.path.join(folder, "vqvae"))
+        self.vae.save_pretrained(os.path.join(folder, "vqvae"), safe_serialization=True)
 
     def load(self, folder):
+        refuse_pickles(folder)
         self.vae.set_state_dict(AutoencoderKL.from_pretrained(os.path.join(folder, "vqvae")).state_dict())
 
     def log_images(self, writer, step, batch):
@@ -85,7 +88,7 @@ class Autoencoder(Objective):
         if dist.is_main:
             final = run_dir.path("vqvae")
             with atomic_folder(final) as folder:
-                self.vae.save_pretrained(folder)
+                self.vae.save_pretrained(folder, safe_serialization=True)
             logger.info("latent std %.4f over %d values: wrote %s with scaling_factor %.5f",
                         1 / factor, int(moments[2]), final, factor)
 

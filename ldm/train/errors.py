@@ -11,6 +11,7 @@ from ldm.data.stream import NoUsableData
 from ldm.data.tokenize import TokenizerError
 from ldm.models.build import ModelSourceError
 from ldm.run_folder import CheckpointError
+from ldm.serialization import StateFormatError
 from ldm.tracking import TrackerError
 
 
@@ -19,6 +20,6 @@ def user_errors():
     try:
         yield
     except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
-            TrackerError) as e:
+            TrackerError, StateFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,8 +11,9 @@ from ldm.args import DataArguments, ModelArguments
 from ldm.data.tokenize import load_tokenizer
 from ldm.distributed import Distributed
 from ldm.models.attention import set_attention
-from ldm.models.build import PRETRAINED_VAE, ModelSourceError, build_components
+from ldm.models.build import build_components, check_autoencoder_trained
 from ldm.models.diffusion import LatentDiffusion
+from ldm.runtime import resolve_vae_dtype
 from ldm.tracking import quiet_libraries
 
 logger = logging.getLogger("ldm.train")
@@ -26,24 +27,6 @@ def setup_logging(dist: Distributed) -> None:
         force=True,
     )
     quiet_libraries()
-
-
-def resolve_precision(requested: str, what: str = "training") -> str:
-    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
-    supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
-    if requested in supported and not supported[requested]():
-        logger.warning("%s mixed precision is not supported on this device (%s): %s in fp32",
-                       requested, paddle.device.get_device(), what)
-        return "no"
-    return requested
-
-
-def resolve_vae_dtype(requested: str) -> str:
-    """`--vae_dtype` where this device supports it, else float32 with a message."""
-    if requested == "float32":
-        return requested
-    short = "fp16" if requested == "float16" else "bf16"
-    return requested if resolve_precision(short, "encoding with the autoencoder") == short else "float32"
 
 
 def build_tokenizer(data: DataArguments):
@@ -76,18 +59,3 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     return model, components
-
-
-def check_autoencoder_trained(loaded: bool, source: str, allowed: bool) -> None:
-    """Refuse a frozen autoencoder with no trained weights (a multi-day run would learn nothing), unless
-    `--allow_untrained_vae` says it is meant."""
-    if loaded:
-        return
-    if not allowed:
-        raise ModelSourceError(
-            f"the autoencoder from {source} has no trained weights: the diffusion model would learn "
-            f"random projections. Pass --vae_name_or_path with a pretrained KL autoencoder: online the hub name "
-            f"{PRETRAINED_VAE}; offline a folder trained by train_autoencoder.py (its OUTPUT_DIR/vqvae). "
-            "--allow_untrained_vae trains on it anyway (tests)")
-    logger.warning("--allow_untrained_vae: the autoencoder from %s has NO TRAINED WEIGHTS; what this run learns is "
-                   "useful for tests only", source)

@@ -1,0 +1,42 @@
+"""What a process sets up before its first tensor: fast CPU kernels, and the precision the device supports.
+
+Nothing here runs on import. Every entry point calls `use_fast_cpu_kernels()` at its start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("ldm.train")
+
+
+def use_fast_cpu_kernels() -> None:
+    """MKL's AVX2 kernels on AMD CPUs (`ldm.cpu`) and the fast bias add of CPU convolutions
+    (`ldm.compat.fast_conv_bias`). Changes the process: an environment variable MKL reads at its first
+    call (so: before any tensor work) and `paddle.nn.functional.conv2d`. Both leave results unchanged."""
+    from ldm.cpu import choose_mkl_kernels
+
+    choose_mkl_kernels()  # before Paddle is imported here
+    from ldm.compat import fast_conv_bias
+
+    fast_conv_bias()
+
+
+def resolve_precision(requested: str, what: str = "training") -> str:
+    """The mixed-precision mode to use: the requested one, or "no" with a message if unsupported here."""
+    import paddle
+
+    supported = {"fp16": paddle.amp.is_float16_supported, "bf16": paddle.amp.is_bfloat16_supported}
+    if requested in supported and not supported[requested]():
+        logger.warning("%s mixed precision is not supported on this device (%s): %s in fp32",
+                       requested, paddle.device.get_device(), what)
+        return "no"
+    return requested
+
+
+def resolve_vae_dtype(requested: str) -> str:
+    """`--vae_dtype` where this device supports it, else float32 with a message."""
+    if requested == "float32":
+        return requested
+    short = "fp16" if requested == "float16" else "bf16"
+    return requested if resolve_precision(short, "encoding with the autoencoder") == short else "float32"

@@ -1,0 +1,145 @@
+"""The checkpointer: the one owner of a run's state on every path (the loop, the Trainer, the autoencoder).
+
+It is handed the objective (its weights save and load themselves in the pipeline layout) and named
+parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
+schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
+fingerprint. It decides when a checkpoint is due, writes it (rank 0, into a temporary folder sealed by
+its manifest, `ldm.run_folder`), keeps `save_total_limit` of them, and resumes from one. The loop
+never assembles a state dict. Formats: `ldm.checkpoint` (JSON and safetensors, never pickle).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import paddle
+
+from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
+from ldm.distributed import Distributed, weights_checksum
+from ldm.run_folder import CheckpointError, RunFolder
+from ldm.serialization import has_state, load_state, save_state, to_paddle
+from ldm.train.objective import Objective, rank_seed
+
+logger = logging.getLogger("ldm.train")
+
+OWN_FILES = (OPTIMIZER, EMA)  # parts written to a file of their own (inference reads the EMA alone)
+
+
+@dataclass
+class Part:
+    """One piece of run state: `state()` gives a tree of numbers, strings and arrays, `load(tree)` takes it.
+
+    A part `per_rank` is gathered from every rank and `load` receives every saved rank's tree (the saved
+    world size may differ from this run's). `load=None`: saved for the record or restored elsewhere.
+    """
+
+    state: Callable[[], Any]
+    load: Callable[[Any], None] | None = None
+    per_rank: bool = False
+
+
+def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Part:
+    """A part of an object with `state_dict()` and a setter (Paddle optimizers and schedules name it
+    `set_state_dict`, the scaler and the EMA `load_state_dict`); `tensors`: the setter wants Paddle tensors."""
+    setter = getattr(obj, set_name)
+    return Part(obj.state_dict, (lambda tree: setter(to_paddle(tree))) if tensors else setter)
+
+
+class RandomState:
+    """A rank's generators (Paddle's, numpy's, Python's) as JSON-able trees."""
+
+    def __init__(self, dist: Distributed, seed: int):
+        self.dist, self.seed = dist, seed
+        self.step = 0  # set by the checkpointer before `load`: what a new rank's seed derives from
+
+    def state(self) -> dict:
+        return {"paddle": [list(g.__getstate__()) for g in paddle.get_rng_state()],
+                "numpy": np.random.get_state(), "python": random.getstate()}
+
+    def load(self, saved: list[dict]) -> None:
+        if len(saved) != self.dist.world_size:
+            logger.warning("resuming a %d-rank run on %d ranks: each rank's noise continues from a seed derived "
+                           "from the step", len(saved), self.dist.world_size)
+            paddle.seed(rank_seed(self.seed, self.dist.rank, self.step))
+            return
+        mine = saved[self.dist.rank]
+        generators = []
+        for values in mine["paddle"]:
+            generator = paddle.get_rng_state()[0].__class__.__new__(paddle.get_rng_state()[0].__class__)
+            generator.__setstate__(tuple(values))
+            generators.append(generator)
+        paddle.set_rng_state(generators)
+        np.random.set_state(tuple(mine["numpy"]))
+        version, internal, gauss = mine["python"]
+        random.setstate((version, tuple(internal), gauss))
+
+
+class Checkpointer:
+    def __init__(self, run_dir: RunFolder, dist: Distributed, objective: Objective, *, save_steps: int,
+                 parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
+                 data_position: Callable[[], dict]):
+        """`parts` beyond the ones every run has: the random state, the data position (restored when the
+        batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA."""
+        self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
+        self.random = RandomState(dist, seed)
+        self.parts = {
+            **parts,
+            "random": Part(self.random.state, self.random.load, per_rank=True),
+            "stream": Part(data_position, per_rank=True),
+            "weights_checksum": Part(lambda: weights_checksum(trained), per_rank=True),
+        }
+        if objective.ema is not None:
+            self.parts[EMA] = stateful(objective.ema, "load_state_dict")
+
+    def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
+        return step % self.save_steps == 0 or last or stopping
+
+    def save(self, step: int, also: Callable[[str], None] | None = None) -> str:
+        """checkpoint-<step> on every rank together (per-rank parts are gathered; rank 0 writes); `also(folder)`
+        writes more files into it before the manifest seals it. Returns the checkpoint's path."""
+        gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
+
+        def write(folder: str, final_folder: str) -> None:
+            self.objective.save(folder, final_folder)
+            state = {"step": step, "world_size": self.dist.world_size, **gathered}
+            for name, part in self.parts.items():
+                if part.per_rank:
+                    continue
+                if name in OWN_FILES:
+                    save_state(folder, name, part.state())
+                else:
+                    state[name] = part.state()
+            save_state(folder, TRAINING_STATE, state)
+            if also is not None:
+                also(folder)
+
+        path = self.dist.from_main(lambda: self.run_dir.save(step, write))
+        logger.info("saved %s", path)
+        return path
+
+    def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
+        """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from
+        `checkpoint`; returns its step."""
+        state = read_training_state(checkpoint)
+        self.random.step = state["step"]
+        if weights:
+            self.objective.load(checkpoint)
+        for name in names if names is not None else self.parts:
+            part = self.parts.get(name)
+            if part is None or part.load is None:
+                continue
+            if name in OWN_FILES:
+                if not has_state(checkpoint, name):
+                    raise CheckpointError(f"{checkpoint} has no {name} state" +
+                                          (" but --use_ema is on" if name == EMA else ""))
+                part.load(load_state(checkpoint, name))
+            elif name not in state:
+                raise CheckpointError(f"{checkpoint} has no {name} state to resume")
+            else:
+                part.load(state[name])
+        return state["step"]

@@ -1,0 +1,191 @@
+"""What both training paths share: the objective (model, loss, what a checkpoint holds of it), the start of
+the batches, the gradient norm, the per-rank seed rule and the window of logged metrics.
+
+The hand-written loop (`ldm.train.loop`) and the PaddleNLP Trainer path (`ldm.train.trainer`) call these;
+neither writes its own copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import paddle
+
+from ldm.args import DataArguments, ModelArguments, SamplingArguments
+from ldm.checkpoint import (
+    check_autoencoder,
+    load_ldm_weights,
+    read_training_state,
+    recorded_autoencoder,
+    save_model,
+    write_frozen_autoencoder,
+)
+from ldm.compat import squared_l2_norm
+from ldm.data.latents import fingerprint
+from ldm.distributed import Distributed
+from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.ema import EMA
+from ldm.run_folder import RunFolder
+from ldm.tracking import NullWriter
+from ldm.train import samples, setup
+from ldm.train.batches import TimedBatches, build_batches
+
+logger = logging.getLogger("ldm.train")
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The noise seed of a rank: the same weights everywhere (built before), different noise per rank; a
+    resume that cannot restore a rank's random state (the world size changed) derives it from the step."""
+    return seed + 1000 * rank + step
+
+
+class Objective:
+    """What a run trains. `model` is the training wrapper: its trainable parameters are optimised."""
+
+    model: paddle.nn.Layer
+    tokenizer = None  # batches carry `input_ids` when set
+    ema: EMA | None = None
+    latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
+    autoencoder_source = ""
+
+    def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
+        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
+        raise NotImplementedError
+
+    def check_resume(self, checkpoint: str) -> None:
+        """Refuse a checkpoint this objective cannot continue (called before anything is written)."""
+
+    def start(self, run_dir: RunFolder) -> None:
+        """Write what the run needs before training (the folder exists now)."""
+
+    def save(self, folder: str, final_folder: str) -> None:
+        """Write the trained weights into a checkpoint folder (the rest of the run state is the checkpointer's)."""
+        raise NotImplementedError
+
+    def load(self, folder: str) -> None:
+        raise NotImplementedError
+
+    def log_images(self, writer: NullWriter, step: int, batch: dict | None) -> None:
+        """Images for the trackers every `image_logging_steps` (rank 0's writer only)."""
+
+    def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
+        """After the last update, on every rank: the final export."""
+
+
+class TextToImage(Objective):
+    """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
+
+    def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
+                 recompute: bool, seed: int):
+        self.data, self.sampling = data, sampling
+        self.tokenizer = setup.build_tokenizer(data)
+        self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
+                                                         seed=seed)
+        self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
+        self.vae_identity = autoencoder_identity(self.components.vae)
+        self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
+        self.vae_folder = None
+
+    def check_resume(self, checkpoint):
+        check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
+                          f"this run's autoencoder ({self.components.vae_source})")
+
+    def start(self, run_dir):
+        self.vae_folder, _ = write_frozen_autoencoder(run_dir, self.components.vae)
+
+    def loss(self, net, batch):
+        return net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments")), {}
+
+    def save(self, folder, final_folder):
+        save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
+                   noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
+                   vae_identity=self.vae_identity, final_folder=final_folder)
+
+    def load(self, folder):
+        load_ldm_weights(folder, self.model)
+
+    def log_images(self, writer, step, batch):
+        samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length, self.sampling,
+                               ema=self.ema)
+
+    def finish(self, checkpoint, batches, dist, run_dir):
+        if dist.is_main and checkpoint:
+            from ldm.export import export_checkpoint
+
+            pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
+            logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
+
+
+def start_batches(objective: Objective, resume: str | None, data: DataArguments, *, batch_size: int, seed: int,
+                  dist: Distributed, num_workers: int) -> TimedBatches:
+    """The started batches, continuing from the data position of `resume` (checked against the objective
+    first); unusable data fails here. Both paths call this after building the model and before the
+    first write."""
+    saved = read_training_state(resume)["stream"] if resume else None
+    if resume:
+        objective.check_resume(resume)
+    batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
+                            num_workers=num_workers, saved_streams=saved,
+                            autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source)
+    batches.start()
+    return batches
+
+
+@paddle.no_grad()
+def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
+    """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if above.
+
+    The result of `paddle.nn.utils.clip_grad_norm_`, computed the way Paddle's own
+    `ClipGradByGlobalNorm` does (one squared-norm kernel per gradient, one sum) instead of a norm
+    per gradient, a stack and a second norm; no rescaling pass when `max_norm` is infinite. Per-op
+    cost dominates for small models on a CPU: see `scripts/bench_step.py`.
+    """
+    grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
+    if not grads:
+        return paddle.zeros([], dtype="float32")
+    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
+    if math.isfinite(max_norm):
+        scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
+        scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
+        for g in grads:
+            g.multiply_(scales[g.dtype])
+    return total
+
+
+class MetricsWindow:
+    """The scalars logged every `logging_steps`, the same names on both paths (the trackers show train/<name>).
+
+    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.grad_norm, self.updates, self.extra = 0.0, 0.0, 0, {}
+
+    def add_micro_step(self, loss: paddle.Tensor, extra: dict[str, paddle.Tensor], weight: float) -> None:
+        self.loss += loss.detach() * weight
+        for name, value in extra.items():
+            self.extra[name] = self.extra.get(name, 0.0) + value.detach() * weight
+
+    def add_update(self, grad_norm: paddle.Tensor) -> None:
+        self.grad_norm += grad_norm
+        self.updates += 1
+
+    def read(self, dist: Distributed, batches: TimedBatches, *, with_loss: bool = True) -> dict[str, float]:
+        """The window's means over updates and ranks, and the data path's figures; then a new window.
+        `with_loss=False`: the loss is logged by someone else (PaddleNLP's Trainer)."""
+        updates = max(1, self.updates)
+        samples_per_second, wait_fraction, counts = batches.window(dist)
+        metrics = {"loss": dist.mean(float(self.loss) / updates)} if with_loss else {}
+        metrics.update({
+            "grad_norm": dist.mean(float(self.grad_norm) / updates),
+            "global_samples_per_second": samples_per_second,  # the Trainer's own name for it
+            "data_wait_fraction": wait_fraction,
+        })
+        metrics.update({name: dist.mean(float(value) / updates) for name, value in sorted(self.extra.items())})
+        metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
+        self.reset()
+        return metrics
