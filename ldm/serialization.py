@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -75,12 +76,24 @@ def unflatten(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
     return tree
 
 
+def as_os_error(error: Exception, path: str) -> Exception:
+    """safetensors writes in Rust and reports a failed write (a full disk, a file-size limit) as its own
+    exception whose text carries the OS error code: an OSError with that errno again, so that callers
+    handle it as any other failed write."""
+    found = re.search(r"(?:code: |os error )(\d+)", str(error))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), path) if found else error
+
+
 def save_state(folder: str, name: str, tree: Any) -> None:
     """`<folder>/<name>.json` and, if the tree holds arrays, `<folder>/<name>.safetensors`."""
     arrays: dict[str, np.ndarray] = {}
     structure = flatten(tree, arrays)
     if arrays:
-        save_file(arrays, os.path.join(folder, f"{name}.safetensors"))
+        path = os.path.join(folder, f"{name}.safetensors")
+        try:
+            save_file(arrays, path)
+        except Exception as e:  # noqa: BLE001 - narrowed below
+            raise as_os_error(e, path) from None
     with open(os.path.join(folder, f"{name}.json"), "w") as f:
         json.dump(structure, f)
 

@@ -196,7 +196,7 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert state["world_size"] == 2
     checksums = state["weights_checksum"]
     assert len(checksums) == 2 and checksums[0] == checksums[1]  # gradients were averaged, ranks in step
-    slots = [set(stream["slots"]) for stream in state["stream"]]
+    slots = [{int(slot) for slot in stream["slots"]} for stream in state["stream"]]  # JSON keys are strings
     assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
     assert all(s["num_slots"] == 2 for stream in state["stream"] for s in stream["slots"].values())
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
@@ -211,7 +211,8 @@ def checkpoint_digest(checkpoint) -> dict[str, str]:
     """The sha256 of a checkpoint's weights and optimizer state, as its manifest records them (checked first)."""
     assert checkpoint_problem(str(checkpoint)) is None  # the manifest matches the bytes on disk
     files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-    return {rel: info["sha256"] for rel, info in files.items() if rel.endswith(".safetensors")}
+    return {rel: info["sha256"] for rel, info in files.items()
+            if rel.endswith(".safetensors") and not rel.startswith("training_state.")}
 
 
 @pytest.mark.distributed
@@ -413,8 +414,8 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
     (one, logged_one), (two, logged_two) = train(8, 1), train(4, 2)
     start = PixelRegression().model.state_dict()
     for name, value in one.items():
-        assert not np.allclose(value.numpy(), start[name].numpy()), name  # it trained
-        np.testing.assert_allclose(two[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+        assert not np.allclose(value, start[name].numpy()), name  # it trained
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
     for tag, values in logged_one.items():
         assert len(values) == 4, tag
         np.testing.assert_allclose(np.array(logged_two[tag]), np.array(values), rtol=1e-5, err_msg=tag)
