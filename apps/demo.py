@@ -60,7 +60,7 @@ QUICK = Settings(records=256, autoencoder_steps=4, autoencoder_batch=8, ldm_step
                  num_inference_steps=3, eval_images_per_prompt=1, reference_images=50, sample_seeds=2)
 
 # samples.png: one row per prompt, every colour once as object and once as background, in the
-# corpus's own caption template (a prompt it never uses, like "an orange", is out of vocabulary)
+# corpus's own caption template (a word it never uses is out of its vocabulary)
 SAMPLE_PROMPTS = tuple(caption(*words) for words in (
     ("red", "circle", "blue"), ("green", "square", "yellow"), ("blue", "triangle", "white"),
     ("yellow", "circle", "purple"), ("purple", "square", "orange"), ("orange", "triangle", "black"),

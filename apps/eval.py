@@ -90,7 +90,8 @@ def classify(pixels: np.ndarray) -> Reading:
 def parse_caption(text: str) -> tuple[str, str, str]:
     """(colour, shape, background) of a corpus caption."""
     words = text.split()
-    if len(words) != 7 or words[0] != "a" or words[3:5] != ["on", "a"] or words[6] != "background":
+    if (len(words) != 7 or words[0] not in ("a", "an") or words[3] != "on" or words[4] not in ("a", "an")
+            or words[6] != "background"):
         raise ValueError(f"not a shapes caption: {text!r}")
     return words[1], words[2], words[5]
 

@@ -29,8 +29,12 @@ SHAPES = ("circle", "square", "triangle")
 SIZE_RANGE = (0.45, 0.8)  # side of the shape's box, as a fraction of the image side
 
 
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 def caption(colour: str, shape: str, background: str) -> str:
-    return f"a {colour} {shape} on a {background} background"
+    return f"{article(colour)} {colour} {shape} on {article(background)} {background} background"
 
 
 def render(shape: str, colour: str, background: str, resolution: int, rng: np.random.Generator) -> Image.Image:
