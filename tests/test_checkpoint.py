@@ -12,7 +12,7 @@ import pytest
 from corpus import write_corpus
 from entry import run_entry, run_python, weights
 
-from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
+from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, pickled_files, read_training_state
 from ldm.run_folder import LEGACY_STATE_FILE, checkpoint_problem, write_manifest
 from ldm.serialization import load_state, save_state, to_paddle
 
@@ -41,6 +41,14 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+def test_what_a_run_writes_holds_no_pickle(trained):
+    args, out = trained
+    for folder in (out / "checkpoint-2", out / "pipeline", out / "vqvae"):
+        names = [os.path.relpath(os.path.join(root, n), folder) for root, _, files in os.walk(folder) for n in files]
+        assert [n for n in names if n.endswith(".safetensors")], folder  # the weights are there, as safetensors
+        assert pickled_files(str(folder)) == [], folder
 
 
 def test_a_crafted_pickle_in_a_checkpoint_is_never_executed(trained, tmp_path):
