@@ -213,3 +213,26 @@ def test_state_and_resume_stay_small_for_a_large_plan():
     assert len(plan.plan) == 1 and plan.plan[0].frontier > 300 * num_slots
     assert size < 64 * buffer * 25 + 64 * 40 * 4  # the buffers' records and a few units per slot
     assert elapsed < 5
+
+
+@pytest.mark.parametrize("second", [(1, 3), (2, 2), (3, 0)])
+def test_the_plan_from_a_checkpoint_is_what_the_resumed_run_reads(tmp_path, second):
+    """`python -m ldm.data plan --from_checkpoint` (its function): the rest of the interrupted pass, per slot of
+    the next layout (here another one, and the same), is exactly what that run then reads of the pass."""
+    from ldm.data.tools import resumed_slot_plan
+
+    sizes = [9, 14, 5, 11]
+    shards = [Shard(s.path, w) for s, w in zip(text_shards(tmp_path, sizes), [1.0, 2.0, 0.5, 1.0], strict=True)]
+    first, saved = run(shards, None, 2, 2, steps=4, batch_size=2, buffer=4, seed=3)
+    interrupted = max(s["pass"] for rank in saved for s in rank["slots"].values())
+    world, workers = second
+    plan = list(resumed_slot_plan(shards, saved, world, workers, None, 1))  # the seed: the checkpoint's
+    assert {(rank, worker) for rank, worker, _, _ in plan} <= {(r, w) for r in range(world)
+                                                               for w in range(max(1, workers))}
+    taken, _ = run(shards, saved, world, workers, until_pass=interrupted, batch_size=2, buffer=4, seed=3)
+    path = {i: s.path for i, s in enumerate(shards)}
+    rest = Counter((path[index], line) for p, index, _, line in taken if p <= interrupted)
+    assert Counter((shard, line) for _, _, shard, line in plan) == rest
+    read, skipped, repeated = check_exactly_once(shards, sizes, 3, first + [k for k in taken if k[0] <= interrupted],
+                                                 range(interrupted + 1))
+    assert (skipped, repeated) == (0, 0) and read > len(first)
