@@ -129,9 +129,10 @@ class Segment:
         copies = pass_copies(shards, seed, self.pass_index)
         return copies, self.parts if self.parts is not None else pass_parts(len(copies), num_slots)
 
-    def items(self, shards: list[Shard], seed: int, num_slots: int) -> list[Item]:
+    def items(self, shards: list[Shard], seed: int, num_slots: int,
+              layout: tuple[list[tuple[int, int]], int] | None = None) -> list[Item]:
         """The segment's items in reading order for `num_slots` slots (item i goes to slot i mod num_slots)."""
-        copies, parts = self.layout(shards, seed, num_slots)
+        copies, parts = layout or self.layout(shards, seed, num_slots)
         items = list(self.extras) + copies_units(copies, parts, self.frontier)
         if 0 < len(items) < num_slots:
             subs = math.ceil(num_slots / len(items))
@@ -198,7 +199,8 @@ def remainder(shards: list[Shard], seed: int, schedule: Schedule, num_slots: int
     plan: list[Segment] = []
     for phase in range(first, last + 1):
         segment = schedule.segment(phase)
-        items = segment.items(shards, seed, num_slots)
+        copies, parts = layout = segment.layout(shards, seed, num_slots)
+        items = segment.items(shards, seed, num_slots, layout)
         reached: dict[int, tuple[int, int]] = {}  # slot -> (first item not fully consumed, its line)
         picked: list[Picked] = []
         for slot, (at, unit, line, buffer) in position.items():
@@ -221,7 +223,6 @@ def remainder(shards: list[Shard], seed: int, schedule: Schedule, num_slots: int
                 extras.append(items[i])
             elif i // num_slots == unit and (rest := item_after(items[i], line)) is not None:
                 extras.append(rest)
-        copies, parts = segment.layout(shards, seed, num_slots)
         canonical = len(copies) * parts  # canonical units of the pass
         canonical_start = len(segment.extras)
         if len(items) != canonical_start + canonical - segment.frontier:
