@@ -2,6 +2,7 @@
 (the hand-written loop under paddle.distributed.launch), and what the rest of the run does (ldm.train.elastic)."""
 
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -27,7 +28,8 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
     out = tmp_path / "run"
     common = ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
               "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
-              "--train_batch_size", "4", "--logging_steps", "1", "--output_dir", str(out), "--seed", "7"]
+              "--train_batch_size", "4", "--logging_steps", "1", "--output_dir", str(out), "--seed", "7",
+              "--shuffle_buffer", "3"]  # small: slots stop inside shards (the Trainer test: all in buffers)
 
     def taken():
         return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
@@ -50,6 +52,7 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
                                          "--resume_from_checkpoint", "latest"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "read the rest first: pass(es) [0]" in second.stderr
+    assert int(re.search(r"\((\d+) partly read", second.stderr).group(1)) >= 1  # slots stopped inside units
     second_taken = taken()[before:]
     assert len(second_taken) == 2 * 4
     assert Counter((s, n) for _, _, s, n in second_taken) <= planned  # from the rest of the pass, as planned
@@ -64,6 +67,32 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
     assert len(records) == 48 and set(records.values()) == {1}
     shards = {shard for shard, _ in records}
     assert len(shards) == 6 and all(os.path.isfile(s) for s in shards)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_trainer_entry_point_resumes_two_processes_on_one_reading_the_pass_once(tmp_path, vocab_dir,
+                                                                                     monkeypatch):
+    """The PaddleNLP Trainer path, 2 ranks x 2 workers -> 1 rank in-process, the default shuffle buffer (every
+    record read so far sits in a buffer): the rest of pass 0 is read first, each record once over both runs."""
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8, kinds=("jpeg",))
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    common = ["--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
+              "--per_device_train_batch_size", "4", "--logging_steps", "1", "--output_dir", str(tmp_path / "out"),
+              "--seed", "7"]
+    script = "train_txt2img_laion400m_trainer.py"
+    first = run_entry(script, common + ["--dataloader_num_workers", "2", "--max_steps", "2", "--save_steps", "2"],
+                      launch=True, cwd=tmp_path)
+    assert first.returncode == 0, launch_report(first, tmp_path)
+    second = run_entry(script, common + ["--dataloader_num_workers", "0", "--max_steps", "10", "--save_steps", "10",
+                                         "--resume_from_checkpoint", "latest"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "read the rest first: pass(es) [0]" in second.stderr
+    records = Counter((shard, line) for p, _, shard, line in (row.split() for row in log.read_text().splitlines())
+                      if p == "0")
+    assert len(records) == 48 and set(records.values()) == {1}
 
 
 def test_keeping_the_schedule_in_samples_seen():
