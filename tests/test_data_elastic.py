@@ -236,3 +236,15 @@ def test_the_plan_from_a_checkpoint_is_what_the_resumed_run_reads(tmp_path, seco
     read, skipped, repeated = check_exactly_once(shards, sizes, 3, first + [k for k in taken if k[0] <= interrupted],
                                                  range(interrupted + 1))
     assert (skipped, repeated) == (0, 0) and read > len(first)
+
+
+def test_another_seed_or_file_list_starts_the_next_pass_with_a_warning(tmp_path, caplog):
+    shards = text_shards(tmp_path, [9, 4, 13, 6])
+    _, saved = run(shards, None, 2, 1, steps=3, seed=1)
+    _, again = run(shards, saved, 1, 2, steps=1, seed=1)  # a plan, made over 4 shards
+    for case, state, seed, listed in [("seed", saved, 2, shards), ("shards", again, 1, shards[:3])]:
+        with caplog.at_level("WARNING", logger="ldm.data"):
+            caplog.clear()
+            taken, _ = run(listed, state, 1, 1, steps=2, seed=seed)
+        assert "cannot resume the interrupted pass" in caplog.text and "starting pass 1" in caplog.text, case
+        assert {k[0] for k in taken} == {1}

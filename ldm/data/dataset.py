@@ -104,11 +104,20 @@ def resolve_stream_state(request: dict, shards: list[Shard], seed: int, num_work
     holder = rank == 0
     old_workers = saved[0]["num_workers"]
     slots = {int(k): v for rank_state in saved for k, v in rank_state["slots"].items()}
+    old = Schedule.from_json(schedule)
+    changed = [f"--seed {s['seed']}, now {seed}" for s in list(slots.values())[:1] if s.get("seed", seed) != seed]
+    if old.num_shards not in (None, len(shards)):
+        changed.append(f"{old.num_shards} shards in the file list, now {len(shards)}")
+    if changed:  # positions in a pass are positions in its shard order, a function of both
+        next_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
+        logger.warning("the data stream cannot resume the interrupted pass (%s); starting pass %d",
+                       "; ".join(changed), next_pass)
+        return {"num_workers": workers, "batches": 0, "slots": {}, "schedule": Schedule([], next_pass).to_json(),
+                "holder": holder, "counts_before": {}}
     if len(saved) == world_size and old_workers == workers and all(
             s["num_slots"] == world_size * workers for s in slots.values()):
         return {"num_workers": workers, "batches": saved[rank]["batches"], "slots": saved[rank]["slots"],
                 "schedule": schedule, "holder": holder, "counts_before": dict(counts_before) if holder else {}}
-    old = Schedule.from_json(schedule)
     plan = remainder(shards, seed, old, len(saved) * old_workers, slots)
     counts_before.update(counts_of(slots))
     units = sum(1 for segment in plan.plan for item in segment.extras if not isinstance(item, Picked))

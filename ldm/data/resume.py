@@ -152,8 +152,9 @@ class Segment:
 class Schedule:
     """The phases a run's slots read: the plan it resumed with (segments), then fresh passes from `next_pass`."""
 
-    def __init__(self, plan: list[Segment] | None = None, next_pass: int = 0):
+    def __init__(self, plan: list[Segment] | None = None, next_pass: int = 0, num_shards: int | None = None):
         self.plan, self.next_pass = list(plan or []), next_pass
+        self.num_shards = num_shards  # of the file list the plan was made over (its units index it)
 
     def segment(self, phase: int) -> Segment:
         if phase < len(self.plan):
@@ -168,13 +169,13 @@ class Schedule:
         return len(self.plan) + pass_index - self.next_pass
 
     def to_json(self) -> dict[str, Any]:
-        return {"plan": [s.to_json() for s in self.plan], "next_pass": self.next_pass}
+        return {"plan": [s.to_json() for s in self.plan], "next_pass": self.next_pass, "shards": self.num_shards}
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> Schedule:
         if not data:
             return cls()
-        return cls([Segment.from_json(s) for s in data["plan"]], data["next_pass"])
+        return cls([Segment.from_json(s) for s in data["plan"]], data["next_pass"], data.get("shards"))
 
 
 def slot_phase(state: dict[str, Any]) -> int:
@@ -237,7 +238,7 @@ def remainder(shards: list[Shard], seed: int, schedule: Schedule, num_slots: int
             plan.append(Segment(segment.pass_index, parts, frontier, extras, resumes))
     plan.extend(schedule.plan[last + 1:])
     next_pass = schedule.next_pass if last < len(schedule.plan) else schedule.pass_of(last) + 1
-    return Schedule(plan, next_pass)
+    return Schedule(plan, next_pass, len(shards))
 
 
 def counts_of(slots: dict[int, dict[str, Any]]) -> Counter:
