@@ -19,9 +19,10 @@ shuffle locally, so the position is per slot and the unit of order is a shard co
   extras           what else is unread, read before the canonical units:
                      units: [shard, copy, part, parts, after] = that line set, lines > after
                             (a unit cut short, or a canonical unit below f a slot never reached)
-                     picked: explicit (shard, copy, line) records (what sat in shuffle buffers or
-                            was prefetched: consumed means "in a batch the trainer took", so
-                            everything else at the last consumed batch of a slot is unread)
+                     picked: explicit (shard, copy, line) records, stored as runs of one shard
+                            copy (what sat in shuffle buffers or was prefetched: consumed means
+                            "in a batch the trainer took", so everything else at the last
+                            consumed batch of a slot is unread)
   resumes          how many layout changes produced it (its shuffle draws' seed namespace)
 
 A fresh pass is the segment (pass, parts from S, frontier 0, no extras). A segment read by S slots
@@ -93,15 +94,20 @@ def item_record(item: Item, key: int) -> tuple[int, int, int]:
 
 
 def _item_json(item: Item) -> Any:
-    if isinstance(item, Picked):
-        return {"records": [n for record in item.records for n in record]}
+    if isinstance(item, Picked):  # runs of records of one shard copy: [shard, copy, line, line, ...]
+        runs: list[list[int]] = []
+        for shard, copy, line in item.records:
+            if runs and runs[-1][:2] == [shard, copy]:
+                runs[-1].append(line)
+            else:
+                runs.append([shard, copy, line])
+        return {"runs": runs}
     return [item.shard, item.copy, item.part, item.parts, item.after]
 
 
 def _item_from_json(data: Any) -> Item:
     if isinstance(data, dict):
-        flat = data["records"]
-        return Picked(tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)))
+        return Picked(tuple((run[0], run[1], line) for run in data["runs"] for line in run[2:]))
     shard, copy, part, parts, after = data
     return Unit(shard, part, parts, copy, after)
 
