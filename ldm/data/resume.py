@@ -4,13 +4,15 @@ What a pass reads is fixed before any slot reads it: the pass's shard copies in 
 order (`plan.pass_copies`, a function of seed and pass only), each cut into `parts` interleaved
 line sets (`parts` from the number of slots the pass *started* with). That is the pass's
 **canonical unit list**; a layout of S slots only decides who reads what (item i -> slot i mod S).
-MosaicML Streaming does the same separation: a global sample order fixed by the seed and the
-number of "canonical nodes", and physical nodes/ranks/workers that only partition it, which is why
-its mid-epoch resume survives a change of layout. What fits here is the idea, not its mechanics:
-Streaming's order is over sample IDs and resumes from one sample counter, which needs random
-access to samples by ID (shard index files) and the same batch order across ranks. Our shards are
-streams of lines (gzip text, later tar/parquet) read front to back, slots run independently and
-shuffle locally, so the position is per slot and the unit of order is a shard copy's line set.
+MosaicML Streaming makes the same separation: the epoch's sample order is fixed by the seed and
+the number of "canonical nodes" (not the physical ones), and physical nodes, ranks and workers
+only partition it, which is why its mid-epoch resume survives a change of layout. What fits here
+is that separation (and keeping `parts` fixed for the pass, as Streaming keeps its canonical node
+count). Its mechanics do not: Streaming's order is over sample IDs, read by random access (shard
+index files), and its position is one global sample counter because its partition hands every
+rank the same number of samples per step in a fixed interleaving. Our shards are streams of lines
+(gzip text; tar/parquet) read front to back, slots read units of different sizes at their own
+pace and shuffle locally, so the position is per slot, the unit of order a shard copy's line set.
 
 **The remainder of a pass** (`Segment`) is described in those canonical terms, not by records:
 
