@@ -248,3 +248,22 @@ def test_another_seed_or_file_list_starts_the_next_pass_with_a_warning(tmp_path,
             taken, _ = run(listed, state, 1, 1, steps=2, seed=seed)
         assert "cannot resume the interrupted pass" in caplog.text and "starting pass 1" in caplog.text, case
         assert {k[0] for k in taken} == {1}
+
+
+def test_the_plan_command_reads_the_checkpoint_through_read_training_state(tmp_path, monkeypatch, capsys):
+    import ldm.checkpoint
+    from ldm.data.tools import main, resumed_slot_plan
+
+    shards = text_shards(tmp_path, [9, 4, 13, 6])
+    (tmp_path / "f").write_text("".join(f"{s.path}\n" for s in shards))
+    (tmp_path / "list").write_text("f\n")
+    _, saved = run(shards, None, 2, 2, steps=3, buffer=4, seed=5)
+    asked = []
+    monkeypatch.setattr(ldm.checkpoint, "read_training_state",
+                        lambda folder: asked.append(folder) or {"stream": saved, "world_size": 2})
+    assert main(["plan", "--from_checkpoint", str(tmp_path / "checkpoint-3"), "--file_list", str(tmp_path / "list"),
+                 "--world_size", "3", "--num_workers", "1"]) == 0
+    assert asked == [str(tmp_path / "checkpoint-3")]
+    printed = capsys.readouterr().out.splitlines()
+    expected = [f"{r} {w} {s} {n}" for r, w, s, n in resumed_slot_plan(shards, saved, 3, 1, None, 1)]
+    assert printed == expected and {line.split()[0] for line in printed} == {"0", "1", "2"}
