@@ -6,6 +6,7 @@ import os
 import shutil
 import threading
 import time
+from collections import Counter
 from itertools import islice
 
 import numpy as np
@@ -111,24 +112,40 @@ def test_dataloader_resume_sees_exactly_the_uninterrupted_batches(corpus, vocab_
 
 
 @pytest.mark.parametrize("saved_world, resumed_world", [(1, 1), (2, 1)])
-def test_resume_with_another_layout_starts_the_next_pass(corpus, vocab_dir, caplog, saved_world, resumed_world):
-    """Saved with 2 workers (on 1 or 2 ranks), resumed with 0 workers on 1 rank: the slots differ, so no slot
-    can continue another's position; the stream says so and starts the pass after the saved one."""
-    from ldm.data.dataset import rank_stream_state
+def test_resume_with_another_layout_reads_the_rest_of_the_pass_exactly_once(corpus, vocab_dir, tmp_path, monkeypatch,
+                                                                            saved_world, resumed_world):
+    """Saved with 2 loader workers (on 1 or 2 ranks), resumed with 0 workers on 1 rank: the rest of pass 0 is read
+    first, and over both runs every usable record of pass 0 reaches the trainer once (the workers' prefetched
+    batches and shuffle buffers count as not consumed)."""
+    from ldm.data.dataset import CONSUMED_LOG, rank_stream_state
 
-    first = StreamState(2)
-    consume(build_dataloader(make_stream(corpus, vocab_dir, num_workers=2, world_size=saved_world), 2), first, 3)
-    saved = [json.loads(json.dumps(first.state_dict()))] * saved_world  # one state per saved rank
-    assert max(s["pass"] for s in saved[0]["slots"].values()) == 0
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    saved = []
+    for rank in range(saved_world):
+        tracker = StreamState(2)
+        stream = make_stream(corpus, vocab_dir, num_workers=2, world_size=saved_world, rank=rank)
+        consume(build_dataloader(stream, 2), tracker, 3)
+        saved.append(json.loads(json.dumps(tracker.state_dict())))
+    assert max(s["pass"] for rank_state in saved for s in rank_state["slots"].values()) == 0
+    before = len(log.read_text().splitlines())
 
     state = rank_stream_state(saved, 0, resumed_world)
-    with caplog.at_level("WARNING", logger="ldm.data"):
-        stream = make_stream(corpus, vocab_dir, state, num_workers=0, world_size=resumed_world)
-    assert "saved with another rank/worker layout; starting pass 1" in caplog.text
-    assert stream.start_pass == 1 and not stream.resumes_exactly
+    stream = make_stream(corpus, vocab_dir, state, num_workers=0, world_size=resumed_world)
+    assert stream.resumes_exactly and [s.pass_index for s in stream.schedule.plan] == [0]
     resumed = StreamState(0)
-    consume(build_dataloader(stream, 0), resumed, 1)
-    assert [s["pass"] for s in resumed.slots.values()] == [1]
+    resumed.load_state_dict(state)
+    iterator = iter(build_dataloader(stream, 0))
+    try:
+        while not resumed.slots or resumed.slots[0]["pass"] == 0:
+            resumed.update(next(iterator))
+    finally:
+        stop_loader(iterator)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    pass0 = Counter((shard, line) for p, _, shard, line in lines if p == "0")
+    assert before == 3 * 4 * saved_world and max(pass0.values()) == 1
+    assert len(pass0) == 60  # every good record of the corpus (its bad ones are skipped)
+    assert resumed.counts()["ok"] >= 60  # the counts of the first run's slots are carried over
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -5,6 +5,14 @@ each batch. Paddle's DataLoader takes batches from its workers in strict round-r
 loop's `StreamState` (last consumed state per slot + number of batches consumed) is enough to
 restart every worker exactly where the consumer left it: on restore, worker w takes the role of
 slot (w + batches) mod workers, so the next batch comes from the slot that was next.
+
+Resumed with another (ranks x workers) layout, the saved states of every slot are turned into the
+plan of what is left of the interrupted pass(es) (`ldm.data.resume`), which the new slots read
+first, each record exactly once, before the next pass starts. A state saved without a layout
+change stays the same state: same-layout resumes are bit-identical to an uninterrupted run.
+
+`LDM_DATA_CONSUMED_LOG=PATH` (tests, checks) appends "pass copy shard line" for every record of
+every batch the training loop takes to PATH.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -23,6 +32,7 @@ from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.record import ImageTransform, sample_rng
+from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError, iter_lines
 from ldm.data.stream import Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
@@ -69,16 +79,56 @@ def to_pixel_values(images: list[np.ndarray]) -> np.ndarray:
     return batch
 
 
-def rank_stream_state(saved: list[dict], rank: int, world_size: int) -> dict:
-    """This rank's part of the per-rank stream states a checkpoint holds.
+CONSUMED_LOG = "LDM_DATA_CONSUMED_LOG"
 
-    Saved with another number of ranks, every rank's slots are returned: their layout differs from
-    this run's, so the stream starts the pass after the furthest one instead of resuming exactly.
+
+def rank_stream_state(saved: list[dict], rank: int, world_size: int) -> dict:
+    """What rank `rank` of `world_size` resumes from, given every rank's stream state in a checkpoint.
+
+    The stream resolves it (`CaptionImageStream.load_state_dict`: it knows the shards and this run's
+    workers) and leaves this rank's state in it under "resolved", which the loop's
+    `StreamState.load_state_dict` then takes: the same rank's state if the layout is the same, else
+    the plan of what the interrupted pass has left (`ldm.data.resume`) and no slot position yet.
     """
-    if len(saved) == world_size:
-        return saved[rank]
-    slots = {slot: state for rank_state in saved for slot, state in rank_state["slots"].items()}
-    return {"num_workers": saved[0]["num_workers"], "batches": 0, "slots": slots}
+    return {"saved": list(saved), "rank": rank, "world_size": world_size}
+
+
+def resolve_stream_state(request: dict, shards: list[Shard], seed: int, num_workers: int) -> dict:
+    """This rank's stream state in this run's layout (see `rank_stream_state`)."""
+    saved, rank, world_size = request["saved"], request["rank"], request["world_size"]
+    workers = max(1, num_workers)
+    schedule = next((s["schedule"] for s in saved if s.get("schedule")), None)  # kept by one rank
+    counts_before = Counter()
+    for s in saved:
+        counts_before.update(s.get("counts_before", {}))
+    holder = rank == 0
+    old_workers = saved[0]["num_workers"]
+    slots = {int(k): v for rank_state in saved for k, v in rank_state["slots"].items()}
+    old = Schedule.from_json(schedule)
+    changed = [f"--seed {s['seed']}, now {seed}" for s in list(slots.values())[:1] if s.get("seed", seed) != seed]
+    if old.num_shards not in (None, len(shards)):
+        changed.append(f"{old.num_shards} shards in the file list, now {len(shards)}")
+    if changed:  # positions in a pass are positions in its shard order, a function of both
+        next_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
+        logger.warning("the data stream cannot resume the interrupted pass (%s); starting pass %d",
+                       "; ".join(changed), next_pass)
+        return {"num_workers": workers, "batches": 0, "slots": {}, "schedule": Schedule([], next_pass).to_json(),
+                "holder": holder, "counts_before": {}}
+    if len(saved) == world_size and old_workers == workers and all(
+            s["num_slots"] == world_size * workers for s in slots.values()):
+        return {"num_workers": workers, "batches": saved[rank]["batches"], "slots": saved[rank]["slots"],
+                "schedule": schedule, "holder": holder, "counts_before": dict(counts_before) if holder else {}}
+    plan = remainder(shards, seed, old, len(saved) * old_workers, slots)
+    counts_before.update(counts_of(slots))
+    units = sum(1 for segment in plan.plan for item in segment.extras if not isinstance(item, Picked))
+    picked = sum(len(item.records) for segment in plan.plan for item in segment.extras if isinstance(item, Picked))
+    logger.info(
+        "data stream state saved by %d rank(s) x %d worker(s); this run's %d x %d read the rest first: pass(es) %s "
+        "(%d partly read or skipped-over unit(s), %d buffered record(s), then the untouched units), then pass %d",
+        len(saved), old_workers, world_size, workers, sorted({s.pass_index for s in plan.plan}) or "none", units,
+        picked, plan.next_pass)
+    return {"num_workers": workers, "batches": 0, "slots": {}, "schedule": plan.to_json(), "holder": holder,
+            "counts_before": dict(counts_before) if holder else {}}
 
 
 def run_slot(batches):
@@ -122,27 +172,26 @@ class CaptionImageStream(IterableDataset):
         self.board = ReadingBoard(self.workers)
         self.slot_states: dict[int, dict] = {}
         self.first_role = 0
-        self.start_pass = 0
-        self.resumes_exactly = False
+        self.schedule = Schedule()
+        self.resumes_exactly = False  # the loop's StreamState loads the state too (it always does now)
         if state:
             self.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A request of `rank_stream_state` (any saved layout: resolved here, the result left in it under
+        "resolved"), or this rank's state of a run of this very layout."""
+        if "saved" in state:
+            state["resolved"] = resolve_stream_state(state, self.shards, self.seed, self.workers)
+            state = state["resolved"]
         slots = {int(k): v for k, v in state["slots"].items()}
-        same_layout = state["num_workers"] == self.workers and all(
-            s["num_slots"] == self.world_size * self.workers for s in slots.values()
-        )
-        if same_layout:
-            self.slot_states = slots
-            self.first_role = state["batches"] % self.workers
-            self.resumes_exactly = True
-        else:
-            # Exact resume needs the same (ranks x workers) layout; otherwise start a fresh pass.
-            self.start_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
-            logger.warning(
-                "data stream state was saved with another rank/worker layout; starting pass %d instead "
-                "of resuming exactly", self.start_pass,
-            )
+        if state["num_workers"] != self.workers or any(
+                s["num_slots"] != self.world_size * self.workers for s in slots.values()):
+            raise ValueError("a stream state of another rank/worker layout: pass every rank's states through "
+                             "rank_stream_state")
+        self.slot_states = slots
+        self.schedule = Schedule.from_json(state.get("schedule"))
+        self.first_role = state["batches"] % self.workers
+        self.resumes_exactly = True
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
         """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content."""
@@ -168,13 +217,8 @@ class CaptionImageStream(IterableDataset):
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
-        stream = SlotStream(
-            self.shards, slot, self.world_size * self.workers, self.seed, self.shuffle_buffer,
-            state=self.slot_states.get(slot),
-        )
-        if slot not in self.slot_states:
-            stream.pass_index = self.start_pass
-        return stream
+        return SlotStream(self.shards, slot, self.world_size * self.workers, self.seed, self.shuffle_buffer,
+                          state=self.slot_states.get(slot), schedule=self.schedule)
 
     def __iter__(self):
         return run_slot(self.batches)
@@ -183,12 +227,17 @@ class CaptionImageStream(IterableDataset):
         stream = self.slot_stream((worker + self.first_role) % self.workers)
         where = f"slot {stream.slot} of {stream.num_slots}"
         stream.on_open = lambda path: self.board.post(worker, f"{where}: opening {path}")
-        images, ids = [], []
-        for image, input_ids in stream.samples(self.make_sample):
+        images, ids, keys = [], [], []
+        log = bool(os.environ.get(CONSUMED_LOG))
+        for (image, input_ids), key in stream.samples(
+                lambda r: (self.make_sample(r), (r.pass_index, r.copy, r.shard, r.line_number))):
             images.append(image)
             ids.append(input_ids)
+            keys.append(key)
             if len(images) == self.batch_size:
                 batch = {"stream_state": json.dumps(stream.state_dict())}
+                if log:
+                    batch["records"] = "".join(f"{p} {c} {shard} {n}\n" for p, c, shard, n in keys)
                 if self.kind:
                     batch["latent_moments"] = np.stack(images)
                 else:
@@ -197,7 +246,7 @@ class CaptionImageStream(IterableDataset):
                     batch["input_ids"] = np.stack(ids)
                 self.board.post(worker, f"{where}: {stream.reading()}")
                 yield batch
-                images, ids = [], []
+                images, ids, keys = [], [], []
 
 
 class StreamState:
@@ -207,6 +256,8 @@ class StreamState:
         self.num_workers = max(1, num_workers)
         self.slots: dict[int, dict] = {}
         self.batches = 0
+        self.schedule: dict | None = None  # the plan this run resumed with (ldm.data.resume), kept by one rank
+        self.counts_before: Counter = Counter()  # records counted by the slots of runs of another layout
 
     def update(self, batch: dict) -> dict:
         """Record the batch's slot state; returns the batch without it."""
@@ -214,20 +265,37 @@ class StreamState:
         state = json.loads(batch.pop("stream_state"))
         self.slots[state["slot"]] = state
         self.batches += 1
+        records = batch.pop("records", None)
+        if records and os.environ.get(CONSUMED_LOG):
+            fd = os.open(os.environ[CONSUMED_LOG], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                os.write(fd, records.encode())
+            finally:
+                os.close(fd)
         return batch
 
     def counts(self) -> Counter:
-        total: Counter = Counter()
-        for state in self.slots.values():
-            total.update(state["counts"])
+        total: Counter = Counter(self.counts_before)
+        total.update(counts_of(self.slots))
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "batches": self.batches, "slots": dict(self.slots)}
+        state = {"num_workers": self.num_workers, "batches": self.batches, "slots": dict(self.slots)}
+        if self.schedule:
+            state["schedule"] = self.schedule
+        if self.counts_before:
+            state["counts_before"] = dict(self.counts_before)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's state, or a `rank_stream_state` request the stream has resolved."""
+        state = state.get("resolved", state)
+        if "saved" in state:
+            raise ValueError("load the stream state into the CaptionImageStream first: it resolves the request")
         self.slots = {int(k): v for k, v in state["slots"].items()}
         self.batches = state["batches"]
+        self.schedule = state.get("schedule") if state.get("holder", True) else None
+        self.counts_before = Counter(state.get("counts_before", {}))
 
 
 def build_dataloader(stream: CaptionImageStream, num_workers: int) -> DataLoader:

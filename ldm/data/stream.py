@@ -1,7 +1,8 @@
 """The records of one (rank, worker) slot, shuffled, with a position that can be saved and restored.
 
-The state is small and explicit: pass number, unit index, last line read in that unit, number of
-shuffle draws, and the shuffle buffer as (unit, line) pointers. Restoring re-reads only the
+The state is small and explicit: phase (`ldm.data.resume.Schedule`: the rest of a pass left by a
+run of another layout, or a whole pass) and its pass number, unit index, last line read in that
+unit, number of shuffle draws, and the shuffle buffer as (unit, line) pointers. Restoring re-reads only the
 buffered lines (a few shards at most), never replays the pass. Shuffle draws use a generator
 seeded by (seed, pass, slot, draw), and each record's augmentations one seeded by the record
 itself, so the stream after a restore is exactly the stream an uninterrupted run would read.
@@ -16,8 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from ldm.data.filelist import Shard
-from ldm.data.plan import Unit, slot_units
+from ldm.data.plan import Unit
 from ldm.data.record import SkipRecord
+from ldm.data.resume import Item, Schedule, item_record, slot_phase
 from ldm.data.shard import LineTooLong, ShardError, ShardTruncated, iter_lines
 
 logger = logging.getLogger("ldm.data")
@@ -56,21 +58,33 @@ class SlotStream:
         seed: int = 0,
         shuffle_buffer: int = 256,
         state: dict[str, Any] | None = None,
+        schedule: Schedule | None = None,
     ):
         if not 0 <= slot < num_slots:
             raise ValueError(f"slot {slot} out of range for {num_slots} slots")
         self.shards, self.slot, self.num_slots = shards, slot, num_slots
         self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
-        self.pass_index = self.unit_pos = self.line_pos = self.pops = self.pass_ok = 0
+        self.schedule = schedule or Schedule()
+        self.phase = self.unit_pos = self.line_pos = self.pops = self.pass_ok = 0
         self.buffer: list[tuple[int, int, bytes]] = []
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
-        self._units_in_pass = 0  # units of the pass `pass_records` last finished
+        self._units_in_pass = 0  # units of the fresh pass `pass_records` last finished
+        self._phase_had_items = False
         self.on_open: Callable[[str], None] | None = None  # told each shard path before it is opened
         self._reading = ""
         if state is not None:
             self.load_state_dict(state)
+
+    @property
+    def pass_index(self) -> int:
+        return self.schedule.pass_of(self.phase)
+
+    @pass_index.setter
+    def pass_index(self, pass_index: int) -> None:
+        """Start at fresh pass `pass_index` (after the plan)."""
+        self.phase = self.schedule.phase_of(pass_index)
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -78,6 +92,8 @@ class SlotStream:
             "slot": self.slot,
             "num_slots": self.num_slots,
             "pass": self.pass_index,
+            "phase": self.phase,
+            "seed": self.seed,
             "unit": self.unit_pos,
             "line": self.line_pos,
             "pops": self.pops,
@@ -92,7 +108,7 @@ class SlotStream:
                 f"stream state is for slot {state['slot']} of {state['num_slots']}, "
                 f"not slot {self.slot} of {self.num_slots}"
             )
-        self.pass_index, self.unit_pos, self.line_pos = state["pass"], state["unit"], state["line"]
+        self.phase, self.unit_pos, self.line_pos = slot_phase(state), state["unit"], state["line"]
         self.pops, self.pass_ok = state["pops"], state["pass_ok"]
         self.counts = Counter(state["counts"])
         self.buffer = []
@@ -125,51 +141,75 @@ class SlotStream:
         except ShardError as e:
             self._count(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
 
-    def _reload_buffer(self, units: list[Unit]) -> None:
+    def _read_records(self, records: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+        """The lines of (shard, line) records, each shard read once up to the last line wanted."""
         wanted: dict[int, set[int]] = {}
-        for u, n in self._to_reload:
-            wanted.setdefault(u, set()).add(n)
+        for shard, n in records:
+            wanted.setdefault(shard, set()).add(n)
         found: dict[tuple[int, int], bytes] = {}
-        for u, numbers in wanted.items():
-            for n, line in self._unit_lines(units[u], after=min(numbers) - 1, until=max(numbers)):
+        for shard, numbers in wanted.items():
+            for n, line in self._unit_lines(Unit(shard), after=min(numbers) - 1, until=max(numbers)):
                 if n in numbers:
-                    found[(u, n)] = line
-        for u, n in self._to_reload:
-            if (u, n) in found:
-                self.buffer.append((u, n, found[(u, n)]))
+                    found[(shard, n)] = line
+        return found
+
+    def _item_lines(self, item: Item, after: int) -> Iterator[tuple[int, bytes]]:
+        """(key, line) of an item's records after `after`: the line number in a unit, the 1-based index in a
+        picked list."""
+        if isinstance(item, Unit):
+            yield from self._unit_lines(item, after=max(after, item.after))
+            return
+        records = item.records[after:]
+        found = self._read_records([(shard, n) for shard, _, n in records])
+        for key, (shard, _, n) in enumerate(records, after + 1):
+            if (shard, n) in found:
+                yield key, found[(shard, n)]
             else:
-                path = self.shards[units[u].shard].path
-                logger.warning("shard %s changed since the checkpoint: line %d is gone", path, n)
+                self._count("unreadable_record", f"{self.shards[shard].path}:{n}", "(a record left by a resume)")
+
+    def _reload_buffer(self, items: list[Item]) -> None:
+        pointers = [(u, n, item_record(items[u], n)) for u, n in self._to_reload]
+        found = self._read_records([(shard, line) for _, _, (shard, _, line) in pointers])
+        for u, n, (shard, _, line) in pointers:
+            if (shard, line) in found:
+                self.buffer.append((u, n, found[(shard, line)]))
+            else:
+                logger.warning("shard %s changed since the checkpoint: line %d is gone", self.shards[shard].path, line)
         self._to_reload = []
 
-    def _pop(self, units: list[Unit]) -> Record:
-        draw = random.Random(f"{self.seed}/shuffle/{self.pass_index}/{self.slot}/{self.pops}")
+    def _pop(self, items: list[Item], shuffle_key: str) -> Record:
+        draw = random.Random(f"{shuffle_key}/{self.slot}/{self.pops}")
         i = draw.randrange(len(self.buffer))
         self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
-        unit_pos, number, line = self.buffer.pop()
+        unit_pos, key, line = self.buffer.pop()
         self.pops += 1
-        unit = units[unit_pos]
-        shard = self.shards[unit.shard]
-        return Record(shard.path, number, unit.copy, self.pass_index, line, shard.seed_key)
+        shard_index, copy, number = item_record(items[unit_pos], key)
+        shard = self.shards[shard_index]
+        return Record(shard.path, number, copy, self.pass_index, line, shard.seed_key)
 
     def pass_records(self) -> Iterator[Record]:
-        """The rest of the current pass; the state after a yield is the state to resume from."""
-        units = slot_units(self.shards, self.slot, self.num_slots, self.seed, self.pass_index)
+        """The rest of the current phase (a pass, or what a resume left of one); the state after a yield is
+        the state to resume from."""
+        segment = self.schedule.segment(self.phase)
+        items = segment.items(self.shards, self.seed, self.num_slots)[self.slot::self.num_slots]
+        shuffle_key = segment.shuffle_key(self.seed)
         if self._to_reload:
-            self._reload_buffer(units)
-        while self.unit_pos < len(units):
-            for number, line in self._unit_lines(units[self.unit_pos], after=self.line_pos):
-                self.line_pos = number
-                self.buffer.append((self.unit_pos, number, line))
+            self._reload_buffer(items)
+        while self.unit_pos < len(items):
+            for key, line in self._item_lines(items[self.unit_pos], after=self.line_pos):
+                self.line_pos = key
+                self.buffer.append((self.unit_pos, key, line))
                 if len(self.buffer) >= self.shuffle_buffer:
-                    yield self._pop(units)
+                    yield self._pop(items, shuffle_key)
             self.unit_pos, self.line_pos = self.unit_pos + 1, 0
         while self.buffer:
-            yield self._pop(units)
-        self._units_in_pass = len(units)
+            yield self._pop(items, shuffle_key)
+        # a fresh pass with units must give a usable record; the rest of one may hold only bad ones
+        self._units_in_pass = len(items) if segment.fresh else 0
+        self._phase_had_items = bool(items)
 
     def next_pass(self) -> None:
-        self.pass_index, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.pass_index + 1, 0, 0, 0, 0
+        self.phase, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.phase + 1, 0, 0, 0, 0
 
     def records(self) -> Iterator[Record]:
         """Records forever, pass after pass; stops with NoUsableData rather than spin on bad input."""
@@ -183,7 +223,7 @@ class SlotStream:
                     f"from its {units} shard unit(s); problems counted: {dict(self.counts) or 'none'}. "
                     "Check the file list and the shards (python -m ldm.data stats --file_list ...)."
                 )
-            empty_passes = 0 if units else empty_passes + 1
+            empty_passes = 0 if units or self._phase_had_items else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:
                 raise NoUsableData(f"{MAX_EMPTY_PASSES} passes in a row drew no shard: weights too small?")
             self.next_pass()

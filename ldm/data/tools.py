@@ -98,10 +98,48 @@ def slot_plan(file_list: str, world_size: int, num_workers: int, seed: int, pass
                 yield rank, worker, record.shard, record.line_number
 
 
+def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: int, seed: int | None,
+                      shuffle_buffer: int):
+    """(rank, worker, shard, line) that each slot of a `world_size` x `num_workers` run resumed from `saved` (every
+    rank's stream state of a checkpoint) reads for the rest of the interrupted pass(es), in reading order (draw
+    order with a shuffle buffer): with another layout, the plan `ldm.data.resume` made of what is left; with the
+    same one, each slot's own rest up to the furthest pass any slot of the checkpoint is in."""
+    from ldm.data.dataset import rank_stream_state, resolve_stream_state
+    from ldm.data.resume import Schedule, slot_phase
+
+    slot_states = [s for rank_state in saved for s in rank_state["slots"].values()]
+    if seed is None:
+        seed = next((s["seed"] for s in slot_states if "seed" in s), 0)
+    workers = max(1, num_workers)
+    for rank in range(world_size):
+        resolved = resolve_stream_state(rank_stream_state(saved, rank, world_size), shards, seed, num_workers)
+        schedule = Schedule.from_json(resolved["schedule"])
+        slots = {int(k): v for k, v in resolved["slots"].items()}
+        # the same layout: up to the furthest phase of the checkpoint; another: the whole plan
+        last = max(map(slot_phase, slot_states), default=0) if slots else len(schedule.plan) - 1
+        first_role = resolved["batches"] % workers
+        for worker in range(workers):
+            slot = rank * workers + (worker + first_role) % workers
+            stream = SlotStream(shards, slot, world_size * workers, seed, shuffle_buffer, state=slots.get(slot),
+                                schedule=schedule)
+            while stream.phase <= last:
+                for record in stream.pass_records():
+                    yield rank, worker, record.shard, record.line_number
+                stream.next_pass()
+
+
 def cmd_plan(args) -> None:
     out = sys.stdout
-    for rank, worker, shard, line in slot_plan(args.file_list, args.world_size, args.num_workers, args.seed,
-                                               args.pass_index, args.shuffle_buffer):
+    if args.from_checkpoint:
+        from ldm.checkpoint import read_training_state
+
+        saved = read_training_state(args.from_checkpoint)["stream"]
+        records = resumed_slot_plan(read_file_list(args.file_list), saved, args.world_size, args.num_workers,
+                                    args.seed, args.shuffle_buffer)
+    else:
+        records = slot_plan(args.file_list, args.world_size, args.num_workers, args.seed or 0, args.pass_index,
+                            args.shuffle_buffer)
+    for rank, worker, shard, line in records:
         out.write(f"{rank} {worker} {shard} {line}\n")
 
 
@@ -315,12 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min_image_size", type=int, default=0)
     p.set_defaults(run=cmd_stats)
 
-    p = sub.add_parser("plan", help="print 'rank worker shard line' for every record each slot reads in a pass")
+    p = sub.add_parser("plan", help="print 'rank worker shard line' for every record each slot reads in a pass, or "
+                                    "(--from_checkpoint) in the rest of the pass a checkpoint interrupted")
     p.add_argument("--file_list", required=True)
     p.add_argument("--world_size", type=int, required=True)
     p.add_argument("--num_workers", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="the run's --seed (default 0; with --from_checkpoint, "
+                                                          "the checkpoint's)")
     p.add_argument("--pass", dest="pass_index", type=int, default=0)
+    p.add_argument("--from_checkpoint", default=None, metavar="DIR",
+                   help="what each slot of a run of this --world_size and --num_workers resumed from the checkpoint "
+                        "DIR reads for the rest of the interrupted pass, whatever layout wrote DIR")
     p.add_argument("--shuffle_buffer", type=int, default=1,
                    help="1 (default) prints reading order; the training value prints the order samples are drawn")
     p.set_defaults(run=cmd_plan)

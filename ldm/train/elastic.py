@@ -1,0 +1,49 @@
+"""What the rest of a run does when it resumes with another global batch (another number of ranks, per-rank
+batch or accumulation): one pure function, `describe_resize`, for the training loops to log and apply.
+
+Policy: **keep the schedule in samples seen.** A run is asked for `max_steps` updates of the global batch it
+started with, i.e. `max_steps x saved_global_batch` samples; that is what the user planned (an epoch count,
+a compute budget), and the data layer resumes the interrupted pass exactly (`ldm.data.resume`), so the
+samples are the measure that survives a resize.
+
+- The update counter is kept: update `step` stays `step` (checkpoint names, logs and trackers continue, never
+  jump back), and the remaining samples `(max_steps - step) x saved_global_batch` are divided into updates of
+  the new global batch, rounded up so that no sample planned is dropped:
+  `new_max_steps = step + ceil((max_steps - step) x saved_global_batch / new_global_batch)`.
+- The learning-rate schedule (defined in updates) should follow samples, not updates: for an update u after
+  the resize, evaluate the original schedule at `step + (u - step) x new_global_batch / saved_global_batch`
+  (warm-up and decay end where they would have in samples). Where a schedule cannot be evaluated at a
+  fractional update, stretching it over the new `max_steps` is the nearest choice.
+- The peak learning rate is not rescaled (no linear-scaling rule applied behind the user's back): the message
+  says the batch changed, so a user who wants the rule can pass a new `--learning_rate`.
+- A run with no practical end (the original recipe's 10**9 updates) keeps its `max_steps`; a run at or past its
+  end has nothing to redistribute.
+"""
+
+from __future__ import annotations
+
+import math
+
+NO_PRACTICAL_END = 10**8  # updates: a max_steps this large is a "run until stopped"
+
+
+def describe_resize(saved_world_size: int, saved_global_batch: int, new_world_size: int, new_global_batch: int,
+                    step: int, max_steps: int) -> tuple[str, int]:
+    """(one log line saying what happens to the step count, the schedule and max_steps; the new max_steps)."""
+    if min(saved_world_size, saved_global_batch, new_world_size, new_global_batch) < 1 or step < 0 or max_steps < 0:
+        raise ValueError("world sizes and global batches must be positive, step and max_steps not negative")
+    ranks = f"{saved_world_size} -> {new_world_size} ranks"
+    if saved_global_batch == new_global_batch:
+        return (f"resumed at update {step} on {ranks} with the same global batch ({new_global_batch}): updates, "
+                f"learning-rate schedule and max_steps ({max_steps}) continue unchanged"), max_steps
+    batches = f"global batch {saved_global_batch} -> {new_global_batch}"
+    if max_steps >= NO_PRACTICAL_END or step >= max_steps:
+        why = "no practical end" if max_steps >= NO_PRACTICAL_END else "nothing left to train"
+        return (f"resumed at update {step} on {ranks}, {batches}: max_steps {max_steps} kept ({why}); the "
+                "learning-rate schedule continues in samples seen"), max_steps
+    remaining = math.ceil((max_steps - step) * saved_global_batch / new_global_batch)
+    new_max = step + remaining
+    return (f"resumed at update {step} on {ranks}, {batches}: the schedule is kept in samples seen — the "
+            f"remaining {(max_steps - step) * saved_global_batch} samples are {remaining} updates, max_steps "
+            f"{max_steps} -> {new_max}; the learning-rate schedule advances {new_global_batch / saved_global_batch:g} "
+            f"update(s) of the old batch per update; the peak learning rate is not rescaled"), new_max

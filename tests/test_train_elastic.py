@@ -1,0 +1,125 @@
+"""Resuming on another number of processes or loader workers: the data of the interrupted pass end to end
+(the hand-written loop under paddle.distributed.launch), and what the rest of the run does (ldm.train.elastic)."""
+
+import os
+import re
+from collections import Counter
+
+import pytest
+from corpus import write_corpus
+from entry import launch_report, run_entry, run_python
+
+from ldm.checkpoint import read_training_state
+from ldm.data.dataset import CONSUMED_LOG
+from ldm.train.elastic import describe_resize
+
+SCRIPT = "train_txt2img_laion400m_no_trainer.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_path, vocab_dir, monkeypatch):
+    """2 ranks x 2 workers -> 1 rank, no workers -> 2 ranks x 1 worker: every record of the interrupted pass
+    reaches a trainer exactly once over the three runs (each run's taken records are logged by the loop), and
+    `python -m ldm.data plan --from_checkpoint` tells beforehand what the second run reads of it."""
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8, kinds=("jpeg", "png"))
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    out = tmp_path / "run"
+    common = ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
+              "--train_batch_size", "4", "--logging_steps", "1", "--output_dir", str(out), "--seed", "7",
+              "--shuffle_buffer", "3"]  # small: slots stop inside shards (the Trainer test: all in buffers)
+
+    def taken():
+        return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+    first = run_entry(SCRIPT, common + ["--num_workers", "2", "--max_train_steps", "2", "--save_steps", "2"],
+                      launch=True, cwd=tmp_path)
+    assert first.returncode == 0, launch_report(first, tmp_path)
+    assert len(taken()) == 2 * 2 * 4  # ranks x updates x batch: what the trainers took, not what was prefetched
+    saved = read_training_state(out / "checkpoint-2")
+    assert saved["world_size"] == 2 and all(s["pass"] == 0 for r in saved["stream"] for s in r["slots"].values())
+
+    plan = run_python(["-m", "ldm.data", "plan", "--from_checkpoint", out / "checkpoint-2", "--file_list", listing,
+                       "--world_size", "1", "--num_workers", "0"])
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    planned = Counter((shard, line) for _, _, shard, line in (row.split() for row in plan.stdout.splitlines()))
+    assert len(planned) + len(taken()) == 48 and not planned & Counter((s, n) for _, _, s, n in taken())
+
+    before = len(taken())
+    second = run_entry(SCRIPT, common + ["--num_workers", "0", "--max_train_steps", "4", "--save_steps", "2",
+                                         "--resume_from_checkpoint", "latest"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "read the rest first: pass(es) [0]" in second.stderr
+    assert int(re.search(r"\((\d+) partly read", second.stderr).group(1)) >= 1  # slots stopped inside units
+    second_taken = taken()[before:]
+    assert len(second_taken) == 2 * 4
+    assert Counter((s, n) for _, _, s, n in second_taken) <= planned  # from the rest of the pass, as planned
+
+    third = run_entry(SCRIPT, common + ["--num_workers", "1", "--max_train_steps", "12", "--save_steps", "12",
+                                        "--resume_from_checkpoint", "latest"], launch=True, cwd=tmp_path)
+    assert third.returncode == 0, launch_report(third, tmp_path)
+    final = read_training_state(out / "checkpoint-12")
+    assert all(s["pass"] >= 1 for r in final["stream"] for s in r["slots"].values())  # every slot is past pass 0
+    records = Counter((shard, line) for p, _, shard, line in taken() if p == "0")
+    print(f"pass 0: {sum(records.values())} records taken over 2x2 -> 1x0 -> 2x1, {len(records)} distinct of 48")
+    assert len(records) == 48 and set(records.values()) == {1}
+    shards = {shard for shard, _ in records}
+    assert len(shards) == 6 and all(os.path.isfile(s) for s in shards)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_trainer_entry_point_resumes_two_processes_on_one_reading_the_pass_once(tmp_path, vocab_dir,
+                                                                                     monkeypatch):
+    """The PaddleNLP Trainer path, 2 ranks x 2 workers -> 1 rank in-process, the default shuffle buffer (every
+    record read so far sits in a buffer): the rest of pass 0 is read first, each record once over both runs."""
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8, kinds=("jpeg",))
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    common = ["--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
+              "--per_device_train_batch_size", "4", "--logging_steps", "1", "--output_dir", str(tmp_path / "out"),
+              "--seed", "7"]
+    script = "train_txt2img_laion400m_trainer.py"
+    first = run_entry(script, common + ["--dataloader_num_workers", "2", "--max_steps", "2", "--save_steps", "2"],
+                      launch=True, cwd=tmp_path)
+    assert first.returncode == 0, launch_report(first, tmp_path)
+    second = run_entry(script, common + ["--dataloader_num_workers", "0", "--max_steps", "10", "--save_steps", "10",
+                                         "--resume_from_checkpoint", "latest"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "read the rest first: pass(es) [0]" in second.stderr
+    records = Counter((shard, line) for p, _, shard, line in (row.split() for row in log.read_text().splitlines())
+                      if p == "0")
+    assert len(records) == 48 and set(records.values()) == {1}
+
+
+def test_keeping_the_schedule_in_samples_seen():
+    message, max_steps = describe_resize(8, 256, 4, 128, step=1000, max_steps=5000)
+    assert max_steps == 1000 + 4000 * 2  # the remaining 4000 x 256 samples in updates of 128
+    assert "global batch 256 -> 128" in message and "max_steps 5000 -> 9000" in message
+    assert "learning-rate schedule" in message
+
+    message, max_steps = describe_resize(4, 128, 8, 256, step=1000, max_steps=9001)
+    assert max_steps == 1000 + 4001  # ceil(8001 x 128 / 256): never fewer samples than asked for
+
+
+def test_the_same_global_batch_changes_nothing():
+    message, max_steps = describe_resize(2, 64, 4, 64, step=10, max_steps=100)
+    assert max_steps == 100 and "same global batch" in message and "2 -> 4 ranks" in message
+
+
+def test_a_run_at_or_past_its_end_and_a_run_with_no_practical_end():
+    assert describe_resize(2, 64, 1, 32, step=100, max_steps=100)[1] == 100
+    _, max_steps = describe_resize(2, 64, 1, 32, step=10, max_steps=10**9)
+    assert max_steps == 10**9  # the original recipe's "no end": kept as it is
+
+
+@pytest.mark.parametrize("bad", [dict(saved_global_batch=0), dict(new_global_batch=-1), dict(step=-1)])
+def test_nonsense_is_refused(bad):
+    args = dict(saved_world_size=2, saved_global_batch=64, new_world_size=1, new_global_batch=32, step=10,
+                max_steps=100)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        describe_resize(**args)
