@@ -41,6 +41,7 @@ class Part:
     state: Callable[[], Any]
     load: Callable[[Any], None] | None = None
     per_rank: bool = False
+    missing: Callable[[dict], None] | None = None  # a checkpoint written before this part existed: given its state
 
 
 def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Part:
@@ -62,9 +63,9 @@ class RandomState:
                 "numpy": np.random.get_state(), "python": random.getstate()}
 
     def load(self, saved: list[dict]) -> None:
-        if len(saved) != self.dist.world_size:
+        if len(saved) != self.dist.world_size:  # ranks that did not exist have no state: derived for every rank
             logger.warning("resuming a %d-rank run on %d ranks: each rank's noise continues from a seed derived "
-                           "from the step", len(saved), self.dist.world_size)
+                           "from its rank and the step", len(saved), self.dist.world_size)
             paddle.seed(rank_seed(self.seed, self.dist.rank, self.step))
             return
         mine = saved[self.dist.rank]
@@ -138,6 +139,8 @@ class Checkpointer:
                     raise CheckpointError(f"{checkpoint} has no {name} state" +
                                           (" but --use_ema is on" if name == EMA else ""))
                 part.load(load_state(checkpoint, name))
+            elif name not in state and part.missing is not None:
+                part.missing(state)
             elif name not in state:
                 raise CheckpointError(f"{checkpoint} has no {name} state to resume")
             else:

@@ -10,10 +10,11 @@ samples are the measure that survives a resize.
   jump back), and the remaining samples `(max_steps - step) x saved_global_batch` are divided into updates of
   the new global batch, rounded up so that no sample planned is dropped:
   `new_max_steps = step + ceil((max_steps - step) x saved_global_batch / new_global_batch)`.
-- The learning-rate schedule (defined in updates) should follow samples, not updates: for an update u after
-  the resize, evaluate the original schedule at `step + (u - step) x new_global_batch / saved_global_batch`
-  (warm-up and decay end where they would have in samples). Where a schedule cannot be evaluated at a
-  fractional update, stretching it over the new `max_steps` is the nearest choice.
+- The learning-rate schedule (defined in updates) follows samples, not updates: for an update u after
+  the resize, the original schedule is evaluated at `step + (u - step) x new_global_batch / saved_global_batch`
+  (warm-up and decay end where they would have in samples): `SampleClock.position`, which the hand-written
+  loop steps its schedule to. PaddleNLP's Trainer steps its own schedule once per update, so on that path
+  the schedule is stretched over the new `max_steps`, the nearest it allows.
 - The peak learning rate is not rescaled (no linear-scaling rule applied behind the user's back): the message
   says the batch changed, so a user who wants the rule can pass a new `--learning_rate`.
 - A run with no practical end (the original recipe's 10**9 updates) keeps its `max_steps`; a run at or past its
@@ -47,3 +48,54 @@ def describe_resize(saved_world_size: int, saved_global_batch: int, new_world_si
             f"remaining {(max_steps - step) * saved_global_batch} samples are {remaining} updates, max_steps "
             f"{max_steps} -> {new_max}; the learning-rate schedule advances {new_global_batch / saved_global_batch:g} "
             f"update(s) of the old batch per update; the peak learning rate is not rescaled"), new_max
+
+
+class SampleClock:
+    """Where a run is in samples seen: a checkpoint part, from which the learning-rate schedule's position and
+    the run's last update follow (the policy above).
+
+    `position` is in updates of the run's first global batch (its reference), so a run that never changes its
+    global batch steps its schedule exactly as before, one whole update at a time.
+    """
+
+    def __init__(self, global_batch: int, world_size: int, max_steps: int):
+        self.global_batch, self.world_size, self.requested_max_steps = global_batch, world_size, max_steps
+        self.reference_batch, self.samples, self.updates, self.max_steps = global_batch, 0, 0, max_steps
+        self.message = ""  # what a resume with another global batch changed, for the log
+
+    def advance(self) -> None:
+        self.samples += self.global_batch
+        self.updates += 1
+
+    @property
+    def position(self) -> int | float:
+        position = self.samples / self.reference_batch
+        return int(position) if position.is_integer() else position
+
+    def state_dict(self) -> dict:
+        return {"reference_batch": self.reference_batch, "samples": self.samples, "updates": self.updates,
+                "global_batch": self.global_batch, "world_size": self.world_size, "max_steps": self.max_steps}
+
+    def assume(self, step: int) -> None:
+        """A checkpoint that did not record its samples: `step` updates of this run's global batch."""
+        self.load_state_dict({"reference_batch": self.global_batch, "samples": step * self.global_batch,
+                              "updates": step, "global_batch": self.global_batch, "world_size": self.world_size,
+                              "max_steps": self.requested_max_steps})
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.reference_batch, self.samples, self.updates = saved["reference_batch"], saved["samples"], saved["updates"]
+        self.message = ""
+        if (saved["world_size"], saved["global_batch"]) != (self.world_size, self.global_batch):
+            self.message, _ = describe_resize(saved["world_size"], saved["global_batch"], self.world_size,
+                                              self.global_batch, self.updates, saved["max_steps"])
+        if self.requested_max_steps >= NO_PRACTICAL_END:
+            self.max_steps = self.requested_max_steps
+        else:  # what --max_train_steps asks for, in samples of the reference batch, from where the run is
+            planned = self.requested_max_steps * self.reference_batch
+            self.max_steps = self.updates + math.ceil(max(0, planned - self.samples) / self.global_batch)
+
+    def part(self):
+        """This clock as a checkpoint part (`ldm.train.checkpointer`)."""
+        from ldm.train.checkpointer import Part
+
+        return Part(self.state_dict, self.load_state_dict, missing=lambda state: self.assume(state["step"]))

@@ -25,6 +25,7 @@ from ldm.runtime import resolve_precision
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
+from ldm.train.elastic import SampleClock
 from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
 from ldm.train.optim import lr_schedule
 from ldm.train.signals import GracefulStop
@@ -79,11 +80,13 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
+    accumulation = loop.gradient_accumulation_steps
+    clock = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size, loop.max_train_steps)
     checkpointer = Checkpointer(
         run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
         data_position=data_stream.tracker.state_dict,
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
-               "scaler": stateful(scaler, "load_state_dict")})
+               "scaler": stateful(scaler, "load_state_dict"), "samples": clock.part()})
     writer, progress = NullWriter(), None
     try:
         run_dir.create(resume)  # the first write
@@ -94,6 +97,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         if resume:
             step = checkpointer.load(resume)
             logger.info("resumed from %s at update %d", resume, step)
+            if clock.message:
+                logger.warning("%s", clock.message)
         else:
             paddle.seed(rank_seed(loop.seed, dist.rank))
 
@@ -101,14 +106,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
         model.train()
         window = MetricsWindow()
-        accumulation = loop.gradient_accumulation_steps
+        max_steps = clock.max_steps  # --max_train_steps, unless a resume changed the global batch (ldm.train.elastic)
         max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
-        target, label = progress_target(step, loop.max_train_steps, loop.save_steps)
+        target, label = progress_target(step, max_steps, loop.save_steps)
         progress = tqdm(total=target, initial=step, disable=not dist.is_main, desc=label, unit="upd")
         last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
         batches = iter(data_stream)
         with GracefulStop(dist) as stop:
-            while step < loop.max_train_steps and not stopping:
+            while step < max_steps and not stopping:
                 for _ in range(accumulation):
                     batch = next(batches)
                     with no_sync(), autocast(precision):
@@ -121,13 +126,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.clear_grad()
-                lr.step()
+                clock.advance()
+                lr.step(clock.position)  # the schedule follows samples seen
                 if ema is not None:
                     ema.update()
                 step += 1
                 progress.update(1)
                 stopping = stop.requested()
-                last = step == loop.max_train_steps
+                last = step == max_steps
 
                 if step % loop.logging_steps == 0 or last or stopping:
                     metrics = {"learning_rate": optimizer.get_lr(), **window.read(dist, data_stream)}
@@ -140,7 +146,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 if checkpointer.due(step, last=last, stopping=stopping):
                     last_checkpoint = checkpointer.save(step)
                     if step >= target and not stopping:  # an endless run: count toward the next checkpoint
-                        target, label = progress_target(step, loop.max_train_steps, loop.save_steps)
+                        target, label = progress_target(step, max_steps, loop.save_steps)
                         progress.total = target
                         progress.set_description(label)
             progress.close()

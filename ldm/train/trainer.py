@@ -19,6 +19,7 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
+from ldm.checkpoint import read_training_state
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
 from ldm.distributed import Distributed
 from ldm.run_folder import RunFolder, checkpoint_problem
@@ -26,6 +27,7 @@ from ldm.runtime import resolve_precision
 from ldm.tracking import NullWriter, Tracker
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
+from ldm.train.elastic import SampleClock
 from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
 from ldm.train.signals import GracefulStop
 
@@ -53,6 +55,7 @@ class LDMCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
+        t.clock.advance()
         if t.objective.ema is not None:
             t.objective.ema.update()
         steps = t.objective.sampling.image_logging_steps
@@ -64,20 +67,21 @@ class LDMCallback(TrainerCallback):
 
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
-                 resume_checkpoint: str | None = None):
+                 clock: SampleClock, resume_checkpoint: str | None = None):
         check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
         super().__init__(model=objective.model, args=args)
         self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
         self.writer, self.resume_checkpoint = NullWriter(), resume_checkpoint
         self.stop: GracefulStop | None = None
-        self.window = MetricsWindow()
+        self.window, self.clock = MetricsWindow(), clock
         self.trained = [p for p in objective.model.parameters() if not p.stop_gradient]
         # the optimizer, schedule and scaler exist once `train()` made them: the parts ask for them then
         self.checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=args.save_steps, seed=args.seed, trained=self.trained,
             data_position=data_stream.tracker.state_dict,
             parts={"optimizer": stateful(Deferred(lambda: self.optimizer), tensors=True),
-                   "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler))})
+                   "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler)),
+                   "samples": clock.part()})
         if self.do_grad_scaling:
             self.checkpointer.parts["scaler"] = stateful(Deferred(lambda: self.scaler), "load_state_dict")
         self.add_callback(LDMCallback(self))
@@ -146,12 +150,23 @@ def train(training_args, model_args, data, sampling) -> dict:
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
+    clock = SampleClock(training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+                        * dist.world_size, dist.world_size, training_args.max_steps)
+    if checkpoint:
+        saved = read_training_state(checkpoint)
+        if "samples" in saved:
+            clock.load_state_dict(saved["samples"])
+        else:
+            clock.assume(saved["step"])
+        if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
+            logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
+        training_args.max_steps = clock.max_steps
     writer = NullWriter()
     try:
         run_dir.create(checkpoint)  # the first write
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
-                             data_stream=data_stream, resume_checkpoint=checkpoint)
+                             data_stream=data_stream, clock=clock, resume_checkpoint=checkpoint)
         if dist.is_main:
             # scalars go through the Trainer's own trackers (--report_to); images through them here
             writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
