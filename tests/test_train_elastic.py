@@ -52,9 +52,12 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
                                          "--resume_from_checkpoint", "latest"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "read the rest first: pass(es) [0]" in second.stderr
+    # global batch 8 -> 4: the 2 x 8 samples left of --max_train_steps 4 are 4 updates of 4 (ldm.train.elastic)
+    assert "global batch 8 -> 4" in second.stderr and "max_steps 4 -> 6" in second.stderr
+    assert read_training_state(out / "checkpoint-6")["samples"]["samples"] == 32
     assert int(re.search(r"\((\d+) partly read", second.stderr).group(1)) >= 1  # slots stopped inside units
     second_taken = taken()[before:]
-    assert len(second_taken) == 2 * 4
+    assert len(second_taken) == 4 * 4
     assert Counter((s, n) for _, _, s, n in second_taken) <= planned  # from the rest of the pass, as planned
 
     third = run_entry(SCRIPT, common + ["--num_workers", "1", "--max_train_steps", "12", "--save_steps", "12",
@@ -90,6 +93,7 @@ def test_the_trainer_entry_point_resumes_two_processes_on_one_reading_the_pass_o
                                          "--resume_from_checkpoint", "latest"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "read the rest first: pass(es) [0]" in second.stderr
+    assert "max_steps 10 -> 18" in second.stderr  # 80 samples asked for, 16 seen: 16 updates of 4 left
     records = Counter((shard, line) for p, _, shard, line in (row.split() for row in log.read_text().splitlines())
                       if p == "0")
     assert len(records) == 48 and set(records.values()) == {1}
@@ -123,3 +127,27 @@ def test_nonsense_is_refused(bad):
     args.update(bad)
     with pytest.raises(ValueError):
         describe_resize(**args)
+
+
+def test_the_sample_clock_keeps_the_schedule_in_samples_and_changes_nothing_on_the_same_batch():
+    from ldm.train.elastic import SampleClock
+
+    clock = SampleClock(global_batch=8, world_size=2, max_steps=10)
+    for _ in range(3):
+        clock.advance()
+    assert clock.position == 3 and isinstance(clock.position, int)  # the schedule's own whole steps
+    saved = clock.state_dict()
+
+    halved = SampleClock(global_batch=4, world_size=1, max_steps=10)
+    halved.load_state_dict(saved)
+    assert halved.max_steps == 3 + (80 - 24) // 4 and "global batch 8 -> 4" in halved.message
+    halved.advance()
+    assert halved.position == 3.5  # half an update of the first batch per update of the new one
+
+    same = SampleClock(global_batch=8, world_size=2, max_steps=12)  # a longer run asked for, same layout
+    same.load_state_dict(saved)
+    assert same.max_steps == 12 and same.message == ""
+
+    unrecorded = SampleClock(global_batch=8, world_size=2, max_steps=10)
+    unrecorded.assume(3)  # a checkpoint written before the clock existed
+    assert unrecorded.state_dict() == saved

@@ -29,25 +29,34 @@ NO_PRACTICAL_END = 10**8  # updates: a max_steps this large is a "run until stop
 
 
 def describe_resize(saved_world_size: int, saved_global_batch: int, new_world_size: int, new_global_batch: int,
-                    step: int, max_steps: int) -> tuple[str, int]:
-    """(one log line saying what happens to the step count, the schedule and max_steps; the new max_steps)."""
-    if min(saved_world_size, saved_global_batch, new_world_size, new_global_batch) < 1 or step < 0 or max_steps < 0:
-        raise ValueError("world sizes and global batches must be positive, step and max_steps not negative")
+                    step: int, max_steps: int, *, reference_batch: int | None = None,
+                    samples: int | None = None) -> tuple[str, int]:
+    """(one log line saying what happens to the step count, the schedule and max_steps; the new max_steps).
+
+    `max_steps` counts updates of the run's first global batch (`reference_batch`, default the saved one), and
+    `samples` is what the run has seen (default `step` updates of the saved batch).
+    """
+    reference_batch = saved_global_batch if reference_batch is None else reference_batch
+    samples = step * saved_global_batch if samples is None else samples
+    if min(saved_world_size, saved_global_batch, new_world_size, new_global_batch, reference_batch) < 1 or \
+            step < 0 or max_steps < 0 or samples < 0:
+        raise ValueError("world sizes and global batches must be positive, step, samples and max_steps not negative")
     ranks = f"{saved_world_size} -> {new_world_size} ranks"
-    if saved_global_batch == new_global_batch:
+    if saved_global_batch == new_global_batch and reference_batch == new_global_batch:
         return (f"resumed at update {step} on {ranks} with the same global batch ({new_global_batch}): updates, "
                 f"learning-rate schedule and max_steps ({max_steps}) continue unchanged"), max_steps
     batches = f"global batch {saved_global_batch} -> {new_global_batch}"
-    if max_steps >= NO_PRACTICAL_END or step >= max_steps:
+    planned = max_steps * reference_batch
+    if max_steps >= NO_PRACTICAL_END or samples >= planned:
         why = "no practical end" if max_steps >= NO_PRACTICAL_END else "nothing left to train"
         return (f"resumed at update {step} on {ranks}, {batches}: max_steps {max_steps} kept ({why}); the "
                 "learning-rate schedule continues in samples seen"), max_steps
-    remaining = math.ceil((max_steps - step) * saved_global_batch / new_global_batch)
+    remaining = math.ceil((planned - samples) / new_global_batch)
     new_max = step + remaining
-    return (f"resumed at update {step} on {ranks}, {batches}: the schedule is kept in samples seen — the "
-            f"remaining {(max_steps - step) * saved_global_batch} samples are {remaining} updates, max_steps "
-            f"{max_steps} -> {new_max}; the learning-rate schedule advances {new_global_batch / saved_global_batch:g} "
-            f"update(s) of the old batch per update; the peak learning rate is not rescaled"), new_max
+    return (f"resumed at update {step} on {ranks}, {batches}: the schedule is kept in samples seen: the "
+            f"remaining {planned - samples} of {planned} samples are {remaining} updates, max_steps "
+            f"{max_steps} -> {new_max}; the learning-rate schedule advances {new_global_batch / reference_batch:g} "
+            f"update(s) of the first batch per update; the peak learning rate is not rescaled"), new_max
 
 
 class SampleClock:
@@ -84,15 +93,13 @@ class SampleClock:
 
     def load_state_dict(self, saved: dict) -> None:
         self.reference_batch, self.samples, self.updates = saved["reference_batch"], saved["samples"], saved["updates"]
-        self.message = ""
-        if (saved["world_size"], saved["global_batch"]) != (self.world_size, self.global_batch):
-            self.message, _ = describe_resize(saved["world_size"], saved["global_batch"], self.world_size,
-                                              self.global_batch, self.updates, saved["max_steps"])
-        if self.requested_max_steps >= NO_PRACTICAL_END:
-            self.max_steps = self.requested_max_steps
-        else:  # what --max_train_steps asks for, in samples of the reference batch, from where the run is
-            planned = self.requested_max_steps * self.reference_batch
-            self.max_steps = self.updates + math.ceil(max(0, planned - self.samples) / self.global_batch)
+        message, max_steps = describe_resize(saved["world_size"], saved["global_batch"], self.world_size,
+                                             self.global_batch, self.updates, self.requested_max_steps,
+                                             reference_batch=self.reference_batch, samples=self.samples)
+        changed = (saved["world_size"], saved["global_batch"]) != (self.world_size, self.global_batch)
+        self.message = message if changed else ""
+        self.max_steps = max(max_steps, self.updates) if self.global_batch != self.reference_batch or changed \
+            else self.requested_max_steps
 
     def part(self):
         """This clock as a checkpoint part (`ldm.train.checkpointer`)."""
