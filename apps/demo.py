@@ -33,11 +33,8 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 class Settings:
     records: int = 20000
     resolution: int = 32
-    # 2400, not 1200: reconstructions kept small triangles' points far better (shape 84.5 -> 93.0% on
-    # seed 2, 80.8 -> 89.2% of 400 images on seed 1) and the LDM on them drew shapes better (66.7 -> 85.4%,
-    # 81.2 -> 93.8%), for about 140 s more; 2400 LDM updates stay (2000 on seed 2's better latents: 66.7%).
-    # 1800 at 1e-3 reconstructed about as well (L1 0.034, 34 vs 29 of 400 misread) in 200 s instead of 260 s,
-    # but the LDM on it drew 76.0% of shapes right on seed 0 (84.4% with 2400 at 2e-3); higher rates were worse.
+    # 2400, not 1200: reconstructions keep small triangles' points, and the LDM on them draws shapes better;
+    # fewer updates at a lower rate, or fewer LDM updates, drew shapes worse (docs/demo.md, "Experiments").
     autoencoder_steps: int = 2400
     autoencoder_batch: int = 8  # global, like the LDM's: split across the training processes
     autoencoder_lr: float = 2e-3
@@ -210,10 +207,10 @@ class Demo:
 def default_processes() -> int:
     """Training processes for the demo: one per core up to two on a CPU, one on a GPU.
 
-    Paddle runs a process's CPU kernels on one core (measured: two processes of the demo's UNet
-    step each keep their one-process speed), so a second process on a second core adds images
-    per second (about x1.5 in the demo's LDM loop, where the ranks also wait for each other's
-    gradients over gloo), as a second card would.
+    Paddle runs a process's CPU kernels on one core (two processes of the demo's UNet step each
+    keep their one-process speed), so a second process on a second core adds images per second
+    (less than twice as many in the demo's LDM loop, where the ranks also wait for each other's
+    gradients over gloo; docs/demo.md), as a second card would.
     """
     import paddle
 

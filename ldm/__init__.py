@@ -5,8 +5,8 @@ process; the entry points set the process up explicitly (`ldm.runtime.use_fast_c
 
 Imports go at the top of a module. A function imports inside itself only for one of these reasons:
 - the module serves a command before its arguments are checked (`ldm.args`, `ldm.models.build`,
-  `ldm.tracking`, the data tools, the entry points): Paddle, PaddleNLP and ppdiffusers take 6-10 s
-  to import, and a wrong flag should answer at once;
+  `ldm.tracking`, the data tools, the entry points): Paddle, PaddleNLP and ppdiffusers take seconds
+  to import (docs/benchmarks.md), and a wrong flag should answer at once;
 - the package is optional (wandb, tensorboardX, fsspec's backends);
 - the import reaches a private API that `ldm.compat` checks when it is used, or would be circular.
 """

@@ -12,7 +12,7 @@ A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) ho
                                  on the Trainer path, which PaddleNLP reads back itself)
   manifest.json                  every file's size and sha256, written last
 An autoencoder run's checkpoints hold `vqvae/` and the same training files. The frozen autoencoder is
-written once per run to `<output_dir>/vqvae/` rather than into every checkpoint (330 MB for KL-f8).
+written once per run to `<output_dir>/vqvae/` rather than into every checkpoint (it is large: docs/checkpoints.md).
 
 Nothing here unpickles. Checkpoints of earlier versions (`training_state.pkl`, `*.pdparams`, `*.pdopt`)
 are refused with the command that converts them: `python -m ldm.checkpoint upgrade DIR`, which does

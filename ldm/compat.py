@@ -68,9 +68,9 @@ def fast_conv_bias() -> bool:
     """Make Paddle's NCHW conv2d add its bias on the CPU as a [C, 1, 1] tensor instead of [1, C, 1, 1].
 
     Paddle 3.3 reshapes a conv's bias to [1, C, 1, 1] before the add, and its CPU kernel broadcasts
-    that shape through a slow general path: 3.9 ms for a 4x64x32x32 output against 0.21 ms for the
-    same add of a [C, 1, 1] bias (the same values; `scripts/bench_cpu_kernels.py` measures the
-    training steps). conv2d is reached two ways, both wrapped here, once per process: the public
+    that shape through a general path many times slower than the same add of a [C, 1, 1] bias (the
+    same values; docs/benchmarks.md; `scripts/bench_cpu_kernels.py` measures the training steps).
+    conv2d is reached two ways, both wrapped here, once per process: the public
     `paddle.nn.functional.conv2d` (ppdiffusers' convolutions) and the private
     `paddle.nn.functional.conv._conv_nd` (`paddle.nn.Conv2D`), the latter only while its parameters
     are the ones wrapped. Anything else (no bias, NHWC, another device, a transposed conv) takes

@@ -2,12 +2,12 @@
 
 Paddle's CPU build does its matrix products (matmul, and conv2d through im2col) in the Intel MKL it
 ships (`libmklml_intel.so`). That MKL picks its kernels by CPU vendor: on an AMD CPU it runs a
-generic path, about 3x slower for a float32 matmul than its AVX2 kernels on the same core (26
-against 76 GFLOP/s on a 2-core EPYC). This MKL still reads `MKL_DEBUG_CPU_TYPE` (Intel dropped it
-from MKL 2020.1 on; a Paddle that ships a newer MKL ignores it, harmlessly), and 5 selects the AVX2
-kernels. MKL reads the variable at its first call, so setting it when `ldm` is imported (before any
-tensor work) reaches the process and every process it starts. Nothing else in the stack does this:
-Paddle leaves the choice to the user.
+generic path, several times slower for a float32 matmul than its AVX2 kernels on the same core
+(`scripts/bench_cpu_kernels.py` measures it; figures in docs/benchmarks.md). This MKL still reads
+`MKL_DEBUG_CPU_TYPE` (Intel dropped it from MKL 2020.1 on; a Paddle that ships a newer MKL ignores it,
+harmlessly), and 5 selects the AVX2 kernels. MKL reads the variable at its first call, so setting it at
+an entry point's start (`ldm.runtime.use_fast_cpu_kernels`, before any tensor work) reaches the process
+and every process it starts. Nothing else in the stack does this: Paddle leaves the choice to the user.
 
 Only where `/proc/cpuinfo` tells the CPU (Linux), only on AMD CPUs and their Hygon derivatives that
 have AVX2 (the kernels it selects need it), and never over a value the user set:

@@ -12,7 +12,7 @@ into one gzipped shard, then `python -m ldm.data bench` runs on it: both loaders
 interleaved rounds, medians.
 
 A PNG costs both loaders the same (zlib inflate, no reduced-size decode), so the share of PNGs bounds
-the ratio: in `photos`, the third of the images that are PNG take about 60% of the decode time.
+the ratio: in `photos`, the third of the images that are PNG take most of the decode time (docs/benchmarks.md).
 """
 
 import argparse

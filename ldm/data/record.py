@@ -29,8 +29,8 @@ REASONS = (
 )
 
 
-# The tokenizer reads a whole caption before it truncates it to its 77 tokens, at ~3 s per MB: one
-# corrupt caption of a few MB stalls a loader worker (a line may hold 256 MB). 77 tokens of text
+# The tokenizer reads a whole caption before it truncates it to its 77 tokens, slowly (docs/benchmarks.md):
+# one corrupt caption of a few MB stalls a loader worker (a line may hold 256 MB). 77 tokens of text
 # whose words are shorter than WordPiece's 100-character limit fit in far fewer characters.
 MAX_CAPTION_CHARS = 8192
 

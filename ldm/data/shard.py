@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from ldm.data import remote
 
-try:  # ISA-L inflate is ~1.8x faster than zlib on shard lines (see PERFORMANCE.md)
+try:  # ISA-L inflates shard lines faster than zlib (docs/benchmarks.md)
     from isal import isal_zlib as _zlib
 except ImportError:  # pragma: no cover - isal is in the lock file
     _zlib = zlib
@@ -108,7 +108,7 @@ def iter_lines(path: str) -> Iterator[bytes]:
         if first[:2] == GZIP_MAGIC:
             chunks = _inflate(chunks, path)
         # The pieces of the unfinished line, joined once at its end: re-joining (and re-splitting) it
-        # at every chunk made a line over N chunks cost N^2 / 2 chunk copies (28 s for 300 MB).
+        # at every chunk made a line over N chunks cost N^2 / 2 chunk copies (docs/benchmarks.md).
         pending: list[bytes] = []
         pending_size = 0
         for chunk in chunks:
