@@ -4,7 +4,7 @@
 
 Each round starts three fresh processes one after the other (MKL reads its variable once, at its first
 call): "paddle", as Paddle runs by itself (MKL_DEBUG_CPU_TYPE empty: MKL's own kernel choice; Paddle's
-conv2d bias add); "mkl", MKL_DEBUG_CPU_TYPE as `import ldm` leaves it (5 on an AMD CPU with AVX2,
+conv2d bias add); "mkl", MKL_DEBUG_CPU_TYPE as the entry points' start-up sets it (5 on an AMD CPU with AVX2,
 unset elsewhere); "mkl+bias", that and the [C, 1, 1] bias add, as the project runs. Each times a
 512x512 float32 matmul, a bare update of the demo autoencoder (x4, batch 4 of 32 px: the demo's
 autoencoder stage per process) and a bare update of the demo LDM on images (batch 16, autoencoder
@@ -30,18 +30,20 @@ from ldm.args import DataArguments, ModelArguments, SamplingArguments
 from ldm.cpu import choose_mkl_kernels, cpu_identity
 from ldm.data.synth import synth_corpus
 from ldm.models.autoencoder import AutoencoderTraining
+from ldm.runtime import use_fast_cpu_kernels
 from ldm.train import setup
 from ldm.train.autoencoder import build_autoencoder
-from ldm.train.loop import TextToImage
+from ldm.train.objective import TextToImage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(updates: int, fast_bias: bool) -> dict:
     """One process's figures: matmul GFLOP/s, autoencoder and LDM update in ms (MKL_DEBUG_CPU_TYPE was
-    decided when `ldm` was imported above, before any tensor work)."""
+    decided here, before any tensor work, as an entry point's start-up does)."""
+    use_fast_cpu_kernels()
     setup.quiet_libraries()
-    vae, _ = build_autoencoder("ldm-demo", seed=0)  # building a model installs the fast bias add
+    vae, _ = build_autoencoder("ldm-demo", seed=0)
     folder = tempfile.mkdtemp(prefix="bench_cpu_kernels_")
     listing = synth_corpus(os.path.join(folder, "corpus"), num_records=64, resolution=32, records_per_shard=64)
     data = DataArguments(file_list=listing, tokenizer_name=os.path.join(folder, "corpus", "tokenizer"),

@@ -29,9 +29,11 @@ import paddle
 
 from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments, ToolParser
 from ldm.data.synth import synth_corpus
+from ldm.runtime import use_fast_cpu_kernels
 from ldm.tracking import read_scalars
 from ldm.train import setup
-from ldm.train.loop import TextToImage, run
+from ldm.train.loop import run
+from ldm.train.objective import TextToImage
 
 
 def bare_step_seconds(objective: TextToImage, batch: int, resolution: int, updates: int, lr: float) -> float:
@@ -83,6 +85,7 @@ def main() -> None:
     data = DataArguments(file_list=listing, tokenizer_name=os.path.join(folder, "corpus", "tokenizer"),
                          model_max_length=16, resolution=args.resolution, center_crop=True)
     sampling = SamplingArguments()
+    use_fast_cpu_kernels()  # as the entry points start
     setup.quiet_libraries()
 
     def loop_update_seconds(run_data: DataArguments, name: str) -> float:
