@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 from ldm.data.filelist import Shard
 from ldm.data.plan import Unit, slot_units
+from ldm.data.readers import Sample, ShardFormatError, iter_records
 from ldm.data.record import SkipRecord
-from ldm.data.shard import LineTooLong, ShardError, ShardTruncated, iter_lines
+from ldm.data.shard import LineTooLong, ShardError, ShardTruncated
 
 logger = logging.getLogger("ldm.data")
 
@@ -35,7 +36,7 @@ class Record(NamedTuple):
     line_number: int
     copy: int
     pass_index: int
-    line: bytes
+    line: bytes | Sample  # a text shard's line, or a tar's / parquet's sample (`ldm.data.readers`)
     seed_key: str  # the shard's `Shard.seed_key`: what seeds this record's randomness
 
 
@@ -44,6 +45,8 @@ def shard_error_reason(error: ShardError) -> str:
         return "truncated_shard"
     if isinstance(error, LineTooLong):
         return "line_too_long"
+    if isinstance(error, ShardFormatError):
+        return "unknown_format"
     return "unreadable_shard"
 
 
@@ -62,7 +65,7 @@ class SlotStream:
         self.shards, self.slot, self.num_slots = shards, slot, num_slots
         self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
         self.pass_index = self.unit_pos = self.line_pos = self.pops = self.pass_ok = 0
-        self.buffer: list[tuple[int, int, bytes]] = []
+        self.buffer: list[tuple[int, int, bytes | Sample]] = []
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
@@ -110,18 +113,19 @@ class SlotStream:
             suffix = " (further ones are counted, not logged)" if self._logged[reason] == LOGGED_PER_REASON else ""
             logger.warning("skipped %s: %s %s%s", where, reason, detail, suffix)
 
-    def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes]]:
+    def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes | Sample]]:
+        """The records of `unit` after record `after` (up to `until`), of a shard of any kind (`ldm.data.readers`):
+        the reader skips the others without decoding them."""
         path = self.shards[unit.shard].path
         number = 0
         self._reading = path
         if self.on_open is not None:
             self.on_open(path)
         try:
-            for number, line in enumerate(iter_lines(path), 1):
+            for number, line in iter_records(path, lambda n: n > after and unit.owns(n)):
                 if until is not None and number > until:
                     return
-                if number > after and unit.owns(number):
-                    yield number, line
+                yield number, line
         except ShardError as e:
             self._count(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
 
@@ -129,7 +133,7 @@ class SlotStream:
         wanted: dict[int, set[int]] = {}
         for u, n in self._to_reload:
             wanted.setdefault(u, set()).add(n)
-        found: dict[tuple[int, int], bytes] = {}
+        found: dict[tuple[int, int], bytes | Sample] = {}
         for u, numbers in wanted.items():
             for n, line in self._unit_lines(units[u], after=min(numbers) - 1, until=max(numbers)):
                 if n in numbers:
