@@ -97,11 +97,11 @@ def test_filters_count_each_rejection_by_its_expression_in_both_formats(img2data
     def ratio(m):
         return max(m["original_width"], m["original_height"]) / side(m)
 
-    expected = expected_counts(metas, [("filter punsafe < 0.5", lambda m: m["punsafe"] < 0.5),
-                                       ("filter AESTHETIC_SCORE >= 5", lambda m: m["AESTHETIC_SCORE"] >= 5),
-                                       ("filter min_side >= 250", lambda m: side(m) >= 250),
-                                       ("filter aspect_ratio <= 2", lambda m: ratio(m) <= 2)])
-    assert all(expected[r] for r in ("ok", "filter punsafe < 0.5", "filter min_side >= 250"))  # each one bites
+    expected = expected_counts(metas, [("filter_punsafe_lt_0.5", lambda m: m["punsafe"] < 0.5),
+                                       ("filter_AESTHETIC_SCORE_ge_5", lambda m: m["AESTHETIC_SCORE"] >= 5),
+                                       ("filter_min_side_ge_250", lambda m: side(m) >= 250),
+                                       ("filter_aspect_ratio_le_2", lambda m: ratio(m) <= 2)])
+    assert all(expected[r] for r in ("ok", "filter_punsafe_lt_0.5", "filter_min_side_ge_250"))  # each one bites
     for listing, failures in ((c["tar_list"], 0), (c["parquet_list"], 3)):
         got = stats(listing, "--metadata_filter", *FILTERS)
         assert got["ok"] == expected["ok"]
@@ -111,7 +111,7 @@ def test_filters_count_each_rejection_by_its_expression_in_both_formats(img2data
         assert got["bad"] == bad
     # a key that no record has is counted under its own reason, never passed or dropped silently
     got = stats(c["tar_list"], "--metadata_filter", "punsafe < 0.5", "LICENSE == 1")
-    assert got["ok"] == 0 and got["bad"] == {"filter punsafe < 0.5": 30, "missing_key LICENSE": 30}
+    assert got["ok"] == 0 and got["bad"] == {"filter_punsafe_lt_0.5": 30, "missing_key_LICENSE": 30}
 
 
 def test_a_malformed_filter_is_one_line_before_anything_runs(img2dataset_corpus, tmp_path):
@@ -286,7 +286,7 @@ def test_convert_keeps_metadata_and_refuses_what_it_cannot_read(img2dataset_corp
             c["tar_list"], "--metadata_filter", *FILTERS)["ok"]
     out = run("-m", "ldm.data", "convert", *map(str, c["tars"]), "--output_dir", str(tmp_path / "f"),
               "--metadata_filter", "punsafe < 0.5")
-    assert out.returncode == 0 and out.stdout.startswith("wrote 30 records (30 skipped: filter punsafe < 0.5 30)")
+    assert out.returncode == 0 and out.stdout.startswith("wrote 30 records (30 skipped: filter_punsafe_lt_0.5 30)")
     # what nothing here reads is an error, and nothing is written
     (tmp_path / "junk").mkdir()
     shutil.copy(c["wds"] / "00000_stats.json", tmp_path / "junk")
@@ -319,14 +319,14 @@ def test_metadata_filters_read_text_latent_and_sample_metadata():
 
     with pytest.raises(SkipRecord) as e:
         filters.check({"punsafe": 0.7}, None)
-    assert e.value.reason == "filter punsafe < 0.5"
+    assert e.value.reason == "filter_punsafe_lt_0.5"
     with pytest.raises(SkipRecord) as e:
         filters.check({"punsafe": None}, None)
-    assert e.value.reason == "missing_key punsafe"
+    assert e.value.reason == "missing_key_punsafe"
     image = io.BytesIO()
     from PIL import Image
 
     Image.new("RGB", (90, 200)).save(image, "JPEG")
     with pytest.raises(SkipRecord) as e:  # no original size: the image's own header
         filters.check({"punsafe": 0.1}, image.getvalue())
-    assert e.value.reason == "filter min_side >= 100"
+    assert e.value.reason == "filter_min_side_ge_100"

@@ -7,8 +7,9 @@ it there). Two keys are derived: `min_side` and `aspect_ratio` (long side / shor
 `original_height` when the metadata has them (img2dataset writes them: the size before its resize), else from the
 image's own header (the image is not decoded for it).
 
-A rejected record raises `SkipRecord("filter KEY OP NUMBER")`; one without the key (or with a null or
-non-numeric value) `SkipRecord("missing_key KEY")`, so that neither is silently passed nor silently dropped.
+A rejected record raises `SkipRecord("filter_KEY_OP_NUMBER")` (OP spelled lt le gt ge eq ne: `punsafe < 0.5` is
+counted as `filter_punsafe_lt_0.5`, a name trackers take as a tag); one without the key (or with a null or
+non-numeric value) `SkipRecord("missing_key_KEY")`, so that neither is silently passed nor silently dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ldm.data.record import MAX_CAPTION_CHARS, SkipRecord
 OPERATORS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
              ">": operator.gt}
 DERIVED = ("min_side", "aspect_ratio")
+# in reason names, which become tracker tags (data_<reason>): letters, digits, _ . - only
+OPERATOR_NAMES = {"<=": "le", ">=": "ge", "==": "eq", "!=": "ne", "<": "lt", ">": "gt"}
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _EXPRESSION = re.compile(rf"^\s*([A-Za-z_][\w.\-]*)\s*(<=|>=|==|!=|<|>)\s*({_NUMBER})\s*$")
 
@@ -48,6 +51,11 @@ class MetadataFilter:
 
     def __str__(self) -> str:
         return f"{self.key} {self.op} {self.value:g}"
+
+    @property
+    def reason(self) -> str:
+        """What a rejection is counted under: `filter_punsafe_lt_0.5` for `punsafe < 0.5`."""
+        return f"filter_{self.key}_{OPERATOR_NAMES[self.op]}_{self.value:g}"
 
 
 def _number(value: Any) -> float | None:
@@ -79,7 +87,7 @@ class MetadataFilters:
 
     def __init__(self, expressions: Sequence[str]):
         self.filters = [MetadataFilter.parse(e) for e in expressions]
-        self.reasons = [(f, OPERATORS[f.op], f"filter {f}", f"missing_key {f.key}") for f in self.filters]
+        self.reasons = [(f, OPERATORS[f.op], f.reason, f"missing_key_{f.key}") for f in self.filters]
 
     def __bool__(self) -> bool:
         return bool(self.filters)
@@ -102,7 +110,7 @@ class MetadataFilters:
             if value is None or math.isnan(value):
                 raise SkipRecord(missing)
             if not compare(value, f.value):
-                raise SkipRecord(rejected, f"{f.key} = {value:g}")
+                raise SkipRecord(rejected, f"{f.key} = {value:g}, not {f}")
 
 
 def derived_keys(meta: dict, image: bytes | None) -> dict[str, float]:
