@@ -266,7 +266,8 @@ def test_truncated_tars_and_wrong_kinds_are_named_and_counted(img2dataset_corpus
     assert 0 < got["ok"] < 24 and got["ok"] == got["records"]  # the samples before each break are kept
     problems = "\n".join(got["shard_problems"])
     for what in ("shard.zip is a zip archive", "page.gz is an HTML/XML page", "stats.gz is a JSON file",
-                 "urls.parquet is a parquet without an image column", "cut.tar breaks", "without its end marker"):
+                 "urls.parquet is a parquet without an image column", "cut.tar: unexpected end of data",
+                 "cut-at-member.tar ends without its end marker"):
         assert what in problems, problems
 
 
@@ -330,3 +331,30 @@ def test_metadata_filters_read_text_latent_and_sample_metadata():
     with pytest.raises(SkipRecord) as e:  # no original size: the image's own header
         filters.check({"punsafe": 0.1}, image.getvalue())
     assert e.value.reason == "filter_min_side_ge_100"
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_tars_of_every_header_format_group_by_key_as_webdataset_does(fmt, mode):
+    """Long names (GNU L records, pax path records, ustar prefixes), directories, gzip: as tarfile wrote them."""
+    from ldm.data.readers import tar_records
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode, format=fmt) as tar:
+        folder = tarfile.TarInfo("dir")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for i in range(5):
+            base = ("d" * (60 if fmt == tarfile.USTAR_FORMAT else 130)) + f"/sub.v1/k{i}" if i % 2 else f"k{i}"
+            for ext, data in (("jpg", b"J" * (i * 300 + 1)), ("txt", f"cap {i}".encode()), ("json", b'{"a": %d}' % i)):
+                info = tarfile.TarInfo(f"{base}.{ext}")
+                info.size = len(data)
+                if fmt == tarfile.PAX_FORMAT:
+                    info.pax_headers = {"comment": "x"}
+                tar.addfile(info, io.BytesIO(data))
+    got = [(n, s.key, s.caption, len(s.image), s.meta) for n, s in tar_records(io.BytesIO(buf.getvalue()), "t",
+                                                                                  lambda n: True)]
+    assert [(n, c, size, meta) for n, _, c, size, meta in got] == [
+        (i + 1, f"cap {i}", i * 300 + 1, {"a": i}) for i in range(5)]
+    assert got[1][1].endswith("/sub.v1/k1") and got[2][1] == "k2"
+    assert [n for n, _ in tar_records(io.BytesIO(buf.getvalue()), "t", lambda n: n % 2 == 0)] == [2, 4]
