@@ -21,7 +21,7 @@ from servers import serve
 
 from ldm.args import ArgumentError, DataArguments
 from ldm.compat import stop_loader
-from ldm.data.dataset import CaptionImageStream, build_dataloader
+from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.filters import MetadataFilters
 from ldm.data.readers import Sample, count_records, iter_records
@@ -358,3 +358,47 @@ def test_tars_of_every_header_format_group_by_key_as_webdataset_does(fmt, mode):
         (i + 1, f"cap {i}", i * 300 + 1, {"a": i}) for i in range(5)]
     assert got[1][1].endswith("/sub.v1/k1") and got[2][1] == "k2"
     assert [n for n, _ in tar_records(io.BytesIO(buf.getvalue()), "t", lambda n: n % 2 == 0)] == [2, 4]
+
+
+def test_a_two_worker_loader_resumed_inside_tars_and_parquets_sees_the_uninterrupted_batches(img2dataset_corpus,
+                                                                                           tmp_path):
+    c = img2dataset_corpus
+    tars, parquets = c["tar_list"].removesuffix(".list"), c["parquet_list"].removesuffix(".list")
+    (tmp_path / "both.list").write_text(f"{tars}\n{parquets}\n")
+    listing = str(tmp_path / "both.list")
+
+    def make(state=None):
+        stream = CaptionImageStream(read_file_list(listing), tokenize=lambda caption: np.frombuffer(
+            caption.encode().ljust(24), np.uint8).copy(), transform=ImageTransform(32), batch_size=4,
+            caption_dropout_prob=0.2, num_workers=2, shuffle_buffer=16, state=state,
+            metadata_filter=MetadataFilters(["punsafe < 0.8"]))
+        return build_dataloader(stream, 2)
+
+    def consume(loader, tracker, n):
+        out = []
+        iterator = iter(loader)
+        try:
+            for batch in iterator:
+                batch = tracker.update(batch)
+                out.append((np.asarray(batch["pixel_values"]).copy(), np.asarray(batch["input_ids"]).copy()))
+                if len(out) == n:
+                    break
+        finally:
+            stop_loader(iterator)
+        return out
+
+    total, cut = 30, 11  # 120 samples: past the first pass (96 records pass the filter)
+    tracker = StreamState(2)
+    expected = consume(make(), tracker, total)
+    first = StreamState(2)
+    got = consume(make(), first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert any(s["line"] > 0 for s in state["slots"].values())  # inside a shard
+    second = StreamState(2)
+    second.load_state_dict(state)
+    got += consume(make(state), second, total - cut)
+    for (p1, i1), (p2, i2) in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(p1, p2)
+    counts = tracker.counts()
+    assert counts == second.counts() and counts["filter_punsafe_lt_0.8"] > 0 and counts["status_not_success"] > 0
