@@ -82,6 +82,9 @@ class DataArguments:
     random_flip: bool = arg(False, "random horizontal flip")
     caption_dropout_prob: float = arg(0.1, "probability of replacing a caption by '' (classifier-free guidance)")
     min_image_size: int = arg(0, "skip (and count) images whose shorter side is smaller")
+    metadata_filter: list[str] = arg_list([], "keep only records whose metadata passes every 'KEY OP NUMBER' (OP: < "
+                                              "<= > >= == !=), e.g. 'punsafe < 0.5' 'AESTHETIC_SCORE >= 5'; derived "
+                                              "keys min_side, aspect_ratio (see docs/data-formats.md)")
     shuffle_buffer: int = arg(256, "records in each loader slot's shuffle buffer")
     data_timeout: float = arg(600, "seconds without a batch before the run stops with stacks and the shards being "
                                    "read (0: wait forever)")
@@ -92,6 +95,13 @@ class DataArguments:
         _check(0 <= self.caption_dropout_prob <= 1, "--caption_dropout_prob must be in [0, 1]")
         _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")
         _check(self.data_timeout >= 0, "--data_timeout must be >= 0")
+        if self.metadata_filter:
+            from ldm.data.filters import MetadataFilters
+
+            try:
+                MetadataFilters(self.metadata_filter)
+            except ValueError as e:
+                raise ArgumentError(str(e)) from None
 
 
 @dataclass

@@ -1,15 +1,22 @@
 """Benchmark the data path against the naive reference on LAION-like images made here.
 
     .venv/bin/python scripts/bench_data.py [--corpus synthetic|photos|photos-jpeg] [--num_images 300] [--folder F]
+                                           [--formats]
 
 `synthetic` (default): photo-like JPEGs (512x384 ... 1024x768, quality 90, smooth content with texture
 so that they compress like photographs, ~60-120 kB). `photos`: real photographs shipped inside
 installed packages (matplotlib's and scikit-learn's sample images), cut and rescaled to mixed sizes
 (shorter side 216-768 px) and encoded as LAION's mix is: JPEG quality 75-95, some progressive, some
 greyscale or CMYK, some PNG (with alpha or a palette). `photos-jpeg`: the same photographs in the JPEG
-kinds only, as img2dataset writes LAION by default (it re-encodes every image to JPEG). Either is written
+kinds only, as img2dataset writes LAION by default (it re-encodes every image to JPEG). `photos-256`: the same
+photographs as img2dataset writes them for 256 px training (`--image_size 256 --resize_mode keep_ratio`: shorter
+side 256, JPEG quality 95, its defaults). Either is written
 into one gzipped shard, then `python -m ldm.data bench` runs on it: both loaders on one pinned core,
 interleaved rounds, medians.
+
+`--formats`: the same images also as a WebDataset tar and an img2dataset parquet (img2dataset's layouts: KEY.jpg,
+KEY.txt, KEY.json; a `jpg` column beside the metadata), and `bench --against` the text shard for each: the data
+path on the tar (then the parquet) against the data path on the base64 text shard, same images, same core.
 
 A PNG costs both loaders the same (zlib inflate, no reduced-size decode), so the share of PNGs bounds
 the ratio: in `photos`, the third of the images that are PNG take most of the decode time (docs/benchmarks.md).
@@ -24,7 +31,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from ldm.args import ToolParser
 from ldm.data.tools import main as data_main
-from ldm.data.write import ShardWriter, encode_image, record_line
+from ldm.data.write import ShardWriter, encode_image, record_line, write_img2dataset_parquet, write_webdataset
 
 
 def photo_like(rng: np.random.Generator) -> Image.Image:
@@ -88,11 +95,25 @@ def photo_variant(photos: list[Image.Image], rng: np.random.Generator, kinds: tu
     return encode_image(image, "PNG" if kind == "png" else "JPEG", **({} if kind == "png" else {"quality": quality}))
 
 
+def img2dataset_256(data: bytes) -> bytes:
+    """An image as img2dataset writes it with --image_size 256 --resize_mode keep_ratio: shorter side 256 (area
+    interpolation down), re-encoded as JPEG quality 95."""
+    import io
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    scale = 256 / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BOX)
+    return encode_image(image, "JPEG", quality=95)
+
+
 def main() -> int:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", choices=["synthetic", "photos", "photos-jpeg"], default="synthetic")
+    parser.add_argument("--corpus", choices=["synthetic", "photos", "photos-jpeg", "photos-256"], default="synthetic")
     parser.add_argument("--num_images", type=int, default=300)
     parser.add_argument("--folder", help="where the corpus is written (default /tmp/ldm-bench-<corpus>)")
+    parser.add_argument("--formats", action="store_true",
+                        help="also bench a WebDataset tar and an img2dataset parquet of the same images against the "
+                             "text shard")
     args = parser.parse_args()
     folder = args.folder or f"/tmp/ldm-bench-{args.corpus}"
     listing = os.path.join(folder, "bench.filelist.list")
@@ -100,17 +121,34 @@ def main() -> int:
         rng = np.random.default_rng(0)
         photos = package_photos() if args.corpus.startswith("photos") else None
         kinds = JPEG_KINDS if args.corpus == "photos-jpeg" else PHOTO_KINDS
-        sizes = []
+        samples = []
         with ShardWriter(folder, "bench", records_per_shard=args.num_images) as writer:
             for i in range(args.num_images):
-                if photos:
+                if args.corpus == "photos-256":
+                    data = img2dataset_256(photo_variant(photos, rng, ("jpeg",)))
+                elif photos:
                     data = photo_variant(photos, rng, kinds)
                 else:
                     data = encode_image(photo_like(rng), "JPEG", quality=90)
-                sizes.append(len(data))
-                writer.write(record_line(f"a photo number {i}", data))
+                meta = {"punsafe": float(rng.random()), "AESTHETIC_SCORE": float(rng.uniform(3, 7))}
+                samples.append((f"{i:09d}", f"a photo number {i}", data, meta))
+                writer.write(record_line(f"a photo number {i}", data, f"{i:09d}", meta))
+        write_webdataset(os.path.join(folder, "00000.tar"), samples)
+        write_img2dataset_parquet(os.path.join(folder, "00000.parquet"), samples, row_group_rows=100)
+        for name in ("tar", "parquet"):
+            with open(os.path.join(folder, f"{name}.filelist"), "w") as f:
+                f.write(f"00000.{name}\n")
+            with open(os.path.join(folder, f"{name}.filelist.list"), "w") as f:
+                f.write(f"{name}.filelist\n")
+        sizes = [len(s[2]) for s in samples]
         print(f"wrote {args.num_images} {args.corpus} images, mean {np.mean(sizes) / 1000:.0f} kB, to {folder}")
-    return data_main(["bench", "--file_list", listing, "--num_samples", str(args.num_images)])
+    code = data_main(["bench", "--file_list", listing, "--num_samples", str(args.num_images)])
+    if args.formats:
+        for name in ("tar", "parquet"):
+            print(f"-- {name} (reference: the data path on the same images as a base64 text shard)")
+            code = code or data_main(["bench", "--file_list", os.path.join(folder, f"{name}.filelist.list"),
+                                      "--against", listing, "--num_samples", str(args.num_images)])
+    return code
 
 
 if __name__ == "__main__":

@@ -40,3 +40,11 @@ def no_loader_left_behind():
     while (left := set(loader_leftovers()) - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"the test left data loader threads or processes running: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def img2dataset_corpus(tmp_path_factory):
+    """The img2dataset corpus of tests/img2dataset_corpus.py (tars and parquets), downloaded once per session."""
+    from img2dataset_corpus import build
+
+    return build(tmp_path_factory.mktemp("img2dataset"))

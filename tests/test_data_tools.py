@@ -102,7 +102,7 @@ def test_convert_folder_tar_and_parquet(tmp_path):
     assert str(listing) in out.stdout
     stats = json.loads(run("-m", "ldm.data", "stats", "--file_list", str(listing), "--json").stdout)
     assert stats == {"kinds": {"images": 6}, "shards": 2, "missing_shards": 0, "records": 6, "ok": 6, "bad": {},
-                     "shard_errors": {}, "missing": []}
+                     "shard_errors": {}, "missing": [], "shard_problems": []}
     shards = read_file_list(str(listing))
     captions = sorted(line.split(b"\t")[0].decode() for s in shards for line in iter_lines(s.path))
     assert captions == sorted([f"folder caption {i}" for i in range(3)] + ["tar caption 0", "tar caption 1",

@@ -352,3 +352,21 @@ def test_two_ranks_encode_every_record_exactly_once(corpus, vae, encoded, tmp_pa
     assert got == expected  # the same output shards, line for line, as one process wrote
     assert {f for f in os.listdir(out / ".encode") if f.startswith("done-")} == {"done-rank0.jsonl",
                                                                                   "done-rank1.jsonl"}
+
+
+def test_img2dataset_tars_and_parquets_encode_filtered_keeping_their_metadata(img2dataset_corpus, vae, tmp_path):
+    c = img2dataset_corpus
+    tars, parquets = c["tar_list"].removesuffix(".list"), c["parquet_list"].removesuffix(".list")
+    (tmp_path / "both.list").write_text(f"{tars}\n{parquets}\n")
+    out = tmp_path / "latents"
+    result = run_python(encode_args(str(tmp_path / "both.list"), vae, out, "--metadata_filter", "punsafe < 0.5"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "filter_punsafe_lt_0.5 60" in result.stdout and "status_not_success 3" in result.stdout, result.stdout
+    lines = [line for shard in records_of(str(out / "latents.filelist.list")).values() for line in shard]
+    assert len(lines) == 60  # 30 of the 60 downloads, from the tars and from the parquets
+    metas = [json.loads(line.split(b"\t")[3])["metadata"] for line in lines]
+    assert all(m["punsafe"] < 0.5 and m["original_width"] > 64 for m in metas)
+    # the kept metadata filters the latent records in their turn
+    stats = run_python(["-m", "ldm.data", "stats", "--file_list", str(out / "latents.filelist.list"), "--json",
+                        "--metadata_filter", "AESTHETIC_SCORE >= 5"])
+    assert json.loads(stats.stdout)["ok"] == sum(m["AESTHETIC_SCORE"] >= 5 for m in metas) > 0

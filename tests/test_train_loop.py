@@ -482,3 +482,18 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
     retry = run(args + ["--resume_from_checkpoint", "auto"])
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert read_training_state(out / "checkpoint-3")["step"] == 3
+
+
+def test_three_updates_on_img2dataset_tars_with_metadata_filters(img2dataset_corpus, vocab_dir, tmp_path):
+    """The tars img2dataset wrote (tests/img2dataset_corpus.py), read directly by two loader workers, filtered."""
+    out = tmp_path / "run"
+    result = run(["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list",
+                  img2dataset_corpus["tar_list"], "--tokenizer_name", vocab_dir, "--model_max_length", "16",
+                  "--resolution", "32", "--train_batch_size", "4", "--max_train_steps", "3", "--save_steps", "3",
+                  "--logging_steps", "1", "--num_workers", "2", "--output_dir", str(out),
+                  "--metadata_filter", "punsafe < 0.5", "min_side >= 160"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_training_state(out / "checkpoint-3")["step"] == 3
+    ok = read_scalars(str(out / "visualdl"), "train/data_ok")[1]
+    rejected = read_scalars(str(out / "visualdl"), "train/data_filter_punsafe_lt_0.5")[1]
+    assert ok[-1] >= 12 and rejected[-1] > 0

@@ -30,10 +30,12 @@ from paddle.io import DataLoader, IterableDataset, get_worker_info
 
 from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
+from ldm.data.filters import MetadataFilters, latent_metadata, sample_parts, text_metadata
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
+from ldm.data.readers import count_records as shard_records
 from ldm.data.record import ImageTransform, sample_rng
 from ldm.data.resume import Picked, Schedule, counts_of, remainder
-from ldm.data.shard import ShardError, iter_lines
+from ldm.data.shard import ShardError
 from ldm.data.stream import Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 
@@ -44,7 +46,7 @@ def count_records(shards: list[Shard]) -> int:
     total = 0
     for shard in shards:
         with contextlib.suppress(ShardError):  # counted where it is read; here only the total matters
-            total += sum(1 for _ in iter_lines(shard.path))
+            total += shard_records(shard.path)
     return total
 
 
@@ -160,9 +162,11 @@ class CaptionImageStream(IterableDataset):
         num_workers: int = 0,
         shuffle_buffer: int = 256,
         state: dict[str, Any] | None = None,
+        metadata_filter: MetadataFilters | None = None,
     ):
         super().__init__()
         self.shards, self.tokenize, self.transform, self.latents = shards, tokenize, transform, latents
+        self.metadata_filter = metadata_filter or None  # no filters: nothing checked
         self.batch_size, self.caption_dropout_prob, self.seed = batch_size, caption_dropout_prob, seed
         self.rank, self.world_size = rank, world_size
         self.workers = max(1, num_workers)
@@ -194,8 +198,13 @@ class CaptionImageStream(IterableDataset):
         self.resumes_exactly = True
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content."""
-        latent = is_latent_line(record.line)
+        """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content.
+
+        A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
+        its image is decoded."""
+        line = record.line
+        text = isinstance(line, bytes)
+        latent = text and is_latent_line(line)
         if latent and self.latents is None:
             raise LatentMismatch(f"{record.shard}:{record.line_number} is a latent record; this run trains on "
                                  "images (train_autoencoder.py needs image shards)")
@@ -205,7 +214,13 @@ class CaptionImageStream(IterableDataset):
             raise LatentMismatch(f"{record.shard}:{record.line_number} is {'a latent' if latent else 'an image'} "
                                  "record, but the file list began with the other kind: train on one kind")
         transform = self.latents if latent else self.transform
-        caption, payload = transform.parse(record.line)
+        if not text:
+            caption, payload = sample_parts(line, self.metadata_filter)
+        else:
+            caption, payload = transform.parse(line)
+            if self.metadata_filter:
+                self.metadata_filter.check(latent_metadata(line) if latent else text_metadata(line),
+                                           None if latent else payload)
         rng = sample_rng(self.seed, record.pass_index, record.seed_key, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""

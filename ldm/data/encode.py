@@ -36,8 +36,10 @@ from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
+from ldm.data.filters import MetadataFilters, parse_filters, record_parts, text_metadata
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
 from ldm.data.loader import watched
+from ldm.data.readers import iter_records
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import LineTooLong, ShardError, ShardMissing, ShardTruncated, iter_lines
 from ldm.data.stream import shard_error_reason
@@ -66,9 +68,11 @@ class ShardBatches(IterableDataset):
     slot reads, for the stall watchdog."""
 
     def __init__(self, shards: list[Shard], output_dir: str, transform: ImageTransform, *, batch_size: int,
-                 seed: int, rank: int, world_size: int, num_workers: int):
+                 seed: int, rank: int, world_size: int, num_workers: int,
+                 metadata_filter: MetadataFilters | None = None):
         super().__init__()
         self.shards, self.output_dir, self.transform = shards, output_dir, transform
+        self.filters = metadata_filter
         self.batch_size, self.seed = batch_size, seed
         self.workers = max(1, num_workers)
         self.first_slot, self.num_slots = rank * self.workers, world_size * self.workers
@@ -93,15 +97,18 @@ class ShardBatches(IterableDataset):
         self.board.post(worker, f"slot {self.first_slot + worker}: opening {path}")
         number = 0
         try:
-            for number, line in enumerate(iter_lines(path), 1):
+            for number, line in iter_records(path):  # a text shard's lines, a tar's or parquet's samples
                 try:
-                    caption, image = parse_record(line)
+                    latent, caption, image = record_parts(line, parse_record, parse_record, self.filters)
                     crops.append(self.transform(image, sample_rng(self.seed, 0, seed_key, number)))
                 except SkipRecord as e:
                     counts[e.reason] += 1
                     continue
-                key = line.split(b"\t", 2)[1].decode("utf-8", "replace").strip()
-                records.append((caption, key or f"{os.path.basename(path)}:{number}"))
+                if isinstance(line, bytes):
+                    key, source = line.split(b"\t", 2)[1].decode("utf-8", "replace").strip(), text_metadata(line)
+                else:
+                    key, source = line.key, line.meta
+                records.append((caption, key or f"{os.path.basename(path)}:{number}", source or {}))
                 if len(crops) == self.batch_size:
                     self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
                     yield self.batch(index, crops, records)
@@ -118,7 +125,7 @@ class ShardBatches(IterableDataset):
 
     @staticmethod
     def batch(index: int, crops, records, done: dict | None = None) -> dict:
-        batch = {"shard": np.array([index], np.int64), "records": json.dumps(records)}
+        batch = {"shard": np.array([index], np.int64), "records": json.dumps(records, default=str)}
         if crops:
             batch["pixel_values"] = to_uint8_batch(crops)
         if done is not None:  # the shard's last batch
@@ -163,8 +170,9 @@ class ShardWriters:
         if meta.dtype == "float16":
             finite &= (np.abs(moments) <= np.finfo(np.float16).max).all(axis=(1, 2, 3, 4))
         self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
-        self.open[index].write(b"".join(latent_line(caption, key, m, meta)
-                                        for (caption, key), m, ok in zip(records, moments, finite, strict=True) if ok))
+        self.open[index].write(b"".join(latent_line(caption, key, m, meta, source)
+                                        for (caption, key, source), m, ok in zip(records, moments, finite, strict=True)
+                                        if ok))
 
     def finish(self, index: int, done: dict, meta: LatentMeta) -> None:
         self.write(index, [], np.zeros([0, *meta.shape], np.float32), meta)
@@ -202,7 +210,8 @@ def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
     return {"file_list": args.file_list, "input_shards": len(shards), "input_shards_sha256": listed,
             "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
-            "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype}
+            "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype,
+            **({"metadata_filter": list(args.metadata_filter)} if getattr(args, "metadata_filter", None) else {})}
 
 
 def claim(output_dir: str, settings: dict) -> int:
@@ -299,7 +308,8 @@ def encode_corpus(args) -> int:
                     meta.describe(), existing)
     transform = ImageTransform(args.resolution, center_crop=args.center_crop, min_image_size=args.min_image_size)
     reader = ShardBatches(shards, args.output_dir, transform, batch_size=args.batch_size, seed=args.seed,
-                          rank=dist.rank, world_size=dist.world_size, num_workers=args.num_workers)
+                          rank=dist.rank, world_size=dist.world_size, num_workers=args.num_workers,
+                          metadata_filter=parse_filters(getattr(args, "metadata_filter", None)))
     todo = sum(len(reader.todo(reader.first_slot + w)) for w in range(reader.workers))
     loader = DataLoader(reader, batch_size=None, num_workers=args.num_workers, use_shared_memory=False,
                         timeout=READER_POLL_SECONDS)

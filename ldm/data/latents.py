@@ -11,7 +11,8 @@ A latent shard is a gzip text shard like an image shard, one record per line:
   draws a fresh posterior sample at every step, as it does from images;
 - bytes are little-endian `float16`, `float32` or `bfloat16` (the upper half of each float32);
 - meta: `{"format": 1, "vae": <fingerprint of the autoencoder>, "dtype": ..., "shape": [...],
-  "resolution": R}`.
+  "resolution": R}`, and `"metadata": {...}`, the source record's metadata, when it had some (a tar sample's
+  `.json`, a parquet row's columns, a text record's fourth column: what `--metadata_filter` reads).
 
 The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
 module reads and writes the format; it imports neither Paddle nor PaddleNLP.
@@ -99,10 +100,15 @@ class LatentMeta:
         return f"autoencoder {self.vae}, {self.resolution}px, {self.dtype} moments {shape}{mirrored}"
 
 
-def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta) -> bytes:
+def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, source: dict | None = None) -> bytes:
+    """A latent record; `source`: the metadata of the record it was encoded from, kept in the meta as `metadata`
+    (what `--metadata_filter` reads on latent records)."""
     caption = " ".join(caption.split())  # tabs and newlines would break the line format
     payload = PREFIX + pybase64.b64encode(to_bytes(moments, meta.dtype))
-    return b"\t".join((caption.encode("utf-8"), key.encode("utf-8"), payload, meta.to_json())) + b"\n"
+    info = meta.to_json()
+    if source:
+        info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
+    return b"\t".join((caption.encode("utf-8"), key.encode("utf-8"), payload, info)) + b"\n"
 
 
 def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta]]:

@@ -93,6 +93,14 @@ def _inflate(chunks: Iterator[bytes], path: str) -> Iterator[bytes]:
         raise ShardTruncated(f"gzip stream of {path} ends before its end marker (truncated file)")
 
 
+def first_bytes(f: BinaryIO, path: str) -> bytes:
+    """The first chunk of an open shard (at least 2 bytes unless shorter): what its kind is told from."""
+    first = next(_raw_chunks(f, path), b"")  # no seek back: a remote stream may not have one
+    if len(first) == 1:
+        first += next(_raw_chunks(f, path), b"")
+    return first
+
+
 def iter_lines(path: str) -> Iterator[bytes]:
     """Yield the lines of a gzip or plain-text shard without their line ending.
 
@@ -101,30 +109,32 @@ def iter_lines(path: str) -> Iterator[bytes]:
     gzip stream is truncated (it is then incomplete).
     """
     with open_shard(path) as f:
-        first = next(_raw_chunks(f, path), b"")  # no seek back: a remote stream may not have one
-        if len(first) == 1:
-            first += next(_raw_chunks(f, path), b"")
-        chunks = itertools.chain([first] if first else [], _raw_chunks(f, path))
-        if first[:2] == GZIP_MAGIC:
-            chunks = _inflate(chunks, path)
-        # The pieces of the unfinished line, joined once at its end: re-joining (and re-splitting) it
-        # at every chunk made a line over N chunks cost N^2 / 2 chunk copies (docs/benchmarks.md).
-        pending: list[bytes] = []
-        pending_size = 0
-        for chunk in chunks:
-            if b"\n" not in chunk:
-                pending.append(chunk)
-                pending_size += len(chunk)
-                if pending_size > MAX_LINE_BYTES:
-                    raise LineTooLong(f"a line of {path} exceeds {MAX_LINE_BYTES} bytes")
-                continue
-            lines = chunk.split(b"\n")
-            if pending:
-                lines[0] = b"".join([*pending, lines[0]])
-            last = lines.pop()
-            pending, pending_size = ([last], len(last)) if last else ([], 0)
-            for line in lines:
-                yield line[:-1] if line.endswith(b"\r") else line
+        yield from read_lines(first_bytes(f, path), f, path)
+
+
+def read_lines(first: bytes, f: BinaryIO, path: str) -> Iterator[bytes]:
+    """The lines of an open text shard whose first chunk, `first`, was already read from `f`."""
+    chunks = itertools.chain([first] if first else [], _raw_chunks(f, path))
+    if first[:2] == GZIP_MAGIC:
+        chunks = _inflate(chunks, path)
+    # The pieces of the unfinished line, joined once at its end: re-joining (and re-splitting) it
+    # at every chunk made a line over N chunks cost N^2 / 2 chunk copies (docs/benchmarks.md).
+    pending: list[bytes] = []
+    pending_size = 0
+    for chunk in chunks:
+        if b"\n" not in chunk:
+            pending.append(chunk)
+            pending_size += len(chunk)
+            if pending_size > MAX_LINE_BYTES:
+                raise LineTooLong(f"a line of {path} exceeds {MAX_LINE_BYTES} bytes")
+            continue
+        lines = chunk.split(b"\n")
         if pending:
-            line = b"".join(pending)
+            lines[0] = b"".join([*pending, lines[0]])
+        last = lines.pop()
+        pending, pending_size = ([last], len(last)) if last else ([], 0)
+        for line in lines:
             yield line[:-1] if line.endswith(b"\r") else line
+    if pending:
+        line = b"".join(pending)
+        yield line[:-1] if line.endswith(b"\r") else line

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 
 from ldm.data.filelist import Shard
 from ldm.data.plan import Unit
+from ldm.data.readers import Sample, ShardFormatError, iter_records
 from ldm.data.record import SkipRecord
 from ldm.data.resume import Item, Schedule, item_record, slot_phase
-from ldm.data.shard import LineTooLong, ShardError, ShardTruncated, iter_lines
+from ldm.data.shard import LineTooLong, ShardError, ShardTruncated
 
 logger = logging.getLogger("ldm.data")
 
@@ -37,7 +38,7 @@ class Record(NamedTuple):
     line_number: int
     copy: int
     pass_index: int
-    line: bytes
+    line: bytes | Sample  # a text shard's line, or a tar's / parquet's sample (`ldm.data.readers`)
     seed_key: str  # the shard's `Shard.seed_key`: what seeds this record's randomness
 
 
@@ -46,6 +47,8 @@ def shard_error_reason(error: ShardError) -> str:
         return "truncated_shard"
     if isinstance(error, LineTooLong):
         return "line_too_long"
+    if isinstance(error, ShardFormatError):
+        return "unknown_format"
     return "unreadable_shard"
 
 
@@ -66,7 +69,7 @@ class SlotStream:
         self.seed, self.shuffle_buffer = seed, max(1, shuffle_buffer)
         self.schedule = schedule or Schedule()
         self.phase = self.unit_pos = self.line_pos = self.pops = self.pass_ok = 0
-        self.buffer: list[tuple[int, int, bytes]] = []
+        self.buffer: list[tuple[int, int, bytes | Sample]] = []
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
@@ -126,34 +129,35 @@ class SlotStream:
             suffix = " (further ones are counted, not logged)" if self._logged[reason] == LOGGED_PER_REASON else ""
             logger.warning("skipped %s: %s %s%s", where, reason, detail, suffix)
 
-    def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes]]:
+    def _unit_lines(self, unit: Unit, after: int = 0, until: int | None = None) -> Iterator[tuple[int, bytes | Sample]]:
+        """The records of `unit` after record `after` (up to `until`), of a shard of any kind (`ldm.data.readers`):
+        the reader skips the others without decoding them."""
         path = self.shards[unit.shard].path
         number = 0
         self._reading = path
         if self.on_open is not None:
             self.on_open(path)
         try:
-            for number, line in enumerate(iter_lines(path), 1):
+            for number, line in iter_records(path, lambda n: n > after and unit.owns(n)):
                 if until is not None and number > until:
                     return
-                if number > after and unit.owns(number):
-                    yield number, line
+                yield number, line
         except ShardError as e:
             self._count(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
 
-    def _read_records(self, records: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+    def _read_records(self, records: list[tuple[int, int]]) -> dict[tuple[int, int], bytes | Sample]:
         """The lines of (shard, line) records, each shard read once up to the last line wanted."""
         wanted: dict[int, set[int]] = {}
         for shard, n in records:
             wanted.setdefault(shard, set()).add(n)
-        found: dict[tuple[int, int], bytes] = {}
+        found: dict[tuple[int, int], bytes | Sample] = {}
         for shard, numbers in wanted.items():
             for n, line in self._unit_lines(Unit(shard), after=min(numbers) - 1, until=max(numbers)):
                 if n in numbers:
                     found[(shard, n)] = line
         return found
 
-    def _item_lines(self, item: Item, after: int) -> Iterator[tuple[int, bytes]]:
+    def _item_lines(self, item: Item, after: int) -> Iterator[tuple[int, bytes | Sample]]:
         """(key, line) of an item's records after `after`: the line number in a unit, the 1-based index in a
         picked list."""
         if isinstance(item, Unit):

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import tarfile
 import time
 from collections import Counter
 from itertools import islice
@@ -15,13 +14,13 @@ from tqdm import tqdm
 
 from ldm.args import VAE_DTYPES, ToolParser
 from ldm.data.filelist import FileListError, read_file_list
+from ldm.data.filters import parse_filters, record_parts, text_metadata
 from ldm.data.latents import DTYPES as LATENT_DTYPES
-from ldm.data.record import ImageTransform, SkipRecord, sample_rng
-from ldm.data.shard import ShardError, ShardMissing, iter_lines
+from ldm.data.readers import ShardFormatError, folder_records, iter_records, open_parquet, parquet_columns, shard_kind
+from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
+from ldm.data.shard import ShardError, ShardMissing
 from ldm.data.stream import SlotStream, shard_error_reason
 from ldm.data.write import ShardWriter, record_line
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
 class UserError(Exception):
@@ -29,32 +28,34 @@ class UserError(Exception):
 
 
 # -- stats ---------------------------------------------------------------------------------------
-def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progress: bool = True) -> dict:
-    from ldm.data.latents import LatentTransform, is_latent_line
+def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progress: bool = True,
+                 metadata_filter: list[str] | None = None) -> dict:
+    from ldm.data.latents import LatentTransform
 
+    filters = parse_filters(metadata_filter)
     shards = read_file_list(file_list)
     transforms = {False: ImageTransform(resolution, center_crop=True, min_image_size=min_image_size),
                   True: LatentTransform()}  # each record's kind from its content, as training reads it
     kinds: Counter = Counter()
     bad: Counter = Counter()
     shard_errors: Counter = Counter()
-    missing, records, ok = [], 0, 0
+    missing, problems, records, ok = [], [], 0, 0
     for shard in tqdm(shards, desc="shards", unit="shard", disable=not progress):
         try:
-            for number, line in enumerate(iter_lines(shard.path), 1):
+            for number, record in iter_records(shard.path):
                 records += 1
-                transform = transforms[is_latent_line(line)]
                 try:
-                    _, payload = transform.parse(line)
-                    transform(payload, sample_rng(0, 0, shard.seed_key, number))
+                    latent, _, payload = record_parts(record, transforms[False].parse, transforms[True].parse, filters)
+                    transforms[latent](payload, sample_rng(0, 0, shard.seed_key, number))
                     ok += 1
-                    kinds["latents" if transform is transforms[True] else "images"] += 1
+                    kinds["latents" if latent else "images"] += 1
                 except SkipRecord as e:
                     bad[e.reason] += 1
         except ShardMissing:
             missing.append(shard.path)
         except ShardError as e:
             shard_errors[shard_error_reason(e)] += 1
+            problems.append(str(e))
     return {
         "kinds": dict(sorted(kinds.items())),
         "shards": len(shards),
@@ -64,11 +65,13 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
         "bad": dict(sorted(bad.items())),
         "shard_errors": dict(sorted(shard_errors.items())),
         "missing": missing[:20],
+        "shard_problems": problems[:20],
     }
 
 
 def cmd_stats(args) -> None:
-    stats = corpus_stats(args.file_list, args.resolution, args.min_image_size, progress=not args.json)
+    stats = corpus_stats(args.file_list, args.resolution, args.min_image_size, progress=not args.json,
+                         metadata_filter=args.metadata_filter)
     if args.json:
         print(json.dumps(stats))
         return
@@ -82,6 +85,8 @@ def cmd_stats(args) -> None:
         print(f"  shards {reason:<17} {count}")
     for path in stats["missing"]:
         print(f"  missing {path}")
+    for problem in stats["shard_problems"]:
+        print(f"  shard problem: {problem}")
 
 
 # -- plan ----------------------------------------------------------------------------------------
@@ -169,149 +174,193 @@ def _cycled(make):
             return
 
 
-def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3) -> tuple[float, float | None]:
-    """Median samples/s of the real data path and of the naive image reference, interleaved, one core; for
-    latent shards the reference is None (it reads images only)."""
+def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, against: str | None = None,
+          metadata_filter: list[str] | None = None) -> tuple[float, float | None]:
+    """Median samples/s of the real data path and of a reference, interleaved, one core. The reference: the data
+    path itself on `against` (another file list: the same images in another format), else the naive image reader
+    (text image shards only: None for latent, tar or parquet shards, which it cannot read)."""
     import numpy as np
 
     from ldm.data.dataset import CaptionImageStream, to_pixel_values
     from ldm.data.latents import LatentTransform, probe
-    from ldm.data.naive import naive_samples
 
-    shards = read_file_list(file_list)
-    meta = probe([s.path for s in shards])
-    # the training sample path itself, without tokenization (the naive reference has none either)
-    dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution),
-                                 latents=LatentTransform(), batch_size=1)
-    finish = (lambda sample: np.stack([sample])) if meta else (lambda sample: to_pixel_values([sample]))
+    filters = parse_filters(metadata_filter)
 
-    def real():
-        stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
-        return stream.samples(lambda record: finish(dataset.make_sample(record)[0]))
+    def real_path(listing: str):
+        shards = read_file_list(listing)
+        meta = probe([s.path for s in shards])
+        # the training sample path itself, without tokenization (the naive reference has none either)
+        dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution),
+                                     latents=LatentTransform(), batch_size=1, metadata_filter=filters)
+        finish = (lambda sample: np.stack([sample])) if meta else (lambda sample: to_pixel_values([sample]))
+
+        def samples():
+            stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
+            return stream.samples(lambda record: finish(dataset.make_sample(record)[0]))
+
+        return shards, meta, samples
+
+    shards, meta, real = real_path(file_list)
+    reference = None
+    if against:
+        reference = real_path(against)[2]
+    elif meta is None and all(_is_text(s.path) for s in shards[:4]):
+        from ldm.data.naive import naive_samples
+
+        def reference():
+            return naive_samples([s.path for s in shards], resolution)
 
     pin_one_core()
     fast, slow = [], []
     for _ in range(rounds):
-        if meta is None:
-            slow.append(_rate(_cycled(lambda: naive_samples([s.path for s in shards], resolution)), num_samples))
+        if reference is not None:
+            slow.append(_rate(_cycled(reference), num_samples))
         fast.append(_rate(real(), num_samples))
     return float(np.median(fast)), float(np.median(slow)) if slow else None
 
 
+def _is_text(path: str) -> bool:
+    try:
+        return shard_kind(path) == "text"
+    except ShardError:
+        return True  # the naive reader skips what it cannot open, as the example does
+
+
 def cmd_bench(args) -> None:
-    fast, slow = bench(args.file_list, args.num_samples, args.resolution, args.rounds)
+    fast, slow = bench(args.file_list, args.num_samples, args.resolution, args.rounds, args.against,
+                       args.metadata_filter)
     if slow is None:
-        print(f"ldm data path    {fast:8.1f} latents/s (one core; the naive reference reads images only)")
+        print(f"ldm data path    {fast:8.1f} samples/s (one core; the naive reference reads text image shards only)")
         return
-    print(f"naive reference  {slow:8.1f} images/s (one core)")
+    name = f"data path on {args.against}" if args.against else "naive reference"
+    print(f"{name:<16} {slow:8.1f} images/s (one core)")
     print(f"ldm data path    {fast:8.1f} images/s (one core)")
     print(f"ratio            {fast / slow:8.2f}x")
 
 
 # -- convert -------------------------------------------------------------------------------------
-def _caption_from_json(data: bytes) -> str:
-    meta = json.loads(data.decode("utf-8"))
-    for key in ("caption", "text", "TEXT", "prompt"):
-        if isinstance(meta.get(key), str):
-            return meta[key]
-    raise KeyError("no caption/text field")
+FORMATS = "a WebDataset .tar, an img2dataset .parquet, a text shard, or a folder of these or of captioned images"
 
 
-def folder_records(folder: str):
+def _folder_sources(folder: str) -> list[str]:
+    """The shards in a folder (and below), told by content: tars, parquets with images, gzip text shards. Other
+    files (img2dataset's `_stats.json`, its per-shard URL parquets, images) are not shards; [] when none is."""
+    sources = []
     for root, _, names in sorted(os.walk(folder)):
         for name in sorted(names):
-            stem, ext = os.path.splitext(name)
-            if ext.lower() not in IMAGE_EXTENSIONS:
-                continue
-            caption_path = os.path.join(root, stem + ".txt")
-            if not os.path.exists(caption_path):
-                yield None, None, f"{os.path.join(root, name)}: no {stem}.txt beside it"
-                continue
-            with open(caption_path, encoding="utf-8") as f:
-                caption = f.read().strip()
-            with open(os.path.join(root, name), "rb") as f:
-                yield stem, (caption, f.read()), None
-
-
-def tar_records(path: str):
-    """webdataset: members grouped by key (the path up to the first dot of the file name)."""
-    with tarfile.open(path) as tar:
-        groups: dict[str, dict[str, bytes]] = {}
-        order: list[str] = []
-        for member in tar:
-            if not member.isfile():
-                continue
-            folder, name = os.path.split(member.name)
-            key, _, ext = name.partition(".")
-            key = os.path.join(folder, key)
-            if key not in groups:
-                groups[key] = {}
-                order.append(key)
-            groups[key][ext.lower()] = tar.extractfile(member).read()
-        for key in order:
-            files = groups.pop(key)
-            image = next((files[e] for e in ("jpg", "jpeg", "png", "webp") if e in files), None)
+            path = os.path.join(root, name)
             try:
-                caption = files["txt"].decode("utf-8").strip() if "txt" in files else _caption_from_json(files["json"])
-            except (KeyError, ValueError, UnicodeDecodeError):
-                caption = None
-            if image is None or caption is None:
-                yield None, None, f"{path}:{key}: needs an image and a .txt or .json caption"
+                kind = shard_kind(path)
+                if kind == "parquet":
+                    parquet_columns(open_parquet(path), path)
+                elif kind == "text":
+                    with open(path, "rb") as f:
+                        if f.read(2) != b"\x1f\x8b":  # plain text beside shards: captions, JSON, notes
+                            continue
+            except ShardError:
+                continue
+            sources.append(path)
+    return sources
+
+
+def convert_sources(inputs: list[str]) -> list[tuple[str, str]]:
+    """(kind, path) for every input: 'folder' (captioned images) or 'shard'; UserError, before anything is
+    written, for an input that is missing or that nothing here can read."""
+    sources = []
+    for path in inputs:
+        if os.path.isdir(path):
+            shards = _folder_sources(path)
+            if shards:
+                sources.extend(("shard", p) for p in shards)
+            elif any(problem is None for _, _, problem in folder_records(path)):
+                sources.append(("folder", path))
             else:
-                yield key, (caption, image), None
+                raise UserError(f"{path}: a folder without shards or captioned images; expected {FORMATS}")
+        elif not os.path.exists(path):
+            raise UserError(f"input not found: {path}")
+        else:
+            try:
+                kind = shard_kind(path)
+                if kind == "parquet":
+                    parquet_columns(open_parquet(path), path)
+            except ShardFormatError as e:
+                raise UserError(str(e)) from None
+            except ShardError as e:
+                raise UserError(f"{path} cannot be read: {e}; expected {FORMATS}") from None
+            sources.append(("shard", path))
+    return sources
 
 
-def parquet_records(path: str):
-    """img2dataset parquet output: image bytes in `jpg` (or `png`/`webp`/`image`), text in `caption`."""
-    import pyarrow.parquet as pq
+NOTED_SKIPS = 5
 
-    table = pq.ParquetFile(path)
-    columns = table.schema_arrow.names
-    image_column = next((c for c in ("jpg", "png", "webp", "image") if c in columns), None)
-    caption_column = next((c for c in ("caption", "text", "TEXT") if c in columns), None)
-    if image_column is None or caption_column is None:
-        raise UserError(f"{path}: parquet needs an image column (jpg/png/webp/image) and a caption column; "
-                        f"has {columns}")
-    key_column = "key" if "key" in columns else None
-    for batch in table.iter_batches(columns=[c for c in (image_column, caption_column, key_column) if c]):
-        data = batch.to_pydict()
-        for i, (image, caption) in enumerate(zip(data[image_column], data[caption_column], strict=True)):
-            key = str(data[key_column][i]) if key_column else f"{os.path.basename(path)}:{i}"
-            if not image or caption is None:
-                yield None, None, f"{path}: row {key} has no image or caption"
+
+def _skip(skipped: Counter, reason: str, where: str, detail: str = "") -> None:
+    skipped[reason] += 1
+    if sum(skipped.values()) <= NOTED_SKIPS:
+        print(f"skipped {where}: {reason} {detail}".rstrip(), file=sys.stderr)
+
+
+def _shard_entries(path: str, filters, skipped: Counter):
+    """(caption, image bytes, key, metadata) of each usable image record of a shard of any kind."""
+    try:
+        for number, record in iter_records(path):
+            try:
+                latent, caption, image = record_parts(record, parse_record, parse_record, filters)
+            except SkipRecord as e:
+                _skip(skipped, e.reason, f"{path}:{number}", e.detail)
+                continue
+            if isinstance(record, bytes):
+                key = record.split(b"\t", 2)[1].decode("utf-8", "replace").strip() or f"{number}"
+                meta = text_metadata(record) or {}
             else:
-                yield key, (caption, image), None
+                key, meta = record.key, record.meta or {}
+            yield caption, image, key, meta
+    except ShardError as e:  # the records before the break are kept
+        _skip(skipped, shard_error_reason(e), path, str(e))
 
 
-def convert(inputs: list[str], output_dir: str, records_per_shard: int, name: str = "train") -> tuple[str, int, int]:
-    written = skipped = 0
+def _folder_entries(folder: str, filters, skipped: Counter):
+    for key, record, problem in folder_records(folder):
+        if problem:
+            _skip(skipped, "no_caption", problem)
+            continue
+        caption, image, meta = record
+        if filters:
+            try:
+                filters.check(meta, image)
+            except SkipRecord as e:
+                _skip(skipped, e.reason, f"{folder}/{key}", e.detail)
+                continue
+        yield caption, image, key, meta
+
+
+def convert(inputs: list[str], output_dir: str, records_per_shard: int, name: str = "train",
+            metadata_filter: list[str] | None = None) -> tuple[str, int, Counter]:
+    """Text shards from any readable inputs, each record's metadata as its fourth column; returns (list of
+    filelists, records written, records skipped by reason)."""
+    filters = parse_filters(metadata_filter)
+    sources = convert_sources(inputs)
+    written, skipped = 0, Counter()
     with ShardWriter(output_dir, name, records_per_shard) as writer:
-        for path in inputs:
-            if os.path.isdir(path):
-                source = folder_records(path)
-            elif path.endswith(".tar"):
-                source = tar_records(path)
-            elif path.endswith(".parquet"):
-                source = parquet_records(path)
-            elif not os.path.exists(path):
-                raise UserError(f"input not found: {path}")
-            else:
-                raise UserError(f"{path}: expected an image folder, a webdataset .tar or an img2dataset .parquet")
-            for key, record, problem in tqdm(source, desc=os.path.basename(path.rstrip("/")), unit="rec"):
-                if problem:
-                    skipped += 1
-                    if skipped <= 5:
-                        print(f"skipped {problem}", file=sys.stderr)
-                    continue
-                caption, image = record
-                writer.write(record_line(caption, image, key))
+        for kind, path in sources:
+            entries = _folder_entries(path, filters, skipped) if kind == "folder" else _shard_entries(path, filters,
+                                                                                                      skipped)
+            for caption, image, key, meta in tqdm(entries, desc=os.path.basename(path.rstrip("/")), unit="rec"):
+                writer.write(record_line(caption, image, key, meta))
                 written += 1
     return writer.close(), written, skipped
 
 
-def cmd_convert(args) -> None:
-    listing, written, skipped = convert(args.inputs, args.output_dir, args.records_per_shard, args.name)
-    print(f"wrote {written} records ({skipped} skipped); use --file_list {listing}")
+def cmd_convert(args) -> int:
+    listing, written, skipped = convert(args.inputs, args.output_dir, args.records_per_shard, args.name,
+                                        args.metadata_filter)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+    print(f"wrote {written} records ({sum(skipped.values())} skipped{': ' + reasons if reasons else ''}); "
+          f"use --file_list {listing}")
+    if not written:
+        print("error: no usable record in the inputs", file=sys.stderr)
+        return 1
+    return 0
 
 
 # -- encode ------------------------------------------------------------------------------------
@@ -342,6 +391,14 @@ def cmd_synth(args) -> None:
 
 
 # -- entry ---------------------------------------------------------------------------------------
+FILTER_HELP = ("keep only records whose metadata passes every 'KEY OP NUMBER' (OP: < <= > >= == !=), e.g. "
+               "'punsafe < 0.5' 'AESTHETIC_SCORE >= 5' 'min_side >= 256' (derived: min_side, aspect_ratio)")
+
+
+def add_filter_flag(parser) -> None:
+    parser.add_argument("--metadata_filter", nargs="+", default=[], metavar="EXPR", help=FILTER_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ToolParser(prog="python -m ldm.data", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -351,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--resolution", type=int, default=256)
     p.add_argument("--min_image_size", type=int, default=0)
+    add_filter_flag(p)
     p.set_defaults(run=cmd_stats)
 
     p = sub.add_parser("plan", help="print 'rank worker shard line' for every record each slot reads in a pass, or "
@@ -373,10 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_samples", type=int, default=300)
     p.add_argument("--resolution", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--against", help="another file list (the same images in another format) read by the same data "
+                                     "path as the reference, instead of the naive reader")
+    add_filter_flag(p)
     p.set_defaults(run=cmd_bench)
 
-    p = sub.add_parser("convert", help="build shards from image folders, webdataset .tar or img2dataset .parquet")
+    p = sub.add_parser("convert", help="build text shards (metadata kept as a fourth column) from WebDataset tars, "
+                                       "img2dataset parquets, text shards, or folders of these or of captioned images")
     p.add_argument("inputs", nargs="+")
+    add_filter_flag(p)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--records_per_shard", type=int, default=10000)
     p.add_argument("--name", default="train")
@@ -398,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision the encoder runs in (float16/bfloat16: autocast on a GPU; float32 where "
                         "unsupported)")
     p.add_argument("--min_image_size", type=int, default=0)
+    add_filter_flag(p)
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--num_workers", type=int, default=2, help="decoding processes per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the random crops")
@@ -421,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        parse_filters(getattr(args, "metadata_filter", None))  # a malformed expression: before anything is read
+    except ValueError as e:
+        parser.error(str(e))
     for name in ("world_size", "num_samples", "records_per_shard", "resolution", "rounds", "num_records",
                  "batch_size"):
         if getattr(args, name, 1) < 1:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
+import tarfile
 
 import pybase64
 from PIL import Image
@@ -16,9 +18,34 @@ def encode_image(image: Image.Image, fmt: str = "JPEG", **save_args) -> bytes:
     return out.getvalue()
 
 
-def record_line(caption: str, image_bytes: bytes, key: str = "_") -> bytes:
+def record_line(caption: str, image_bytes: bytes, key: str = "_", meta: dict | None = None) -> bytes:
+    """A text record; `meta` (a JSON object: the source's metadata) becomes its fourth column."""
     caption = " ".join(caption.split())  # tabs and newlines would break the line format
-    return b"\t".join((caption.encode("utf-8"), key.encode("utf-8"), pybase64.b64encode(image_bytes))) + b"\n"
+    fields = [caption.encode("utf-8"), key.encode("utf-8"), pybase64.b64encode(image_bytes)]
+    if meta:
+        fields.append(json.dumps(meta, separators=(",", ":"), default=str).encode())  # escapes tabs and newlines
+    return b"\t".join(fields) + b"\n"
+
+
+def write_webdataset(path: str, samples) -> None:
+    """A WebDataset tar in img2dataset's layout: `KEY.jpg`, `KEY.txt`, `KEY.json` per (key, caption, jpeg, meta)
+    (benchmarks and tests; img2dataset writes the real ones)."""
+    with tarfile.open(path, "w") as tar:
+        for key, caption, image, meta in samples:
+            for ext, data in (("jpg", image), ("txt", caption.encode("utf-8")), ("json", json.dumps(meta).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def write_img2dataset_parquet(path: str, samples, row_group_rows: int = 1000) -> None:
+    """A parquet in img2dataset's `parquet` output layout (metadata columns, `caption`, `key`, `status`, `jpg`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{**meta, "caption": caption, "key": key, "status": "success", "jpg": image}
+            for key, caption, image, meta in samples]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_rows)
 
 
 class ShardWriter:

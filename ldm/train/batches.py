@@ -11,6 +11,7 @@ from collections import Counter
 from ldm.args import DataArguments
 from ldm.data.dataset import CaptionImageStream, StreamState, batch_samples, build_dataloader, rank_stream_state
 from ldm.data.filelist import check_shards, read_file_list
+from ldm.data.filters import parse_filters
 from ldm.data.latents import LatentTransform
 from ldm.data.loader import watched
 from ldm.data.record import ImageTransform
@@ -106,6 +107,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         num_workers=num_workers,
         shuffle_buffer=data.shuffle_buffer,
         state=state,
+        metadata_filter=parse_filters(data.metadata_filter),
     )
     tracker = StreamState(num_workers)
     if stream.resumes_exactly:
