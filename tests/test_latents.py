@@ -217,7 +217,7 @@ def test_records_whose_moments_do_not_fit_the_stored_dtype_are_skipped_and_count
     (tmp_path / ".encode").mkdir()
     writers = ShardWriters(str(tmp_path), rank=0)
     moments = np.array([[1.0, 2.0], [np.nan, 0.0], [7e4, 0.0], [-3.0, 0.5]], np.float32).reshape(4, 1, 2, 1, 1)
-    writers.write(0, [[f"c{i}", f"k{i}"] for i in range(4)], moments, meta)
+    writers.write(0, [[f"c{i}", f"k{i}", None] for i in range(4)], moments, meta)  # (caption, key, metadata)
     writers.finish(0, {"counts": {"ok": 4}, "unreadable": "", "missing": ""}, meta)
     lines = list(iter_lines(str(tmp_path / "latents-000000.gz")))
     assert [parse_latent_record(line)[0] for line in lines] == ["c0", "c3"]  # NaN and 7e4 (> float16's max) dropped
