@@ -170,8 +170,8 @@ class ShardWriters:
         if meta.dtype == "float16":
             finite &= (np.abs(moments) <= np.finfo(np.float16).max).all(axis=(1, 2, 3, 4))
         self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
-        self.open[index].write(b"".join(latent_line(caption, key, m, meta, source)
-                                        for (caption, key, source), m, ok in zip(records, moments, finite, strict=True)
+        self.open[index].write(b"".join(latent_line(caption, key, m, meta, *source)  # source: the record's metadata
+                                        for (caption, key, *source), m, ok in zip(records, moments, finite, strict=True)
                                         if ok))
 
     def finish(self, index: int, done: dict, meta: LatentMeta) -> None:
