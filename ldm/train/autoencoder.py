@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from ppdiffusers import AutoencoderKL
 
-from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
+from ldm.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
 from ldm.checkpoint import refuse_pickles
 from ldm.models.autoencoder import (
     AutoencoderTraining,
@@ -55,6 +55,10 @@ class Autoencoder(Objective):
                     args.model_name_or_path, count / 1e6, "loaded" if loaded else "from scratch",
                     2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels)
 
+    def identity(self):
+        return {**super().identity(), "source": self.args.model_name_or_path, "class": type(self.vae).__name__,
+                "latent_channels": self.vae.config.latent_channels}
+
     def loss(self, net, batch):
         loss, l1, kl = net(batch["pixel_values"])
         return loss, {"reconstruction_l1": l1, "kl": kl}
@@ -93,7 +97,10 @@ class Autoencoder(Objective):
                         1 / factor, int(moments[2]), final, factor)
 
 
-def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments) -> dict:
-    result = run(loop, data, lambda dist: Autoencoder(args, loop), image_logging_steps=args.image_logging_steps)
+def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments,
+          run_args: RunArguments | None = None) -> dict:
+    run_args = run_args or RunArguments()
+    result = run(loop, data, lambda dist: Autoencoder(args, loop), image_logging_steps=args.image_logging_steps,
+                 run_args=run_args, groups=(args, data, loop, run_args))
     result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
     return result

@@ -72,6 +72,11 @@ class Objective:
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
+    def identity(self) -> dict:
+        """What the run trains, for its record (`ldm.config`): where the model came from and what it is."""
+        return {"parameters": sum(int(p.numel()) for p in self.model.parameters()),
+                "trained_parameters": sum(int(p.numel()) for p in self.model.parameters() if not p.stop_gradient)}
+
 
 class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
@@ -86,6 +91,11 @@ class TextToImage(Objective):
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
+
+    def identity(self):
+        return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,
+                "prediction_type": self.model.prediction_type, "autoencoder_source": self.components.vae_source,
+                "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__}
 
     def check_resume(self, checkpoint):
         check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
@@ -156,32 +166,45 @@ def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
 class MetricsWindow:
     """The scalars logged every `logging_steps`, the same names on both paths (the trackers show train/<name>).
 
-    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step.
+    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step. An
+    update the non-finite guard skipped (`ldm.train.health`) is left out of the means: its NaN would hide
+    the window's other updates.
     """
 
     def __init__(self):
         self.reset()
+        self.pending_loss, self.pending_extra = 0.0, {}
 
     def reset(self) -> None:
         self.loss, self.grad_norm, self.updates, self.extra = 0.0, 0.0, 0, {}
 
     def add_micro_step(self, loss: paddle.Tensor, extra: dict[str, paddle.Tensor], weight: float) -> None:
-        self.loss += loss.detach() * weight
+        self.pending_loss += loss.detach() * weight
         for name, value in extra.items():
-            self.extra[name] = self.extra.get(name, 0.0) + value.detach() * weight
+            self.pending_extra[name] = self.pending_extra.get(name, 0.0) + value.detach() * weight
 
-    def add_update(self, grad_norm: paddle.Tensor) -> None:
-        self.grad_norm += grad_norm
-        self.updates += 1
+    def update_loss(self):
+        """The loss of the update being accumulated (on the device), for the guard."""
+        return self.pending_loss
+
+    def add_update(self, grad_norm: paddle.Tensor, skipped: bool = False) -> None:
+        if not skipped:
+            self.loss += self.pending_loss
+            for name, value in self.pending_extra.items():
+                self.extra[name] = self.extra.get(name, 0.0) + value
+            self.grad_norm += grad_norm
+            self.updates += 1
+        self.pending_loss, self.pending_extra = 0.0, {}
 
     def read(self, dist: Distributed, batches: TimedBatches, *, with_loss: bool = True) -> dict[str, float]:
         """The window's means over updates and ranks, and the data path's figures; then a new window.
         `with_loss=False`: the loss is logged by someone else (PaddleNLP's Trainer)."""
         updates = max(1, self.updates)
         samples_per_second, wait_fraction, counts = batches.window(dist)
-        metrics = {"loss": dist.mean(float(self.loss) / updates)} if with_loss else {}
+        nothing = float("nan") if self.updates == 0 else 0.0  # every update of the window was skipped
+        metrics = {"loss": dist.mean(float(self.loss) / updates + nothing)} if with_loss else {}
         metrics.update({
-            "grad_norm": dist.mean(float(self.grad_norm) / updates),
+            "grad_norm": dist.mean(float(self.grad_norm) / updates + nothing),
             "global_samples_per_second": samples_per_second,  # the Trainer's own name for it
             "data_wait_fraction": wait_fraction,
         })
