@@ -118,6 +118,9 @@ class NullWriter:
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
         pass
 
+    def add_config(self, record: dict, flat: dict) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -198,6 +201,18 @@ class Tracker(NullWriter):
         if self.metrics is not None:
             self.metrics.write(step, {tracker_name(name): value for name, value in logs.items()})
         logger.info("step %d  %s", step, "  ".join(f"{name} {value:.4g}" for name, value in logs.items()))
+
+    def add_config(self, record: dict, flat: dict) -> None:
+        """The run's whole configuration (`ldm.config.describe_run`) beside what the Trainer gives its trackers
+        (its own TrainingArguments): as text, and to wandb as its config (`flat`: one level of scalars)."""
+        text = json.dumps(record, indent=1, sort_keys=True, default=str)
+        for callback in self.callbacks:
+            if getattr(callback, "vdl_writer", None) is not None:
+                callback.vdl_writer.add_text("run_config", text, 0)
+            elif getattr(callback, "tb_writer", None) is not None:
+                callback.tb_writer.add_text("run_config", text, 0)
+            elif getattr(callback, "_wandb", None) is not None and callback._wandb.run is not None:
+                callback._wandb.config.update(flat, allow_val_change=True)
 
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
         from PIL import Image

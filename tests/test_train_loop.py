@@ -485,3 +485,100 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
     retry = run(args + ["--resume_from_checkpoint", "auto"])
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert read_training_state(out / "checkpoint-3")["step"] == 3
+
+
+class PoisonedPixelRegression(PixelRegression):
+    """PixelRegression whose loss is NaN at the updates `poisoned` (1-based), as a poisoned record would make it."""
+
+    def __init__(self, poisoned, use_ema=False):
+        super().__init__()
+        from ldm.models.ema import EMA
+
+        self.poisoned, self.calls = set(poisoned), 0
+        self.ema = EMA(self.model, 0.99) if use_ema else None
+
+    def loss(self, net, batch):
+        self.calls += 1
+        loss, extra = super().loss(net, batch)
+        return (loss * float("nan") if self.calls in self.poisoned else loss), extra
+
+    def save(self, folder, final_folder):
+        super().save(folder, final_folder)
+
+
+def pixel_run(tmp_path, objective, name, **loop_overrides):
+    from ldm.args import DataArguments, LoopArguments, RunArguments
+    from ldm.data.synth import synth_corpus
+    from ldm.train.loop import run
+
+    listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
+    data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
+    settings = {"output_dir": str(tmp_path / name), "train_batch_size": 4, "max_train_steps": 5, "learning_rate": 0.05,
+                "lr_scheduler": "linear", "lr_warmup_steps": 0, "num_workers": 0, "save_steps": 1,
+                "logging_steps": 1, "report_to": ["none"], **loop_overrides}
+    max_in_row = settings.pop("max_nonfinite_updates", 20)
+    return run(LoopArguments(**settings), data, lambda dist: objective,
+               run_args=RunArguments(max_nonfinite_updates=max_in_row))
+
+
+def test_a_non_finite_update_is_skipped_whole_and_the_run_goes_on(tmp_path):
+    """Update 3's loss is NaN: its weights, optimizer moments, schedule and EMA stay as after update 2; it is
+    counted and logged in metrics.jsonl; updates 4 and 5 train as usual."""
+    result = pixel_run(tmp_path, PoisonedPixelRegression({3}, use_ema=True), "run")
+    assert result["step"] == 5 and result["exit_code"] == 0
+    out = tmp_path / "run"
+    states = {step: read_training_state(out / f"checkpoint-{step}") for step in (2, 3, 4)}
+    nets = {step: load_state(str(out / f"checkpoint-{step}"), "net") for step in (2, 3, 4)}
+    optimizer = {step: load_state(str(out / f"checkpoint-{step}"), "optimizer") for step in (2, 3, 4)}
+    emas = {step: load_state(str(out / f"checkpoint-{step}"), "ema") for step in (2, 3, 4)}
+    for name in nets[2]:
+        np.testing.assert_array_equal(nets[3][name], nets[2][name], err_msg=name)  # no step
+        assert not np.array_equal(nets[4][name], nets[3][name]), name  # and the next one trained
+    for name, value in optimizer[2].items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(optimizer[3][name], value, err_msg=name)  # moments and beta powers
+    assert states[3]["lr_scheduler"]["last_epoch"] == states[2]["lr_scheduler"]["last_epoch"]
+    assert states[4]["lr_scheduler"]["last_epoch"] == states[2]["lr_scheduler"]["last_epoch"] + 1
+    assert emas[3]["num_updates"] == emas[2]["num_updates"] == 2 and emas[4]["num_updates"] == 3
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert [line["train/nonfinite_skips"] for line in lines] == [0, 0, 1, 0, 0]
+    assert np.isnan(lines[2]["train/loss"]) and all(np.isfinite(line["train/loss"]) for line in lines if
+                                                   line["step"] != 3)
+
+
+def test_updates_non_finite_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tmp_path):
+    from ldm.train.health import NonFiniteStop
+
+    with pytest.raises(NonFiniteStop) as stopped:
+        pixel_run(tmp_path, PoisonedPixelRegression({3, 4, 5, 6}), "run", max_train_steps=10, save_steps=2,
+                  max_nonfinite_updates=3)
+    message = str(stopped.value)
+    assert "3 updates in a row (the last at update 5)" in message
+    assert message.count("\n") == 0 and f"{tmp_path / 'run' / 'checkpoint-4'}" in message
+    # checkpoint-4 (update 4 skipped) holds the weights of update 2; nothing later was written
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint-")) == ["checkpoint-2",
+                                                                                              "checkpoint-4"]
+    two, four = (load_state(str(tmp_path / "run" / f"checkpoint-{s}"), "net") for s in (2, 4))
+    assert all(np.array_equal(two[name], four[name]) for name in two)
+
+
+@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.distributed)])
+def test_an_absurd_learning_rate_is_stopped_by_the_guard_with_one_line(corpus, tmp_path, launch):
+    """A learning rate of 1e30: update 1 wrecks the weights, every later loss is NaN and skipped on every rank;
+    the third skip in a row ends the run, non-zero, naming the last checkpoint (written before, finite)."""
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_train_steps", "30", "--save_steps", "2", "--logging_steps", "1", "--num_workers", "0",
+                           "--learning_rate", "1e30", "--max_nonfinite_updates", "3", "--report_to", "none",
+                           "--output_dir", str(out)], launch=launch, cwd=tmp_path)
+    logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
+    assert result.returncode == 2, launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    for log in logs:
+        assert "Traceback" not in log
+        errors = [line for line in log.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "3 updates in a row (the last at update 4)" in errors[0], log[-3000:]
+        assert f"last good checkpoint is {out / 'checkpoint-2'}" in errors[0]
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]

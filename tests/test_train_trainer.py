@@ -159,3 +159,20 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
     retry = run(args + ["--resume_from_checkpoint", "auto"])
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert read_training_state(out / "checkpoint-3")["step"] == 3
+
+
+def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path):
+    """The loop's guard on PaddleNLP's Trainer: a learning rate of 1e30 makes every loss after update 1 non-finite;
+    those updates are skipped (the schedule does not move) and the third in a row stops the run with one line."""
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_steps", "30", "--save_steps", "2", "--logging_steps", "1", "--report_to", "none",
+                           "--dataloader_num_workers", "0", "--learning_rate", "1e30", "--max_nonfinite_updates", "3",
+                           "--output_dir", str(out)])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 3 updates in a row (the last at update 4)") and str(out / "checkpoint-2") in last
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    rates = [line["train/learning_rate"] for line in lines]
+    assert rates[1] == rates[2] == rates[3]  # linear decay, not stepped on skipped updates
+    assert not (out / "checkpoint-4").exists()

@@ -21,6 +21,8 @@ import math
 
 import paddle
 
+from ldm.compat import skip_step_if, step_was_skipped
+
 logger = logging.getLogger("ldm.train")
 
 
@@ -54,17 +56,12 @@ class NonFiniteGuard:
 
     def hand_to(self, optimizer, scaler=None) -> None:
         """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so."""
-        if scaler is not None and scaler.is_enable():
-            # the scaler hands its own found_inf to the optimizer and lowers the scale on it
-            scaler._found_inf = paddle.logical_or(scaler._found_inf, self.found.reshape(scaler._found_inf.shape))
-        else:
-            optimizer._set_auxiliary_var("found_inf", self.found)
+        skip_step_if(self.found, optimizer, scaler)
 
     @staticmethod
     def was_skipped(optimizer) -> bool:
-        """After the step: whether the optimizer skipped it (Paddle's step left its verdict as a Python bool)."""
-        found = optimizer._get_auxiliary_var("found_inf")
-        return bool(found) if isinstance(found, bool) else bool(found.item()) if found is not None else False
+        """After the step: whether the optimizer skipped it (Paddle's step has read the verdict already)."""
+        return step_was_skipped(optimizer)
 
     def record(self, step: int, skipped: bool, *, loss: paddle.Tensor | None = None,
                grad_norm: paddle.Tensor | None = None, where: str = "", last_checkpoint: str | None = None) -> None:

@@ -19,25 +19,30 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
+from ldm.args import RunArguments
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
+from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed
-from ldm.run_folder import RunFolder, checkpoint_problem
+from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.runtime import resolve_precision
-from ldm.tracking import NullWriter, Tracker
+from ldm.tracking import MetricsFile, NullWriter, Tracker, tracker_name
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
+from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
+from ldm.train.progress import Progress, resolve_mode
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
 
 
 class LDMCallback(TrainerCallback):
-    """EMA updates, per-rank noise seeds or restored random state, gradient norms and sample images, at the
-    Trainer's hooks."""
+    """EMA updates, per-rank noise seeds or restored random state, gradient norms, the non-finite guard and
+    sample images, at the Trainer's hooks."""
 
     def __init__(self, trainer: LDMTrainer):
         self.trainer = trainer
+        self.grad_norm, self.skipped = None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
@@ -45,16 +50,41 @@ class LDMCallback(TrainerCallback):
             t.checkpointer.load(t.resume_checkpoint, ["random"], weights=False)
         else:
             paddle.seed(rank_seed(args.seed, t.dist.rank))
+        if t.record is not None:
+            t.writer.add_config(t.record, hyperparameters(t.record))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.guard.stop_if_exhausted()  # when the Trainer did not log the update that exhausted it
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
-        norm = clip_grad_norm(self.trainer.trained)
-        self.trainer.window.add_update(norm / loss_scale(scaler) if scaler is not None else norm)
+        t = self.trainer
+        norm = clip_grad_norm(t.trained)
+        self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
+        t.guard.check(t.update_loss, self.grad_norm)
+        t.guard.hand_to(t.optimizer, scaler)
+
+    def on_optimizer_end(self, args, state, control, scaler=None, **kwargs):
+        t = self.trainer
+        self.skipped = t.guard.was_skipped(t.optimizer)
+        if self.skipped and scaler is None:
+            # PaddleNLP steps the schedule unless its scaler saw an overflow: take that step back
+            t.lr_scheduler.last_epoch -= 1
+            t.lr_scheduler.last_lr = t.lr_scheduler.get_lr()
+        t.window.add_update(self.grad_norm, self.skipped)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        if t.objective.ema is not None:
+        t.guard.record(state.global_step, self.skipped, loss=t.update_loss, grad_norm=self.grad_norm,
+                       last_checkpoint=t.checkpointer.last,
+                       where=batch_positions(t.data_stream.tracker.state_dict()) if self.skipped else "")
+        t.update_loss = paddle.zeros([])
+        if t.guard.exhausted:
+            control.should_log = True  # the window that ends the run is logged first (`LDMTrainer.log` stops it)
+        if t.objective.ema is not None and not self.skipped:
             t.objective.ema.update()
+        if t.progress is not None:
+            t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0)
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
             t.objective.log_images(t.writer, state.global_step, None)
@@ -64,18 +94,24 @@ class LDMCallback(TrainerCallback):
 
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
-                 resume_checkpoint: str | None = None):
+                 resume_checkpoint: str | None = None, record: dict | None = None,
+                 run_args: RunArguments | None = None):
         check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
+        run_args = run_args or RunArguments()
         super().__init__(model=objective.model, args=args)
         self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
-        self.writer, self.resume_checkpoint = NullWriter(), resume_checkpoint
+        self.writer, self.resume_checkpoint, self.record = NullWriter(), resume_checkpoint, record
         self.stop: GracefulStop | None = None
         self.window = MetricsWindow()
+        self.guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+        self.update_loss = paddle.zeros([])  # the update's loss so far (micro-steps summed), for the guard
+        self.progress: Progress | None = None
+        self.metrics: MetricsFile | None = None
         self.trained = [p for p in objective.model.parameters() if not p.stop_gradient]
         # the optimizer, schedule and scaler exist once `train()` made them: the parts ask for them then
         self.checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=args.save_steps, seed=args.seed, trained=self.trained,
-            data_position=data_stream.tracker.state_dict,
+            data_position=data_stream.tracker.state_dict, record=record,
             parts={"optimizer": stateful(Deferred(lambda: self.optimizer), tensors=True),
                    "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler))})
         if self.do_grad_scaling:
@@ -87,12 +123,19 @@ class LDMTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False):
         loss, _ = self.objective.loss(model, inputs)
+        self.update_loss = self.update_loss + loss.detach()
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict, **kwargs) -> None:
         if "loss" in logs:
             logs.update(self.window.read(self.dist, self.data_stream, with_loss=False))
+            logs.update(self.guard.read())
         super().log(logs, **kwargs)
+        if self.metrics is not None:  # every scalar the trackers got, under the names they show
+            scalars = {tracker_name(k): v for k, v in logs.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool)}
+            self.metrics.write(self.state.global_step, scalars)
+        self.guard.stop_if_exhausted()
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
@@ -126,9 +169,10 @@ class Deferred:
         return lambda *args: getattr(self._get(), name)(*args)
 
 
-def train(training_args, model_args, data, sampling) -> dict:
+def train(training_args, model_args, data, sampling, run_args: RunArguments | None = None) -> dict:
     """The LDM through PaddleNLP's Trainer; ends with `<output_dir>/pipeline`. Inputs are checked before
     anything is written (see `ldm.train.loop.run`)."""
+    run_args = run_args or RunArguments()
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
@@ -143,19 +187,33 @@ def train(training_args, model_args, data, sampling) -> dict:
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
 
+    progress = resolve_mode(run_args.progress) if dist.is_main else "none"
+    training_args.disable_tqdm = progress != "bar"  # PaddleNLP's bar, or its plain log lines and ours
+
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
+    record = describe_run((model_args, data, sampling, training_args, run_args), dist=dist,
+                          num_workers=training_args.dataloader_num_workers, model=objective.identity())
+    if checkpoint:
+        check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
-    writer = NullWriter()
+    writer, trainer = NullWriter(), None
     try:
-        run_dir.create(checkpoint)  # the first write
+        run_dir.create(checkpoint, record)  # the first write
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
-                             data_stream=data_stream, resume_checkpoint=checkpoint)
+                             data_stream=data_stream, resume_checkpoint=checkpoint, record=record,
+                             run_args=run_args)
         if dist.is_main:
-            # scalars go through the Trainer's own trackers (--report_to); images through them here
+            # scalars go through the Trainer's own trackers (--report_to) and the metrics file; images through
+            # the trackers here
             writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
+            trainer.metrics = MetricsFile(run_dir.path(), checkpoint_step(checkpoint) if checkpoint else None)
             paddlenlp_logger.set_level("INFO")  # the Trainer reports loss, learning rate and speed through it
+            if progress == "lines":
+                step = (checkpoint_step(checkpoint) or 0) if checkpoint else 0
+                trainer.progress = Progress("lines", total=training_args.max_steps, initial=step, label="train",
+                                            enabled=True, seconds=run_args.progress_seconds)
         with GracefulStop(dist) as stop:
             trainer.stop = stop
             trainer.train(resume_from_checkpoint=checkpoint)
@@ -170,5 +228,7 @@ def train(training_args, model_args, data, sampling) -> dict:
     finally:
         data_stream.close()
         writer.close()
+        if trainer is not None and trainer.metrics is not None:
+            trainer.metrics.close()
     dist.barrier()
     return {"step": step, "checkpoint": last, "exit_code": stop.exit_code if stopped else 0}
