@@ -33,6 +33,7 @@ class TimedBatches:
         self.data_timeout = data_timeout
         self._iterators: list = []
         self._first = None
+        self.on_latents = False  # the batches carry precomputed latents (known once started)
 
     def start(self) -> None:
         """Read the first batch now: a run calls this before it writes anything, so that data it cannot use
@@ -40,7 +41,8 @@ class TimedBatches:
         iterator = self._batches()
         self._iterators.append(iterator)
         self._first = (iterator, next(iterator))
-        if "latent_moments" in self._first[1]:
+        self.on_latents = "latent_moments" in self._first[1]
+        if self.on_latents:
             logger.info("training on precomputed latents: the autoencoder is not run while training")
 
     def __iter__(self):

@@ -19,13 +19,21 @@ import paddle
 from ldm.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments
 from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed, sync_gradients
+from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder
 from ldm.runtime import resolve_precision
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
+from ldm.train.objective import (
+    MetricsWindow,
+    TextToImage,
+    clip_grad_norm,
+    count_flops,
+    rank_seed,
+    start_batches,
+)
 from ldm.train.optim import lr_schedule
 from ldm.train.progress import Progress
 from ldm.train.signals import GracefulStop
@@ -80,8 +88,6 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     objective = build_objective(dist)
     record = describe_run(groups or (loop, data, run_args), dist=dist, num_workers=loop.num_workers,
                           model=objective.identity())
-    if resume:
-        check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
@@ -96,6 +102,9 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
                "scaler": stateful(scaler, "load_state_dict")})
     guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+    flops = count_flops(objective, data_stream, record)
+    if resume:
+        check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
     writer, progress = NullWriter(), None
     try:
         run_dir.create(resume, record)  # the first write
@@ -152,6 +161,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
 
                 if logging_step:
                     metrics = {"learning_rate": optimizer.get_lr(), **window.read(dist, data_stream), **guard.read()}
+                    metrics.update(throughput_metrics(flops, metrics["global_samples_per_second"], dist.world_size,
+                                                      run_args.peak_tflops))
                     writer.scalars(metrics, step)
                     progress.show({"loss": f"{metrics['loss']:.4f}",
                                    "samples_s": f"{metrics['global_samples_per_second']:.1f}",

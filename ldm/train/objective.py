@@ -24,6 +24,7 @@ from ldm.checkpoint import (
 from ldm.compat import squared_l2_norm
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
+from ldm.flops import ldm_training_flops
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.ema import EMA
 from ldm.run_folder import RunFolder
@@ -72,6 +73,10 @@ class Objective:
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
+    def flops_per_sample(self, on_latents: bool) -> dict[str, int] | None:
+        """FLOPs of one training sample by part, with "total" (`ldm.flops`); None: not counted."""
+        return None
+
     def identity(self) -> dict:
         """What the run trains, for its record (`ldm.config`): where the model came from and what it is."""
         return {"parameters": sum(int(p.numel()) for p in self.model.parameters()),
@@ -91,6 +96,10 @@ class TextToImage(Objective):
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
+
+    def flops_per_sample(self, on_latents):
+        return ldm_training_flops(self.model, resolution=self.data.resolution, text_length=self.data.model_max_length,
+                                  on_latents=on_latents)
 
     def identity(self):
         return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,
@@ -140,6 +149,18 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source)
     batches.start()
     return batches
+
+
+def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:
+    """FLOPs of one training sample of `objective` (on the batches' kind), logged and added to the run's record
+    (`record["model"]["flops_per_sample"]`); None when the objective does not count them."""
+    flops = objective.flops_per_sample(batches.on_latents)
+    if not flops:
+        return None
+    record.setdefault("model", {})["flops_per_sample"] = flops
+    logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
+                ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
+    return flops["total"]
 
 
 @paddle.no_grad()

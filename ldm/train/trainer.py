@@ -23,13 +23,21 @@ from ldm.args import RunArguments
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
 from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed
+from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.runtime import resolve_precision
 from ldm.tracking import MetricsFile, NullWriter, Tracker, tracker_name
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
+from ldm.train.objective import (
+    MetricsWindow,
+    TextToImage,
+    clip_grad_norm,
+    count_flops,
+    rank_seed,
+    start_batches,
+)
 from ldm.train.progress import Progress, resolve_mode
 from ldm.train.signals import GracefulStop
 
@@ -95,7 +103,7 @@ class LDMCallback(TrainerCallback):
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
                  resume_checkpoint: str | None = None, record: dict | None = None,
-                 run_args: RunArguments | None = None):
+                 run_args: RunArguments | None = None, flops: int | None = None):
         check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
         run_args = run_args or RunArguments()
         super().__init__(model=objective.model, args=args)
@@ -104,6 +112,7 @@ class LDMTrainer(Trainer):
         self.stop: GracefulStop | None = None
         self.window = MetricsWindow()
         self.guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+        self.flops, self.peak_tflops = flops, run_args.peak_tflops
         self.update_loss = paddle.zeros([])  # the update's loss so far (micro-steps summed), for the guard
         self.progress: Progress | None = None
         self.metrics: MetricsFile | None = None
@@ -130,6 +139,8 @@ class LDMTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.window.read(self.dist, self.data_stream, with_loss=False))
             logs.update(self.guard.read())
+            logs.update(throughput_metrics(self.flops, logs["global_samples_per_second"], self.dist.world_size,
+                                           self.peak_tflops))
         super().log(logs, **kwargs)
         if self.metrics is not None:  # every scalar the trackers got, under the names they show
             scalars = {tracker_name(k): v for k, v in logs.items()
@@ -193,17 +204,18 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
     record = describe_run((model_args, data, sampling, training_args, run_args), dist=dist,
                           num_workers=training_args.dataloader_num_workers, model=objective.identity())
-    if checkpoint:
-        check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
+    flops = count_flops(objective, data_stream, record)
+    if checkpoint:
+        check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
     writer, trainer = NullWriter(), None
     try:
         run_dir.create(checkpoint, record)  # the first write
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
                              data_stream=data_stream, resume_checkpoint=checkpoint, record=record,
-                             run_args=run_args)
+                             run_args=run_args, flops=flops)
         if dist.is_main:
             # scalars go through the Trainer's own trackers (--report_to) and the metrics file; images through
             # the trackers here
