@@ -582,3 +582,77 @@ def test_an_absurd_learning_rate_is_stopped_by_the_guard_with_one_line(corpus, t
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+
+
+def test_run_json_records_the_whole_run_and_a_resume_logs_changes_and_refuses_a_new_prediction_type(corpus, tmp_path):
+    """--config YAML beneath the command line; run.json, every checkpoint and metrics.jsonl (with --report_to none);
+    a resume that changes settings logs one line each and continues the metrics file; the prediction type cannot
+    change halfway unless --allow_config_change says so."""
+    import dataclasses
+    import subprocess
+
+    import paddle
+
+    from ldm.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments
+
+    out = tmp_path / "run"
+    config = {"pretrained_model_name_or_path": "ldm-tiny", "allow_untrained_vae": True,  # the corpus flags
+              "file_list": corpus[corpus.index("--file_list") + 1],
+              "tokenizer_name": corpus[corpus.index("--tokenizer_name") + 1],
+              "model_max_length": 16, "resolution": 32, "train_batch_size": 4, "num_workers": 0,
+              "learning_rate": 0.5, "report_to": ["none"], "logging_steps": 1, "save_steps": 2}
+    (tmp_path / "run.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
+    first = run(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "1e-3", "--max_train_steps", "2",
+                 "--output_dir", str(out)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    recorded = json.loads((out / "run.json").read_text())
+    groups = (ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments)
+    assert set(recorded["arguments"]) == {g.__name__ for g in groups}
+    for group in groups:  # every field, defaults included
+        assert set(recorded["arguments"][group.__name__]) == {f.name for f in dataclasses.fields(group)}
+    loop = recorded["arguments"]["LoopArguments"]
+    assert loop["learning_rate"] == 1e-3 and loop["adam_beta2"] == 0.999 and loop["report_to"] == ["none"]
+    assert recorded["arguments"]["RunArguments"]["config"] == str(tmp_path / "run.yaml")
+    assert recorded["command"][-2:] == ["--output_dir", str(out)]
+    assert recorded["world"]["world_size"] == 1 and recorded["world"]["dataloader_workers_per_rank"] == 0
+    assert recorded["versions"]["paddle"] == paddle.__version__ and recorded["versions"]["ppdiffusers"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert recorded["git"]["commit"] == head.stdout.strip()
+    model = recorded["model"]
+    assert model["prediction_type"] == "epsilon" and model["source"].endswith("ldm-tiny")
+    assert set(model["autoencoder"]) == {"config_sha256", "weights_sha256"} and model["flops_per_sample"]["total"] > 0
+    in_checkpoint = json.loads((out / "checkpoint-2" / "run_config.json").read_text())
+    assert in_checkpoint["step"] == 2 and in_checkpoint["arguments"] == recorded["arguments"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    again = ["--config", str(tmp_path / "run.yaml"), "--max_train_steps", "3", "--output_dir", str(out),
+             "--resume_from_checkpoint", "latest", "--learning_rate", "2e-3"]
+    refused = run(again + ["--prediction_type", "v_prediction"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "prediction type: 'epsilon' -> 'v_prediction'" in last
+    assert "--allow_config_change" in last
+
+    resumed = run(again + ["--prediction_type", "v_prediction", "--allow_config_change"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    changes = [line.split("WARNING ldm.train: ")[1] for line in resumed.stderr.splitlines() if "resume changes" in line]
+    assert "resume changes --learning_rate: 0.001 -> 0.002" in changes
+    assert "resume changes --max_train_steps: 2 -> 3" in changes
+    assert "resume changes model.prediction_type: 'epsilon' -> 'v_prediction'" in changes
+    assert len(changes) == len(set(changes))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    resumes = json.loads((out / "run.json").read_text())["resumes"]
+    assert len(resumes) == 1 and resumes[0]["resumed_from"].endswith("checkpoint-2")
+    assert resumes[0]["model"]["prediction_type"] == "v_prediction"
+
+
+@pytest.mark.parametrize("mode", ["bar", "none"])
+def test_progress_bar_or_nothing_when_asked(corpus, tmp_path, mode):
+    result = run(corpus + ["--max_train_steps", "2", "--logging_steps", "1", "--num_workers", "0", "--report_to",
+                           "none", "--progress", mode, "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "progress train: update" not in result.stderr
+    if mode == "bar":  # rank 0's bar: speed and data-wait share beside the loss, counted toward the end of the run
+        assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
+    else:
+        assert "train:  " not in result.stderr and "upd/s" not in result.stderr and "\r" not in result.stderr

@@ -176,3 +176,36 @@ def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path):
     rates = [line["train/learning_rate"] for line in lines]
     assert rates[1] == rates[2] == rates[3]  # linear decay, not stepped on skipped updates
     assert not (out / "checkpoint-4").exists()
+
+
+def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path):
+    """The Trainer path's --config (YAML), run.json, metrics.jsonl with --report_to none, plain progress lines in a
+    log file, and a resume that continues the metrics file and logs what it changed."""
+    out = tmp_path / "run"
+    config = {"do_train": True, "model_name_or_path": "ldm-tiny", "allow_untrained_vae": True,
+              "file_list": corpus[corpus.index("--file_list") + 1],
+              "tokenizer_name": corpus[corpus.index("--tokenizer_name") + 1], "model_max_length": 16,
+              "resolution": 32, "per_device_train_batch_size": 4, "dataloader_num_workers": 0, "report_to": ["none"],
+              "logging_steps": 1, "save_steps": 2, "max_steps": 2, "output_dir": str(out)}
+    (tmp_path / "run.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
+    result = run(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "1e-3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads((out / "run.json").read_text())
+    assert set(recorded["arguments"]) == {"ModelArguments", "DataArguments", "SamplingArguments", "TrainingArguments",
+                                          "RunArguments"}
+    training = recorded["arguments"]["TrainingArguments"]
+    assert training["learning_rate"] == 1e-3 and training["max_steps"] == 2 and "adam_beta2" in training
+    assert len(training) > 50  # every field of PaddleNLP's TrainingArguments, defaults included
+    assert json.loads((out / "checkpoint-2" / "run_config.json").read_text())["arguments"] == recorded["arguments"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/nonfinite_skips",
+            "train/tflops_per_device"} <= set(metrics[0])
+    assert "\r" not in result.stderr and "progress train: update 2/2 (100.0%)" in result.stderr
+
+    resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume changes --max_steps: 2 -> 3" in resumed.stderr
+    assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
