@@ -65,13 +65,15 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-def skip_step_if(found, optimizer, scaler=None) -> None:
-    """Make the coming optimizer step (or `scaler.step`) skip when the one-element bool tensor `found` is True.
+def skip_step_if(skip: bool, found, optimizer, scaler=None) -> None:
+    """Make the coming optimizer step (or `scaler.step`) skip when `skip` (`found`: the same verdict as a
+    one-element bool tensor on the device).
 
     Paddle's own mechanism, the one its GradScaler uses: the optimizer's `found_inf` auxiliary variable,
-    with which AdamW leaves the weights, both moments and its bias-correction counters alone. An enabled
-    scaler hands its own `_found_inf` to the optimizer (computed when it unscales, done here first if it
-    was not yet) and lowers the loss scale on it: `found` is merged into that one."""
+    with which AdamW leaves the weights, both moments and its bias-correction counters alone; given as a
+    Python bool, the step tests it without a device read. An enabled scaler hands its own `_found_inf`
+    (a tensor, computed when it unscales, done here first if it was not yet) to the optimizer and lowers
+    the loss scale on it: `found` is merged into that one."""
     if scaler is not None and private(scaler, "_enable", "the non-finite guard under fp16"):
         from paddle.amp.grad_scaler import OptimizerState
 
@@ -84,7 +86,7 @@ def skip_step_if(found, optimizer, scaler=None) -> None:
         scaler._found_inf = paddle.logical_or(mine, found.reshape(mine.shape).astype(mine.dtype))
         return
     inner = innermost_optimizer(optimizer)
-    private(inner, "_set_auxiliary_var", "the non-finite guard")("found_inf", found)
+    private(inner, "_set_auxiliary_var", "the non-finite guard")("found_inf", bool(skip))
 
 
 def step_was_skipped(optimizer) -> bool:

@@ -656,3 +656,37 @@ def test_progress_bar_or_nothing_when_asked(corpus, tmp_path, mode):
         assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
     else:
         assert "train:  " not in result.stderr and "upd/s" not in result.stderr and "\r" not in result.stderr
+
+
+def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path, monkeypatch):
+    """How the guard's cost was checked: every read of a device value into Python (bool, item, float, int,
+    numpy, tolist) is counted by where it comes from, in runs of 3 and 6 updates that log and save only at
+    their end; the 3 updates more cost exactly 3 reads, all of them the guard's verdict (on a GPU a host
+    synchronisation each; with several ranks the stop vote's read, which it replaces), and Paddle's optimizer
+    step reads nothing (the verdict reaches it as a Python bool)."""
+    import traceback
+    from collections import Counter
+
+    reads = []
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            frames = traceback.extract_stack(limit=12)[:-1]
+            ours = [f for f in frames if "/ldm/" in f.filename]
+            reads.append(f"{os.path.basename(ours[-1].filename)}:{ours[-1].name}" if ours else
+                         "paddle" if any("/paddle/" in f.filename for f in frames) else "other")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("__bool__", "item", "__float__", "__int__", "numpy", "tolist"):
+        monkeypatch.setattr(paddle.Tensor, name, counting(name, getattr(paddle.Tensor, name)))
+
+    counts = []
+    for updates in (3, 6):
+        reads.clear()
+        result = pixel_run(tmp_path / str(updates), PixelRegression(), "run", max_train_steps=updates,
+                           save_steps=100, logging_steps=100)
+        assert result["step"] == updates
+        counts.append(Counter(reads))
+    extra = counts[1] - counts[0]
+    assert extra == {"health.py:check": 3}, (counts[0], counts[1])

@@ -1,12 +1,17 @@
 """The non-finite guard: an update whose loss or gradient norm is NaN or inf is skipped on every rank.
 
-The verdict is made on the device (`isfinite` of the update's loss and of the global gradient norm,
-then a max over ranks, so every rank skips the same updates) and handed to the optimizer as Paddle's
-own `found_inf`, the flag its GradScaler uses: AdamW then leaves the weights, both moments and its
-bias-correction counters as they were. Under fp16 the verdict is merged into the scaler's, which also
-lowers the loss scale. Paddle's optimizer reads that one-element flag to decide (the read fp16
-training makes at every update anyway); the guard takes the verdict from there, after the step, so the
-learning-rate schedule and the EMA are skipped too without a read of its own.
+The verdict is computed on the device (`isfinite` of the update's loss and of the global gradient
+norm) and, with several ranks, reduced (max) in the same all-reduce as the graceful stop's vote on a
+signal: the one host read that vote made at every update already answers both, so every rank skips
+the same updates. The skip is Paddle's own, the `found_inf` flag its GradScaler uses: AdamW leaves
+the weights, both moments and its bias-correction counters as they were; the schedule and the EMA are
+not stepped. Under fp16 the verdict is merged into the scaler's (which lowers the loss scale).
+
+Paddle's AdamW cannot skip on the device alone: its dygraph step tests the flag on the host
+(`Optimizer._apply_optimize`) and its GPU kernel copies `SkipUpdate` to the host
+(`phi/kernels/gpu/adamw_kernel.cu`). A single-process run in fp32 or bf16 therefore pays one read of
+a one-element flag per update that it did not pay before; several ranks (the stop vote's read) and
+fp16 (the scaler's read) pay nothing more.
 
 Each skip is logged with the update and where the rank's batches came from, and counted
 (`train/nonfinite_skips`, per logging window). `max_nonfinite_updates` skips in a row stop the run
@@ -41,26 +46,34 @@ class NonFiniteGuard:
         self.last_step = 0
 
     @paddle.no_grad()
-    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor) -> paddle.Tensor:
-        """The update's verdict on the device: True (a bool tensor of one element) to skip it, the same on
-        every rank. `loss`: this rank's loss of the update (summed micro-steps); `grad_norm`: the norm of the
-        synchronised gradients."""
+    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None) -> bool:
+        """Whether to skip this update, the same on every rank: `loss` is this rank's loss of the update (its
+        micro-steps summed), `grad_norm` the norm of the synchronised gradients. With several ranks the verdict
+        travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
+        answers both: the read the stop vote made at every update before the guard existed."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
-                                 & paddle.isfinite(grad_norm.astype("float32").reshape([1])))
-        if self.dist.world_size > 1:  # a collective on the device, not a read: a loss can be NaN on one rank only
-            flag = bad.astype("int32")
-            paddle.distributed.all_reduce(flag, op=paddle.distributed.ReduceOp.MAX)
-            bad = flag > 0
-        self.found = bad
-        return bad
+                                 & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("int32")
+        signalled = stop.signalled() if stop is not None else False
+        if self.dist.world_size > 1:
+            flags = paddle.concat([bad, paddle.to_tensor([int(signalled)], dtype="int32")])
+            paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
+            skipped, signalled = (bool(v) for v in flags.numpy())
+        else:
+            skipped = bool(bad.item())
+        if stop is not None:
+            stop.settle(signalled)
+        self.found = bad.astype("bool")
+        return skipped
 
-    def hand_to(self, optimizer, scaler=None) -> None:
-        """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so."""
-        skip_step_if(self.found, optimizer, scaler)
+    def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:
+        """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so: as a
+        Python bool, which Paddle's step tests without reading the device; merged into an enabled scaler's own
+        verdict (a tensor the scaler reads anyway), which then also lowers the loss scale."""
+        skip_step_if(skipped, self.found, optimizer, scaler)
 
     @staticmethod
     def was_skipped(optimizer) -> bool:
-        """After the step: whether the optimizer skipped it (Paddle's step has read the verdict already)."""
+        """After the step: whether the optimizer skipped it (ours, or an fp16 overflow the scaler found)."""
         return step_was_skipped(optimizer)
 
     def record(self, step: int, skipped: bool, *, loss: paddle.Tensor | None = None,

@@ -141,11 +141,13 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 scaler.unscale_(optimizer)
                 grad_norm = clip_grad_norm(trained, max_norm)
                 update_loss = window.update_loss()
-                guard.check(update_loss, grad_norm)
-                guard.hand_to(optimizer, scaler)
+                # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
+                verdict = guard.check(update_loss, grad_norm, stop)
+                stopping = stop.agreed
+                guard.hand_to(optimizer, verdict, scaler)
                 scaler.step(optimizer)
                 scaler.update()
-                skipped = guard.was_skipped(optimizer)  # Paddle's step read the verdict: no read of ours
+                skipped = guard.was_skipped(optimizer)  # ours, or an fp16 overflow
                 window.add_update(grad_norm, skipped)
                 optimizer.clear_grad()
                 if not skipped:
@@ -155,7 +157,6 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 step += 1
                 guard.record(step, skipped, loss=update_loss, grad_norm=grad_norm, last_checkpoint=checkpointer.last,
                              where=batch_positions(data_stream.tracker.state_dict()) if skipped else "")
-                stopping = stop.requested()
                 last = step == loop.max_train_steps
                 logging_step = step % loop.logging_steps == 0 or last or stopping or guard.exhausted
 

@@ -69,8 +69,8 @@ class LDMCallback(TrainerCallback):
         t = self.trainer
         norm = clip_grad_norm(t.trained)
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
-        t.guard.check(t.update_loss, self.grad_norm)
-        t.guard.hand_to(t.optimizer, scaler)
+        # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
+        t.guard.hand_to(t.optimizer, t.guard.check(t.update_loss, self.grad_norm, t.stop), scaler)
 
     def on_optimizer_end(self, args, state, control, scaler=None, **kwargs):
         t = self.trainer
@@ -96,7 +96,7 @@ class LDMCallback(TrainerCallback):
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
             t.objective.log_images(t.writer, state.global_step, None)
-        if t.stop is not None and t.stop.requested():  # SIGTERM/SIGINT: save this update, then stop
+        if t.stop is not None and t.stop.agreed:  # SIGTERM/SIGINT (voted with the guard): save this update, stop
             control.should_save = control.should_training_stop = True
 
 
