@@ -204,7 +204,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert all(s["num_slots"] == 2 for stream in state["stream"] for s in stream["slots"].values())
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
     assert len(os.listdir(out / "visualdl")) == 1
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "visualdl", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "pipeline", "run.json",
+                                      "visualdl", "vqvae"]
     # launched ranks leave with os._exit (ldm.distributed.exit_process): the last log lines and scalars are there
     assert read_scalars(str(out / "visualdl"), "train/loss")[0] == [2, 4]
     assert "exported" in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()[-1]
@@ -572,13 +573,17 @@ def test_an_absurd_learning_rate_is_stopped_by_the_guard_with_one_line(corpus, t
                            "--learning_rate", "1e30", "--max_nonfinite_updates", "3", "--report_to", "none",
                            "--output_dir", str(out)], launch=launch, cwd=tmp_path)
     logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
-    assert result.returncode == 2, launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    # launched: each rank exits 2, or is ended by the launcher once the other has
+    assert result.returncode == 2 or launch and result.returncode != 0, \
+        launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    errors = []
     for log in logs:
         assert "Traceback" not in log
-        errors = [line for line in log.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and "3 updates in a row (the last at update 4)" in errors[0], log[-3000:]
-        assert f"last good checkpoint is {out / 'checkpoint-2'}" in errors[0]
-        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4]
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
+        errors += [line for line in log.splitlines() if line.startswith("error: ")]
+    assert (len(errors) == 1 or launch and errors) and all("3 updates in a row (the last at update 4)" in line
+                                                          for line in errors)
+    assert all(f"last good checkpoint is {out / 'checkpoint-2'}" in line for line in errors)
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]

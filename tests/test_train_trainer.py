@@ -123,7 +123,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert state["weights_checksum"][0] == state["weights_checksum"][1]
     slots = [{int(slot) for slot in stream["slots"]} for stream in state["stream"]]  # JSON keys are strings
     assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "runs", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "pipeline", "run.json", "runs",
+                                      "vqvae"]
     runs = [os.path.join(d, f) for d, _, files in os.walk(out / "runs") for f in files]
     assert len(runs) == 1  # one VisualDL file: rank 0's
 
@@ -161,16 +162,26 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
     assert read_training_state(out / "checkpoint-3")["step"] == 3
 
 
-def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path):
+@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.distributed)])
+def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path, launch):
     """The loop's guard on PaddleNLP's Trainer: a learning rate of 1e30 makes every loss after update 1 non-finite;
-    those updates are skipped (the schedule does not move) and the third in a row stops the run with one line."""
+    those updates are skipped on every rank (the schedule does not move) and the third in a row stops the run
+    with one line."""
     out = tmp_path / "run"
     result = run(corpus + ["--max_steps", "30", "--save_steps", "2", "--logging_steps", "1", "--report_to", "none",
                            "--dataloader_num_workers", "0", "--learning_rate", "1e30", "--max_nonfinite_updates", "3",
-                           "--output_dir", str(out)])
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: 3 updates in a row (the last at update 4)") and str(out / "checkpoint-2") in last
+                           "--output_dir", str(out)], launch=launch, cwd=tmp_path)
+    logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
+    # launched: each rank exits 2, or is ended by the launcher once the other has
+    assert result.returncode == 2 or launch and result.returncode != 0, \
+        launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    errors = []
+    for log in logs:
+        assert "Traceback" not in log
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
+        errors += [line for line in log.splitlines() if line.startswith("error: ")]
+    assert errors and all(line.startswith("error: 3 updates in a row (the last at update 4)") for line in errors)
+    assert all(str(out / "checkpoint-2") in line for line in errors)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
     rates = [line["train/learning_rate"] for line in lines]
