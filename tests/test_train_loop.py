@@ -114,6 +114,11 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                 "train/data_wait_fraction", "train/data_ok", "train/data_missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
+    # the run's whole record as the tracker's hyperparameters
+    args = reader.get_data("text", "args")[0].text.encoded_text_string
+    for name in ('"arguments.learning_rate": 0.001', '"arguments.max_nonfinite_updates": 20', '"versions.paddle"',
+                 '"git.commit"', '"model.prediction_type": "epsilon"', '"world.world_size": 1'):
+        assert name in args, args[:2000]
     # the schedule counts optimizer updates, not micro-steps: after update 3 of 5 (warm-up 2), 2/3 of the peak
     rates = [r.value for r in reader.get_data("scalar", "train/learning_rate")]
     np.testing.assert_allclose(rates, [1e-3 * 2 / 3, 0.0], rtol=1e-5, atol=1e-12)

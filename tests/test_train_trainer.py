@@ -87,6 +87,9 @@ def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
                 "train/global_samples_per_second"):
         assert tag in tags, tags
 
+    # beside the Trainer's own TrainingArguments, the run's whole record
+    record = json.loads(reader.get_data("text", "run_config")[0].text.encoded_text_string)
+    assert record == json.loads((out / "run.json").read_text()) | {"created": record["created"]}
     # validation images go to the Trainer's own trackers, beside its scalars, and to PNG files
     assert {"validation/guidance_1", "validation/guidance_7.5"} <= set(reader.get_tags()["image"])
     assert sorted(os.listdir(out / "images" / "validation" / "guidance_7.5")) == ["00000002.png"]
