@@ -6,14 +6,14 @@
 
 import sys
 
-from ldm.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, parse
+from ldm.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, ValidationArguments, parse
 
 
 def main(argv=None) -> int:
     from paddlenlp.trainer import TrainingArguments
 
-    model_args, data_args, sampling_args, training_args, run_args = parse(
-        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments, RunArguments], argv)
+    model_args, data_args, sampling_args, training_args, run_args, validation_args = parse(
+        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments, RunArguments, ValidationArguments], argv)
     if not training_args.do_train:
         sys.exit("error: nothing to do: pass --do_train")
     from ldm.runtime import use_fast_cpu_kernels
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
 
     use_fast_cpu_kernels()
     with user_errors():
-        result = train(training_args, model_args, data_args, sampling_args, run_args)
+        result = train(training_args, model_args, data_args, sampling_args, run_args, validation_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop
 
 

@@ -183,6 +183,22 @@ PROGRESS = ("auto", "bar", "lines", "none")
 
 
 @dataclass
+class ValidationArguments:
+    """The held-out validation loss of the LDM entry points (`ldm.validation`)."""
+
+    validation_file_list: Optional[str] = arg(None, "held-out shards (a list of filelists, as --file_list; latent "
+                                                    "shards too): logs eval/loss and eval/loss_t<t> (default: off)")
+    validation_steps: int = arg(1000, "evaluate every N updates, and at the end")
+    validation_samples: int = arg(256, "records of --validation_file_list evaluated (its first ones, in order)")
+    validation_timesteps: int = arg(8, "timesteps per record: the centres of this many equal bins of the schedule")
+    validation_batch_size: int = arg(8, "records per forward pass of the evaluation")
+
+    def __post_init__(self):
+        for name in ("validation_steps", "validation_samples", "validation_timesteps", "validation_batch_size"):
+            _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
+
+
+@dataclass
 class RunArguments:
     """What every entry point shares about watching a run: its recorded configuration, its progress output and
     its health checks (`ldm.config`, `ldm.train.progress`, `ldm.train.health`, `ldm.flops`)."""

@@ -105,8 +105,11 @@ class MetricsFile:
 
 
 def tracker_name(name: str) -> str:
-    """The name a tracker shows for a scalar logged by bare name (`loss` -> `train/loss`), as PaddleNLP does."""
-    return name if "/" in name or name.startswith("eval_") else f"train/{name}"
+    """The name a tracker shows for a scalar logged by bare name, as PaddleNLP's callbacks rewrite it: `loss` ->
+    `train/loss`, `eval_loss` -> `eval/loss`."""
+    if "/" in name:
+        return name
+    return f"eval/{name[len('eval_'):]}" if name.startswith("eval_") else f"train/{name}"
 
 
 class NullWriter:

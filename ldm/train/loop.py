@@ -16,7 +16,14 @@ import logging
 
 import paddle
 
-from ldm.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments
+from ldm.args import (
+    DataArguments,
+    LoopArguments,
+    ModelArguments,
+    RunArguments,
+    SamplingArguments,
+    ValidationArguments,
+)
 from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed, sync_gradients
 from ldm.flops import throughput_metrics
@@ -27,10 +34,12 @@ from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.objective import (
+    EvalClock,
     MetricsWindow,
     TextToImage,
     clip_grad_norm,
     count_flops,
+    evaluate,
     rank_seed,
     start_batches,
 )
@@ -61,13 +70,13 @@ def autocast(precision: str):
 
 
 def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments,
-          run_args: RunArguments | None = None) -> dict:
+          run_args: RunArguments | None = None, validation: ValidationArguments | None = None) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
-    run_args = run_args or RunArguments()
+    run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
     return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, recompute=loop.recompute,
-                                                    seed=loop.seed),
+                                                    seed=loop.seed, validation=validation),
                image_logging_steps=sampling.image_logging_steps, run_args=run_args,
-               groups=(model_args, data, sampling, loop, run_args))
+               groups=(model_args, data, sampling, loop, run_args, validation))
 
 
 def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0,
@@ -102,6 +111,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
                "scaler": stateful(scaler, "load_state_dict")})
     guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+    objective.start_validation(dist)
     flops = count_flops(objective, data_stream, record)
     if resume:
         check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
@@ -129,6 +139,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                             seconds=run_args.progress_seconds)
         last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
         batches = iter(data_stream)
+        clock = EvalClock()
         with GracefulStop(dist) as stop:
             while step < loop.max_train_steps and not stopping:
                 for _ in range(accumulation):
@@ -170,6 +181,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                    "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
                 progress.update(step, logging_step=logging_step)
                 guard.stop_if_exhausted()  # every rank at the same update: the verdict is shared
+                if objective.validation_due(step, last) and not stopping:
+                    writer.scalars(evaluate(objective, dist, step, clock), step)
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:
                     objective.log_images(writer, step, batch)
                 if checkpointer.due(step, last=last, stopping=stopping):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import paddle
 
-from ldm.args import DataArguments, ModelArguments, SamplingArguments
+from ldm.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
 from ldm.checkpoint import (
     check_autoencoder,
     load_ldm_weights,
@@ -31,6 +32,7 @@ from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter
 from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
+from ldm.validation import HeldOut, fixed_timesteps, read_records
 
 logger = logging.getLogger("ldm.train")
 
@@ -73,6 +75,16 @@ class Objective:
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
+    def start_validation(self, dist: Distributed) -> None:
+        """Read what `evaluate` needs (before the first write: unusable held-out data fails the start)."""
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        return False
+
+    def evaluate(self, dist: Distributed) -> dict[str, float]:
+        """Held-out metrics under the trackers' names (`eval_<name>`), the same on every rank; {}: none."""
+        return {}
+
     def flops_per_sample(self, on_latents: bool) -> dict[str, int] | None:
         """FLOPs of one training sample by part, with "total" (`ldm.flops`); None: not counted."""
         return None
@@ -87,8 +99,8 @@ class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
-                 recompute: bool, seed: int):
-        self.data, self.sampling = data, sampling
+                 recompute: bool, seed: int, validation: ValidationArguments | None = None):
+        self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
         self.tokenizer = setup.build_tokenizer(data)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
                                                          seed=seed)
@@ -96,6 +108,34 @@ class TextToImage(Objective):
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
+        self.held_out: HeldOut | None = None
+
+    def start_validation(self, dist: Distributed) -> None:
+        """Read the held-out records (every rank reads them all and keeps its share): before the first write, so
+        an unusable --validation_file_list fails the start."""
+        v = self.validation
+        if not v.validation_file_list:
+            return
+        records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
+                               tokenizer=self.tokenizer, model_max_length=self.data.model_max_length,
+                               autoencoder=self.latents_of, autoencoder_source=self.autoencoder_source)
+        timesteps = fixed_timesteps(v.validation_timesteps, self.model.noise_scheduler.config.num_train_timesteps)
+        self.held_out = HeldOut(records, timesteps, dist, v.validation_batch_size)
+        logger.info("validation: %d held-out records at timesteps %s, every %d updates", len(records), timesteps,
+                    v.validation_steps)
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        return self.held_out is not None and (step % self.validation.validation_steps == 0 or last)
+
+    def evaluate(self, dist):
+        if self.held_out is None:
+            return {}
+        metrics = {f"eval_{name}": value for name, value in self.held_out.evaluate(self.model).items()}
+        if self.ema is not None:
+            with self.ema.swapped(self.model):
+                ema = self.held_out.evaluate(self.model)
+            metrics.update({f"eval_ema_{name}": value for name, value in ema.items()})
+        return metrics
 
     def flops_per_sample(self, on_latents):
         return ldm_training_flops(self.model, resolution=self.data.resolution, text_length=self.data.model_max_length,
@@ -149,6 +189,26 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source)
     batches.start()
     return batches
+
+
+class EvalClock:
+    """Time spent evaluating against the time since the run (or the last evaluation) started."""
+
+    def __init__(self):
+        self.since = time.perf_counter()
+
+
+def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalClock) -> dict[str, float]:
+    """The objective's held-out metrics at update `step`, with `eval_time_fraction`: the evaluation's share of the
+    wall time since the last one (its cost, for the trackers)."""
+    start = time.perf_counter()
+    metrics = objective.evaluate(dist)
+    end = time.perf_counter()
+    metrics["eval_time_fraction"] = (end - start) / max(end - clock.since, 1e-9)
+    clock.since = end
+    logger.info("validation at update %d: loss %.5f (%.1f s, %.1f%% of the time since the last)", step,
+                metrics.get("eval_loss", float("nan")), end - start, 100 * metrics["eval_time_fraction"])
+    return metrics
 
 
 def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:

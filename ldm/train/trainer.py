@@ -19,7 +19,7 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
-from ldm.args import RunArguments
+from ldm.args import RunArguments, ValidationArguments
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
 from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed
@@ -31,10 +31,12 @@ from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.objective import (
+    EvalClock,
     MetricsWindow,
     TextToImage,
     clip_grad_norm,
     count_flops,
+    evaluate,
     rank_seed,
     start_batches,
 )
@@ -93,6 +95,8 @@ class LDMCallback(TrainerCallback):
             t.objective.ema.update()
         if t.progress is not None:
             t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0)
+        if t.objective.validation_due(state.global_step, state.global_step == state.max_steps) and not t.stop.agreed:
+            t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock))
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
             t.objective.log_images(t.writer, state.global_step, None)
@@ -115,6 +119,7 @@ class LDMTrainer(Trainer):
         self.flops, self.peak_tflops = flops, run_args.peak_tflops
         self.update_loss = paddle.zeros([])  # the update's loss so far (micro-steps summed), for the guard
         self.progress: Progress | None = None
+        self.eval_clock = EvalClock()
         self.metrics: MetricsFile | None = None
         self.trained = [p for p in objective.model.parameters() if not p.stop_gradient]
         # the optimizer, schedule and scaler exist once `train()` made them: the parts ask for them then
@@ -180,10 +185,11 @@ class Deferred:
         return lambda *args: getattr(self._get(), name)(*args)
 
 
-def train(training_args, model_args, data, sampling, run_args: RunArguments | None = None) -> dict:
+def train(training_args, model_args, data, sampling, run_args: RunArguments | None = None,
+          validation: ValidationArguments | None = None) -> dict:
     """The LDM through PaddleNLP's Trainer; ends with `<output_dir>/pipeline`. Inputs are checked before
     anything is written (see `ldm.train.loop.run`)."""
-    run_args = run_args or RunArguments()
+    run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
@@ -201,11 +207,13 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     progress = resolve_mode(run_args.progress) if dist.is_main else "none"
     training_args.disable_tqdm = progress != "bar"  # PaddleNLP's bar, or its plain log lines and ours
 
-    objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
-    record = describe_run((model_args, data, sampling, training_args, run_args), dist=dist,
+    objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed,
+                            validation=validation)
+    record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
                           num_workers=training_args.dataloader_num_workers, model=objective.identity())
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
+    objective.start_validation(dist)
     flops = count_flops(objective, data_stream, record)
     if checkpoint:
         check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
