@@ -700,3 +700,68 @@ def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path
         counts.append(Counter(reads))
     extra = counts[1] - counts[0]
     assert extra == {"health.py:check": 3}, (counts[0], counts[1])
+
+
+@pytest.mark.slow
+def test_validation_loss_is_logged_leaves_training_alone_and_matches_the_offline_tool(corpus, tmp_path):
+    """eval/loss, eval/loss_t<t> and the EMA's at updates 2 and 4; the same run without validation ends with the
+    same weights (its random state and data position untouched); `python -m ldm.validate` on checkpoint-4 prints
+    the numbers training logged for those weights."""
+    from entry import run_python
+
+    listing = corpus[corpus.index("--file_list") + 1]
+    common = corpus + ["--max_train_steps", "4", "--save_steps", "4", "--logging_steps", "2", "--num_workers", "0",
+                       "--use_ema", "--learning_rate", "1e-3", "--report_to", "none"]
+    validated = run(common + ["--validation_file_list", listing, "--validation_steps", "2",
+                              "--validation_samples", "10", "--validation_timesteps", "4",
+                              "--output_dir", str(tmp_path / "a")])
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    plain = run(common + ["--output_dir", str(tmp_path / "b")])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    got, _ = weights(tmp_path / "a" / "checkpoint-4")
+    expected, _ = weights(tmp_path / "b" / "checkpoint-4")
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+    lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = {line["step"]: line for line in lines if "eval/loss" in line}
+    assert sorted(evals) == [2, 4]
+    names = {"eval/loss", "eval/ema_loss", "eval/time_fraction"} | {f"eval/{kind}loss_t{t}" for kind in ("", "ema_")
+                                                                   for t in (125, 375, 625, 875)}
+    assert names <= set(evals[4]), sorted(evals[4])
+    assert evals[2]["eval/loss"] != evals[4]["eval/loss"] and evals[4]["eval/loss"] != evals[4]["eval/ema_loss"]
+    assert evals[4]["eval/loss"] == pytest.approx(np.mean([evals[4][f"eval/loss_t{t}"] for t in (125, 375, 625, 875)]))
+
+    for kind, prefix in (("raw", "eval/"), ("ema", "eval/ema_")):
+        offline = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "a" / "checkpoint-4"), "--file_list",
+                              listing, "--validation_samples", "10", "--validation_timesteps", "4", "--weights", kind,
+                              "--json"])
+        assert offline.returncode == 0, offline.stderr[-3000:]
+        printed = json.loads(offline.stdout.strip().splitlines()[-1])
+        assert printed["records"] == 10
+        for name in ("loss", "loss_t125", "loss_t875"):
+            assert printed[name] == pytest.approx(evals[4][prefix + name], rel=1e-6), (kind, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_validation_loss_is_the_same_on_one_process_and_two(corpus, tmp_path):
+    from entry import run_python
+
+    listing = corpus[corpus.index("--file_list") + 1]
+    result = run(corpus + ["--max_train_steps", "1", "--num_workers", "0", "--report_to", "none",
+                           "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["--model", str(tmp_path / "run" / "checkpoint-1"), "--file_list", listing, "--validation_samples", "11",
+            "--json"]
+    one = run_python(["-m", "ldm.validate", *args])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_entry("ldm/validate.py", args, launch=True, cwd=tmp_path)
+    assert two.returncode == 0, launch_report(two, tmp_path)
+    on_two = [line for line in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()
+              if line.startswith("{")]
+    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(on_two[-1])
+    assert a["records"] == b["records"] == 11  # 6 on rank 0, 5 on rank 1
+    for name, value in a.items():
+        if name.startswith("loss"):
+            assert b[name] == pytest.approx(value, rel=1e-6), name
