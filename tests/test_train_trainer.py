@@ -200,13 +200,15 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
               "file_list": corpus[corpus.index("--file_list") + 1],
               "tokenizer_name": corpus[corpus.index("--tokenizer_name") + 1], "model_max_length": 16,
               "resolution": 32, "per_device_train_batch_size": 4, "dataloader_num_workers": 0, "report_to": ["none"],
-              "logging_steps": 1, "save_steps": 2, "max_steps": 2, "output_dir": str(out)}
+              "logging_steps": 1, "save_steps": 2, "max_steps": 2, "output_dir": str(out),
+              "validation_file_list": corpus[corpus.index("--file_list") + 1], "validation_steps": 2,
+              "validation_samples": 4, "validation_timesteps": 2}
     (tmp_path / "run.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
     result = run(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "1e-3"])
     assert result.returncode == 0, result.stderr[-3000:]
     recorded = json.loads((out / "run.json").read_text())
     assert set(recorded["arguments"]) == {"ModelArguments", "DataArguments", "SamplingArguments", "TrainingArguments",
-                                          "RunArguments"}
+                                          "RunArguments", "ValidationArguments"}
     training = recorded["arguments"]["TrainingArguments"]
     assert training["learning_rate"] == 1e-3 and training["max_steps"] == 2 and "adam_beta2" in training
     assert len(training) > 50  # every field of PaddleNLP's TrainingArguments, defaults included
@@ -216,6 +218,9 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/nonfinite_skips",
             "train/tflops_per_device"} <= set(metrics[0])
     assert "\r" not in result.stderr and "progress train: update 2/2 (100.0%)" in result.stderr
+    # the held-out loss, under the trackers' eval/ names
+    evals = [m for m in metrics if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [2] and {"eval/loss_t250", "eval/loss_t750"} <= set(evals[0])
 
     resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
