@@ -69,6 +69,10 @@ class TimedBatches:
             yield batch
             start = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent on something else (an evaluation) out of the window's speed."""
+        self.clock.start += seconds
+
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
         """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""
         elapsed, wait_fraction, samples = self.clock.read()

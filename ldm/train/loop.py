@@ -182,7 +182,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 progress.update(step, logging_step=logging_step)
                 guard.stop_if_exhausted()  # every rank at the same update: the verdict is shared
                 if objective.validation_due(step, last) and not stopping:
-                    writer.scalars(evaluate(objective, dist, step, clock), step)
+                    writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:
                     objective.log_images(writer, step, batch)
                 if checkpointer.due(step, last=last, stopping=stopping):

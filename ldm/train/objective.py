@@ -198,12 +198,14 @@ class EvalClock:
         self.since = time.perf_counter()
 
 
-def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalClock) -> dict[str, float]:
+def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalClock,
+             batches: TimedBatches) -> dict[str, float]:
     """The objective's held-out metrics at update `step`, with `eval_time_fraction`: the evaluation's share of the
-    wall time since the last one (its cost, for the trackers)."""
+    wall time since the last one (its cost, for the trackers). Its time is left out of the training speed."""
     start = time.perf_counter()
     metrics = objective.evaluate(dist)
     end = time.perf_counter()
+    batches.exclude(end - start)
     metrics["eval_time_fraction"] = (end - start) / max(end - clock.since, 1e-9)
     clock.since = end
     logger.info("validation at update %d: loss %.5f (%.1f s, %.1f%% of the time since the last)", step,

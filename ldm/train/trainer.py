@@ -97,7 +97,7 @@ class LDMCallback(TrainerCallback):
             t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0)
         if t.objective.validation_due(state.global_step, state.global_step == state.max_steps) and not t.stop.agreed:
             should_log = control.should_log  # PaddleNLP's on_log clears it: the update's own log still follows
-            t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock))
+            t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock, t.data_stream))
             control.should_log = t.control.should_log = should_log
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
