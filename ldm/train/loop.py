@@ -111,10 +111,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
                "scaler": stateful(scaler, "load_state_dict")})
     guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
-    objective.start_validation(dist)
-    flops = count_flops(objective, data_stream, record)
-    if resume:
-        check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    try:
+        objective.start_validation(dist)
+        flops = count_flops(objective, data_stream, record)
+        if resume:
+            check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    except BaseException:
+        data_stream.close()  # its loader workers are running already
+        raise
     writer, progress = NullWriter(), None
     try:
         run_dir.create(resume, record)  # the first write

@@ -215,10 +215,14 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
                           num_workers=training_args.dataloader_num_workers, model=objective.identity())
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
-    objective.start_validation(dist)
-    flops = count_flops(objective, data_stream, record)
-    if checkpoint:
-        check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    try:
+        objective.start_validation(dist)
+        flops = count_flops(objective, data_stream, record)
+        if checkpoint:
+            check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    except BaseException:
+        data_stream.close()  # its loader workers are running already
+        raise
     writer, trainer = NullWriter(), None
     try:
         run_dir.create(checkpoint, record)  # the first write
