@@ -113,3 +113,31 @@ def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and lines[0].startswith("progress train: update 12/100 (12.0%)") and "ETA" in lines[0]
     assert lines[1].startswith("progress train: update 13/100") and "87 to go" in lines[1]
+
+
+def test_the_metrics_window_logs_a_ratio_over_the_window_and_leaves_skipped_updates_out():
+    """(sum, count) extras, as the loss by quarter of the schedule: the window's sum over its count, a quarter that
+    no sample drew is NaN (not 0), and a skipped update's values count for nothing."""
+    import math
+
+    import paddle
+
+    from ldm.distributed import Distributed
+    from ldm.train.objective import MetricsWindow
+
+    class Batches:
+        def window(self, dist):
+            return 1.0, 0.0, {}
+
+    def pair(total, count):
+        return paddle.to_tensor(float(total)), paddle.to_tensor(float(count))
+
+    window = MetricsWindow()
+    for extra in ({"q1": pair(3.0, 2), "q2": pair(0.0, 0)}, {"q1": pair(1.0, 1), "q2": pair(0.0, 0)}):
+        window.add_micro_step(paddle.to_tensor(1.0), extra, 0.5)
+    window.add_update(paddle.to_tensor(2.0))
+    window.add_micro_step(paddle.to_tensor(float("nan")), {"q1": pair(100.0, 1), "q2": pair(float("nan"), 1)}, 1.0)
+    window.add_update(paddle.to_tensor(float("nan")), skipped=True)
+    metrics = window.read(Distributed(), Batches())
+    assert metrics["q1"] == pytest.approx(4.0 / 3) and math.isnan(metrics["q2"])
+    assert metrics["loss"] == pytest.approx(1.0) and metrics["grad_norm"] == pytest.approx(2.0)

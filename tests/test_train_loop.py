@@ -640,7 +640,10 @@ def test_run_json_records_the_whole_run_and_a_resume_logs_changes_and_refuses_a_
     assert set(model["autoencoder"]) == {"config_sha256", "weights_sha256"} and model["flops_per_sample"]["total"] > 0
     in_checkpoint = json.loads((out / "checkpoint-2" / "run_config.json").read_text())
     assert in_checkpoint["step"] == 2 and in_checkpoint["arguments"] == recorded["arguments"]
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    # the training loss by quarter of the noise schedule, beside the loss
+    assert {f"train/loss_q{q}" for q in (1, 2, 3, 4)} <= set(metrics[0])
 
     again = ["--config", str(tmp_path / "run.yaml"), "--max_train_steps", "3", "--output_dir", str(out),
              "--resume_from_checkpoint", "latest", "--learning_rate", "2e-3"]

@@ -43,6 +43,9 @@ def rank_seed(seed: int, rank: int, step: int = 0) -> int:
     return seed + 1000 * rank + step
 
 
+QUARTERS = 4
+
+
 class Objective:
     """What a run trains. `model` is the training wrapper: its trainable parameters are optimised."""
 
@@ -53,7 +56,8 @@ class Objective:
     autoencoder_source = ""
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
-        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
+        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model. An extra
+        value may be a (sum, count) pair: logged as the window's sum over its count (over ranks too)."""
         raise NotImplementedError
 
     def check_resume(self, checkpoint: str) -> None:
@@ -154,7 +158,17 @@ class TextToImage(Objective):
         self.vae_folder, _ = write_frozen_autoencoder(run_dir, self.components.vae)
 
     def loss(self, net, batch):
-        return net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments")), {}
+        loss, per_sample, timesteps = net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments"),
+                                          details=True)
+        # the loss by quarter of the noise schedule (guided-diffusion's quartiles): (sum, count) pairs, so that a
+        # quarter no sample of a batch drew counts for nothing rather than for zero
+        quarter = timesteps * QUARTERS // self.model.noise_scheduler.config.num_train_timesteps
+        per_sample = per_sample.detach()
+        extra = {}
+        for q in range(QUARTERS):
+            mask = (quarter == q).astype("float32")
+            extra[f"loss_q{q + 1}"] = ((per_sample * mask).sum(), mask.sum())
+        return loss, extra
 
     def save(self, folder, final_folder):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
@@ -259,12 +273,16 @@ class MetricsWindow:
         self.pending_loss, self.pending_extra = 0.0, {}
 
     def reset(self) -> None:
-        self.loss, self.grad_norm, self.updates, self.extra = 0.0, 0.0, 0, {}
+        self.loss, self.grad_norm, self.updates, self.extra, self.ratios = 0.0, 0.0, 0, {}, {}
 
-    def add_micro_step(self, loss: paddle.Tensor, extra: dict[str, paddle.Tensor], weight: float) -> None:
+    def add_micro_step(self, loss: paddle.Tensor, extra: dict, weight: float) -> None:
         self.pending_loss += loss.detach() * weight
         for name, value in extra.items():
-            self.pending_extra[name] = self.pending_extra.get(name, 0.0) + value.detach() * weight
+            if isinstance(value, tuple):  # (sum, count)
+                total, count = self.pending_extra.get(name, (0.0, 0.0))
+                self.pending_extra[name] = (total + value[0].detach(), count + value[1].detach())
+            else:
+                self.pending_extra[name] = self.pending_extra.get(name, 0.0) + value.detach() * weight
 
     def update_loss(self):
         """The loss of the update being accumulated (on the device), for the guard."""
@@ -274,7 +292,11 @@ class MetricsWindow:
         if not skipped:
             self.loss += self.pending_loss
             for name, value in self.pending_extra.items():
-                self.extra[name] = self.extra.get(name, 0.0) + value
+                if isinstance(value, tuple):
+                    total, count = self.ratios.get(name, (0.0, 0.0))
+                    self.ratios[name] = (total + value[0], count + value[1])
+                else:
+                    self.extra[name] = self.extra.get(name, 0.0) + value
             self.grad_norm += grad_norm
             self.updates += 1
         self.pending_loss, self.pending_extra = 0.0, {}
@@ -292,6 +314,9 @@ class MetricsWindow:
             "data_wait_fraction": wait_fraction,
         })
         metrics.update({name: dist.mean(float(value) / updates) for name, value in sorted(self.extra.items())})
+        for name, (total, count) in sorted(self.ratios.items()):
+            total, count = dist.sum(float(total)), dist.sum(float(count))
+            metrics[name] = total / count if count else float("nan")
         metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
         self.reset()
         return metrics

@@ -138,8 +138,9 @@ class LDMTrainer(Trainer):
         return self.data_stream
 
     def compute_loss(self, model, inputs, return_outputs=False):
-        loss, _ = self.objective.loss(model, inputs)
+        loss, extra = self.objective.loss(model, inputs)
         self.update_loss = self.update_loss + loss.detach()
+        self.window.add_micro_step(loss, extra, 1 / self.args.gradient_accumulation_steps)
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict, **kwargs) -> None:
