@@ -775,3 +775,30 @@ def test_the_validation_loss_is_the_same_on_one_process_and_two(corpus, tmp_path
     for name, value in a.items():
         if name.startswith("loss"):
             assert b[name] == pytest.approx(value, rel=1e-6), name
+
+
+class CorruptingPixelRegression(PixelRegression):
+    """PixelRegression whose weights turn NaN during update 3 (as a broken kernel or a bad device could make them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def loss(self, net, batch):
+        self.calls += 1
+        if self.calls == 3:
+            with paddle.no_grad():
+                weight = self.model[0].weight
+                weight.set_value(paddle.full_like(weight, float("nan")))
+        return super().loss(net, batch)
+
+
+def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
+    from ldm.train.health import NonFiniteStop
+
+    with pytest.raises(NonFiniteStop) as stopped:
+        pixel_run(tmp_path, CorruptingPixelRegression(), "run", max_train_steps=5, save_steps=1)
+    assert str(stopped.value).startswith("the weights are not finite at update 3: checkpoint-3 is not written")
+    assert str(tmp_path / "run" / "checkpoint-2") in str(stopped.value)
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == ["checkpoint-1",
+                                                                                            "checkpoint-2"]
