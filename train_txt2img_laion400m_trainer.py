@@ -27,6 +27,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ldm.distributed import exit_process
+    from ldm.distributed import run_main
 
-    exit_process(main())
+    run_main(main)

@@ -72,6 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ldm.distributed import exit_process
+    from ldm.distributed import run_main
 
-    exit_process(main())
+    run_main(main)
