@@ -9,22 +9,23 @@ Runs on one card or many (`python -m paddle.distributed.launch`), with the hand-
 flags (checkpoints, --resume_from_checkpoint, logging). Captions are not read.
 """
 
-from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, parse
+from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, RunArguments, parse
 
 
 def main(argv=None) -> int:
-    args, data_args, loop_args = parse([AutoencoderArguments, DataArguments, AutoencoderLoopArguments], argv)
+    args, data_args, loop_args, run_args = parse(
+        [AutoencoderArguments, DataArguments, AutoencoderLoopArguments, RunArguments], argv)
     from ldm.runtime import use_fast_cpu_kernels
     from ldm.train.autoencoder import train
     from ldm.train.errors import user_errors
 
     use_fast_cpu_kernels()
     with user_errors():
-        result = train(loop_args, args, data_args)
+        result = train(loop_args, args, data_args, run_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop
 
 
 if __name__ == "__main__":
-    from ldm.distributed import exit_process
+    from ldm.distributed import run_main
 
-    exit_process(main())
+    run_main(main)

@@ -1,19 +1,19 @@
 """Pretrain a text-to-image latent diffusion model with the PaddleNLP Trainer.
 
-    python train_txt2img_laion400m_trainer.py --do_train --output_dir OUT ... (or one .json file)
+    python train_txt2img_laion400m_trainer.py --do_train --output_dir OUT ... (or --config FILE.yaml|.json)
     python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_trainer.py ...
 """
 
 import sys
 
-from ldm.args import DataArguments, ModelArguments, SamplingArguments, parse
+from ldm.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, ValidationArguments, parse
 
 
 def main(argv=None) -> int:
     from paddlenlp.trainer import TrainingArguments
 
-    model_args, data_args, sampling_args, training_args = parse(
-        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments], argv)
+    model_args, data_args, sampling_args, training_args, run_args, validation_args = parse(
+        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments, RunArguments, ValidationArguments], argv)
     if not training_args.do_train:
         sys.exit("error: nothing to do: pass --do_train")
     from ldm.runtime import use_fast_cpu_kernels
@@ -22,11 +22,11 @@ def main(argv=None) -> int:
 
     use_fast_cpu_kernels()
     with user_errors():
-        result = train(training_args, model_args, data_args, sampling_args)
+        result = train(training_args, model_args, data_args, sampling_args, run_args, validation_args)
     return result["exit_code"]  # 128 + signal number after a graceful stop
 
 
 if __name__ == "__main__":
-    from ldm.distributed import exit_process
+    from ldm.distributed import run_main
 
-    exit_process(main())
+    run_main(main)

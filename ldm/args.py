@@ -189,6 +189,49 @@ class LoopArguments:
         resolve_report_to(self.report_to)  # a ValueError names the unknown tracker
 
 
+PROGRESS = ("auto", "bar", "lines", "none")
+
+
+@dataclass
+class ValidationArguments:
+    """The held-out validation loss of the LDM entry points (`ldm.validation`)."""
+
+    validation_file_list: Optional[str] = arg(None, "held-out shards (a list of filelists, as --file_list; latent "
+                                                    "shards too): logs eval/loss and eval/loss_t<t> (default: off)")
+    validation_steps: int = arg(1000, "evaluate every N updates, and at the end")
+    validation_samples: int = arg(256, "records of --validation_file_list evaluated (its first ones, in order)")
+    validation_timesteps: int = arg(8, "timesteps per record: the centres of this many equal bins of the schedule")
+    validation_batch_size: int = arg(8, "records per forward pass of the evaluation")
+
+    def __post_init__(self):
+        for name in ("validation_steps", "validation_samples", "validation_timesteps", "validation_batch_size"):
+            _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
+
+
+@dataclass
+class RunArguments:
+    """What every entry point shares about watching a run: its recorded configuration, its progress output and
+    its health checks (`ldm.config`, `ldm.train.progress`, `ldm.train.health`, `ldm.flops`)."""
+
+    config: Optional[str] = arg(None, "a YAML or JSON file of flags (name: value); flags on the command line win")
+    allow_config_change: bool = arg(False, "resume even when the model, the resolution or the prediction type "
+                                           "differ from the checkpoint's (every difference is logged either way)")
+    progress: str = arg("auto", "progress output: bar (redrawn, for a terminal), lines (a plain line at each logging "
+                                "step and every --progress_seconds, for a log file), none, or auto (bar on a "
+                                "terminal, lines otherwise)")
+    progress_seconds: float = arg(60.0, "with lines: at most this many seconds between two progress lines")
+    max_nonfinite_updates: int = arg(20, "stop after this many updates in a row were skipped for a NaN/inf loss or "
+                                         "gradient norm (each one is skipped and logged)")
+    peak_tflops: Optional[float] = arg(None, "peak dense TFLOP/s of one device in the training precision: logs "
+                                             "train/mfu (model FLOPs utilisation)")
+
+    def __post_init__(self):
+        _check(self.progress in PROGRESS, f"--progress must be one of {', '.join(PROGRESS)}, not {self.progress!r}")
+        _check(self.progress_seconds > 0, "--progress_seconds must be > 0")
+        _check(self.max_nonfinite_updates >= 1, "--max_nonfinite_updates must be at least 1")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "--peak_tflops must be > 0")
+
+
 @dataclass
 class AutoencoderArguments:
     """The autoencoder entry point's model flags (`train_autoencoder.py`)."""
@@ -300,12 +343,14 @@ class ToolParser(argparse.ArgumentParser):
 
 
 def parse(dataclass_types, argv: list[str] | None = None):
-    """Parse flags (or one .json file) into the dataclasses; a user error exits 2 with one line."""
+    """Parse flags into the dataclasses; `--config FILE` (or a lone FILE.json/.yaml) adds the flags of a YAML or
+    JSON file, the command line's winning. A user error exits 2 with one line."""
+    from ldm.config import expand_config
+
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser(dataclass_types)
     try:
-        if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_json_file(argv[0])
+        argv = expand_config(list(argv))
         *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         if unknown:
             parser.exit(2, f"error: {unknown_flags_message(unknown, known_flags(dataclass_types))}\n")

@@ -58,6 +58,46 @@ def loss_scale(scaler):
     return 1.0 if scale is None or not private(scaler, "_enable", "logging the gradient norm under fp16") else scale
 
 
+def innermost_optimizer(optimizer):
+    """The Paddle optimizer inside fleet's wrappers (which hold it as `_inner_opt`)."""
+    while getattr(optimizer, "_inner_opt", None) is not None:
+        optimizer = optimizer._inner_opt
+    return optimizer
+
+
+def skip_step_if(skip: bool, found, optimizer, scaler=None) -> None:
+    """Make the coming optimizer step (or `scaler.step`) skip when `skip` (`found`: the same verdict as a
+    one-element bool tensor on the device).
+
+    Paddle's own mechanism, the one its GradScaler uses: the optimizer's `found_inf` auxiliary variable,
+    with which AdamW leaves the weights, both moments and its bias-correction counters alone; given as a
+    Python bool, the step tests it without a device read. An enabled scaler hands its own `_found_inf`
+    (a tensor, computed when it unscales, done here first if it was not yet) to the optimizer and lowers
+    the loss scale on it: `found` is merged into that one."""
+    if scaler is not None and private(scaler, "_enable", "the non-finite guard under fp16"):
+        from paddle.amp.grad_scaler import OptimizerState
+
+        states = private(scaler, "_optimizer_states", "the non-finite guard under fp16")
+        if states[id(optimizer)]["state"] is OptimizerState.INIT:
+            scaler.unscale_(optimizer)
+        import paddle
+
+        mine = private(scaler, "_found_inf", "the non-finite guard under fp16")
+        scaler._found_inf = paddle.logical_or(mine, found.reshape(mine.shape).astype(mine.dtype))
+        return
+    inner = innermost_optimizer(optimizer)
+    private(inner, "_set_auxiliary_var", "the non-finite guard")("found_inf", bool(skip))
+
+
+def step_was_skipped(optimizer) -> bool:
+    """After a step prepared by `skip_step_if`: whether it was skipped. Paddle's dygraph step has replaced the
+    flag by a Python bool when it read it; a flag still a tensor is read here (a step that did not look)."""
+    found = private(innermost_optimizer(optimizer), "_get_auxiliary_var", "the non-finite guard")("found_inf")
+    if found is None or isinstance(found, bool):
+        return bool(found)
+    return bool(found.item())
+
+
 # --- Paddle: the bias add of a CPU convolution ------------------------------------------------
 
 CONV_ND_PARAMETERS = ("x", "weight", "bias", "stride", "padding", "padding_algorithm", "dilation", "groups",

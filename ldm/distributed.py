@@ -38,6 +38,20 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def run_main(main) -> NoReturn:
+    """`exit_process(main())` for an entry point, also when `main` ends with SystemExit (a user error's exit 2,
+    an argparse error, the non-finite guard's stop): a launched rank then skips the teardown as well."""
+    try:
+        code = main()
+    except SystemExit as e:
+        if isinstance(e.code, str):  # sys.exit("message"): printed, status 1, as the interpreter does
+            print(e.code, file=sys.stderr)
+            code = 1
+        else:
+            code = e.code or 0
+    exit_process(code)
+
+
 @dataclass(frozen=True)
 class Distributed:
     rank: int = 0

@@ -248,8 +248,11 @@ class RunFolder:
         return None
 
     # -- start ---------------------------------------------------------------------------------
-    def create(self, resume: str | None) -> None:
-        """Make the folder (emptied first when `check` decided to start over); call after `check` and the inputs."""
+    def create(self, resume: str | None, record: dict | None = None) -> None:
+        """Make the folder (emptied first when `check` decided to start over); call after `check` and the inputs.
+
+        `record` (a plain JSON-able dict: the run's configuration) goes into `run.json`; a resume adds its own
+        record to the list `resumes` there, so the file tells every start of the run."""
         def make() -> None:
             if self.empty_first:
                 names = os.listdir(self.output_dir)
@@ -262,9 +265,18 @@ class RunFolder:
                     remove(self.path(name))
             if resume is not None:
                 self._abandon_after(resume)
-            if not os.path.isfile(self.path(RUN_MARKER)):
-                with open(self.path(RUN_MARKER), "w") as f:
-                    json.dump({"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+            marker = self.path(RUN_MARKER)
+            if not os.path.isfile(marker):
+                write_json(marker, {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(record or {})})
+            elif record is not None:
+                try:
+                    with open(marker) as f:
+                        run = json.load(f)
+                except (OSError, ValueError) as e:
+                    logger.warning("%s is unreadable (%s): written afresh", marker, e)
+                    run = {}
+                run.setdefault("resumes", []).append({**record, "resumed_from": resume})
+                write_json(marker, run)
 
         self.dist.from_main(make)
 
@@ -318,6 +330,13 @@ class RunFolder:
         for folder in folders[:folders.index(oldest_kept)]:
             if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
                 remove(folder)
+
+
+def write_json(path: str, value: dict) -> None:
+    """Replace `path` by `value` as JSON, whole or not at all."""
+    with open(path + ".partial", "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+    os.replace(path + ".partial", path)
 
 
 def remove(path: str) -> None:

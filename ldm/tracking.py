@@ -68,6 +68,50 @@ def resolve_report_to(report_to) -> list[str]:
     return names
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsFile:
+    """`<output_dir>/metrics.jsonl`: one JSON object per logging step, `{"step": N, "time": unix seconds,
+    "train/<name>": value, ...}`, whatever `--report_to` says: a run can be grepped, plotted or compared
+    without a tracker. A resumed run continues the file: lines past the resumed step (an abandoned
+    history) are dropped first, so every step appears once."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None):
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        if resume_step is not None and os.path.isfile(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if self._step(line) is not None and self._step(line) <= resume_step]
+            with open(self.path + ".partial", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".partial", self.path)
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the run; closed by close()
+
+    @staticmethod
+    def _step(line: str) -> int | None:
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            return None  # a line cut short by a kill: dropped
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        record = {"step": int(step), "time": round(time.time(), 3)}
+        record.update({name: float(value) for name, value in values.items()})
+        # NaN and inf as JSON's common extension (Python, pandas and jq read them)
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def tracker_name(name: str) -> str:
+    """The name a tracker shows for a scalar logged by bare name, as PaddleNLP's callbacks rewrite it: `loss` ->
+    `train/loss`, `eval_loss` -> `eval/loss`."""
+    if "/" in name:
+        return name
+    return f"eval/{name[len('eval_'):]}" if name.startswith("eval_") else f"train/{name}"
+
+
 class NullWriter:
     active = False
 
@@ -75,6 +119,9 @@ class NullWriter:
         pass
 
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
+        pass
+
+    def add_config(self, record: dict, flat: dict) -> None:
         pass
 
     def close(self) -> None:
@@ -106,24 +153,26 @@ class Tracker(NullWriter):
 
     active = True
 
-    def __init__(self, callbacks: list, image_dir: str, owned: bool = False, args=None):
+    def __init__(self, callbacks: list, image_dir: str, owned: bool = False, args=None,
+                 metrics: MetricsFile | None = None):
         from paddlenlp.trainer.trainer_callback import TrainerControl, TrainerState
 
-        self.callbacks, self.image_dir, self.owned = callbacks, image_dir, owned
+        self.callbacks, self.image_dir, self.owned, self.metrics = callbacks, image_dir, owned, metrics
         self.args = args or {}
         self.state, self.control = TrainerState(), TrainerControl()
 
     @classmethod
-    def start(cls, report_to: list[str], output_dir: str, config: dict) -> Tracker:
+    def start(cls, report_to: list[str], output_dir: str, config: dict, resume_step: int | None = None) -> Tracker:
         """The hand-written loop's trackers (names resolved by `resolve_report_to`), each writing under
-        `<output_dir>/<tracker>/` (wandb: its offline run or its cache there)."""
+        `<output_dir>/<tracker>/` (wandb: its offline run or its cache there), and the metrics file."""
         from paddlenlp.trainer.integrations import INTEGRATION_TO_CALLBACK
 
         if "wandb" in report_to:
             for variable in WANDB_TRAINER_ONLY:
                 if os.environ.pop(variable, None) is not None:
                     logger.warning("%s is for the Trainer path only (it needs a PaddleNLP Trainer): ignored", variable)
-        tracker = cls([], os.path.join(output_dir, "images"), owned=True, args={})
+        tracker = cls([], os.path.join(output_dir, "images"), owned=True, args={},
+                      metrics=MetricsFile(output_dir, resume_step))
         for name in report_to:
             callback = INTEGRATION_TO_CALLBACK[name]()
             folder = os.path.join(output_dir, name)
@@ -152,7 +201,21 @@ class Tracker(NullWriter):
         logs = {name: float(value) for name, value in values.items()}
         for callback in self.callbacks if self.owned else []:  # a Trainer logs its scalars itself
             callback.on_log(self.args[id(callback)], self.state, self.control, logs=logs)
+        if self.metrics is not None:
+            self.metrics.write(step, {tracker_name(name): value for name, value in logs.items()})
         logger.info("step %d  %s", step, "  ".join(f"{name} {value:.4g}" for name, value in logs.items()))
+
+    def add_config(self, record: dict, flat: dict) -> None:
+        """The run's whole configuration (`ldm.config.describe_run`) beside what the Trainer gives its trackers
+        (its own TrainingArguments): as text, and to wandb as its config (`flat`: one level of scalars)."""
+        text = json.dumps(record, indent=1, sort_keys=True, default=str)
+        for callback in self.callbacks:
+            if getattr(callback, "vdl_writer", None) is not None:
+                callback.vdl_writer.add_text("run_config", text, 0)
+            elif getattr(callback, "tb_writer", None) is not None:
+                callback.tb_writer.add_text("run_config", text, 0)
+            elif getattr(callback, "_wandb", None) is not None and callback._wandb.run is not None:
+                callback._wandb.config.update(flat, allow_val_change=True)
 
     def image(self, tag: str, image: np.ndarray, step: int) -> None:
         from PIL import Image
@@ -179,10 +242,17 @@ class Tracker(NullWriter):
                 # a launched rank leaves with os._exit: wandb's exit hook would not run
                 wandb.finish(exit_code=1 if failed else 0)
         self.callbacks = []
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
 
-def make_writer(report_to: list[str], output_dir: str, config: dict, is_main: bool) -> NullWriter:
-    return Tracker.start(resolve_report_to(report_to), output_dir, config) if is_main else NullWriter()
+def make_writer(report_to: list[str], output_dir: str, config: dict, is_main: bool,
+                resume_step: int | None = None) -> NullWriter:
+    """Rank 0's trackers and metrics file (`resume_step`: the file continues from there); others write nothing."""
+    if not is_main:
+        return NullWriter()
+    return Tracker.start(resolve_report_to(report_to), output_dir, config, resume_step)
 
 
 class StepClock:

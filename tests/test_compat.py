@@ -104,3 +104,26 @@ def test_the_fast_conv_bias_is_installed_once_and_leaves_a_changed_conv_nd_alone
     assert not compat.fast_conv_bias()
     assert conv._conv_nd is changed
     assert "keeps Paddle's slower bias add" in caplog.text and "paddlepaddle 3.3" in caplog.text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_step_if_makes_adamw_leave_weights_moments_and_counters_alone(skip):
+    """The non-finite guard's use of Paddle's `found_inf`: a skipped AdamW step changes nothing of its state, and
+    the step reports what it did; the flag does not stick to the next step."""
+    paddle.seed(0)
+    net = paddle.nn.Linear(4, 3)
+    optimizer = paddle.optimizer.AdamW(0.1, parameters=net.parameters())
+    for step in range(3):  # a step, a skipped one, a step
+        (net(paddle.randn([2, 4])) ** 2).sum().backward()
+        before = {k: v.numpy().copy() for k, v in optimizer.state_dict().items() if hasattr(v, "numpy")}
+        weights = [p.numpy().copy() for p in net.parameters()]
+        now = skip and step == 1
+        compat.skip_step_if(now, paddle.to_tensor([now]), optimizer)
+        optimizer.step()
+        optimizer.clear_grad()
+        assert compat.step_was_skipped(optimizer) is now
+        after = {k: v.numpy() for k, v in optimizer.state_dict().items() if hasattr(v, "numpy")}
+        unchanged = all(np.array_equal(w, p.numpy()) for w, p in zip(weights, net.parameters(), strict=True))
+        assert unchanged is now
+        if now:
+            assert before and all(np.array_equal(before[k], after[k]) for k in before)  # moments and beta powers

@@ -316,10 +316,24 @@ def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_pa
         "--do_train", "--model_name_or_path", "ldm-tiny", "--vae_name_or_path", vae, "--file_list", encoded[0],
         "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", str(RESOLUTION),
         "--per_device_train_batch_size", "4", "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2",
-        "--output_dir", str(tmp_path / "run")])
+        "--output_dir", str(tmp_path / "run"), "--validation_file_list", encoded[0], "--validation_steps", "2",
+        "--validation_samples", "6", "--validation_timesteps", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training on precomputed latents" in result.stderr and "data_ok: 8" in result.stderr
     assert os.path.isdir(tmp_path / "run" / "pipeline")
+    # the autoencoder does not run: its encode is no part of a sample's FLOPs
+    assert "vae_encode 0 G" in result.stderr
+    # the held-out loss on latent shards, as `python -m ldm.validate` computes it for the checkpoint
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in logged if "eval/loss" in line]
+    assert [line["step"] for line in logged] == [2]
+    offline = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "run" / "checkpoint-2"), "--file_list",
+                          encoded[0], "--validation_samples", "6", "--validation_timesteps", "2", "--json"])
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    printed = json.loads(offline.stdout.strip().splitlines()[-1])
+    assert printed["records"] == 6 and printed["resolution"] == RESOLUTION
+    for name in ("loss", "loss_t250", "loss_t750"):
+        assert printed[name] == pytest.approx(logged[0][f"eval/{name}"], rel=1e-6), name
 
 
 def test_a_file_list_mixing_two_autoencoders_stops_the_run_with_one_line(encoded, corpus, vae, vocab_dir, tmp_path):

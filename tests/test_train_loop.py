@@ -114,6 +114,11 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                 "train/data_wait_fraction", "train/data_ok", "train/data_missing_columns"):
         assert tag in tags, tags
     assert [r.id for r in reader.get_data("scalar", "train/loss")] == [3, 5]
+    # the run's whole record as the tracker's hyperparameters
+    args = reader.get_data("text", "args")[0].text.encoded_text_string
+    for name in ('"arguments.learning_rate": 0.001', '"arguments.max_nonfinite_updates": 20', '"versions.paddle"',
+                 '"git.commit"', '"model.prediction_type": "epsilon"', '"world.world_size": 1'):
+        assert name in args, args[:2000]
     # the schedule counts optimizer updates, not micro-steps: after update 3 of 5 (warm-up 2), 2/3 of the peak
     rates = [r.value for r in reader.get_data("scalar", "train/learning_rate")]
     np.testing.assert_allclose(rates, [1e-3 * 2 / 3, 0.0], rtol=1e-5, atol=1e-12)
@@ -136,8 +141,11 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     early = np.asarray(Image.open(out / "images" / "validation" / "guidance_4" / "00000002.png")).astype(int)
     assert np.abs(early[:, :32] - early[:, 32:]).max() > 0
 
-    # rank 0's progress bar: speed and data-wait share beside the loss, counted toward the end of the run
-    assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
+    # stderr is a file here (--progress auto): plain progress lines at the logging steps, no redrawn bar
+    assert "train: 100%" not in result.stderr and "\r" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "progress train: update" in line]
+    assert [re.search(r"update (\d+)/5", line).group(1) for line in lines] == ["3", "5"], lines
+    assert "upd/s" in lines[0] and "ETA" in lines[0]
 
     again = run(corpus + ["--max_train_steps", "1", "--output_dir", str(out)])
     assert again.returncode == 2
@@ -201,7 +209,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert all(s["num_slots"] == 2 for stream in state["stream"] for s in stream["slots"].values())
     # only rank 0 wrote: one VisualDL file, one set of checkpoints, and the pipeline
     assert len(os.listdir(out / "visualdl")) == 1
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "visualdl", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "pipeline", "run.json",
+                                      "visualdl", "vqvae"]
     # launched ranks leave with os._exit (ldm.distributed.exit_process): the last log lines and scalars are there
     assert read_scalars(str(out / "visualdl"), "train/loss")[0] == [2, 4]
     assert "exported" in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()[-1]
@@ -497,3 +506,314 @@ def test_three_updates_on_img2dataset_tars_with_metadata_filters(img2dataset_cor
     ok = read_scalars(str(out / "visualdl"), "train/data_ok")[1]
     rejected = read_scalars(str(out / "visualdl"), "train/data_filter_punsafe_lt_0.5")[1]
     assert ok[-1] >= 12 and rejected[-1] > 0
+
+
+class PoisonedPixelRegression(PixelRegression):
+    """PixelRegression whose loss is NaN at the updates `poisoned` (1-based), as a poisoned record would make it."""
+
+    def __init__(self, poisoned, use_ema=False):
+        super().__init__()
+        from ldm.models.ema import EMA
+
+        self.poisoned, self.calls = set(poisoned), 0
+        self.ema = EMA(self.model, 0.99) if use_ema else None
+
+    def loss(self, net, batch):
+        self.calls += 1
+        loss, extra = super().loss(net, batch)
+        return (loss * float("nan") if self.calls in self.poisoned else loss), extra
+
+    def save(self, folder, final_folder):
+        super().save(folder, final_folder)
+
+
+def pixel_run(tmp_path, objective, name, **loop_overrides):
+    from ldm.args import DataArguments, LoopArguments, RunArguments
+    from ldm.data.synth import synth_corpus
+    from ldm.train.loop import run
+
+    listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
+    data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
+    settings = {"output_dir": str(tmp_path / name), "train_batch_size": 4, "max_train_steps": 5, "learning_rate": 0.05,
+                "lr_scheduler": "linear", "lr_warmup_steps": 0, "num_workers": 0, "save_steps": 1,
+                "logging_steps": 1, "report_to": ["none"], **loop_overrides}
+    max_in_row = settings.pop("max_nonfinite_updates", 20)
+    return run(LoopArguments(**settings), data, lambda dist: objective,
+               run_args=RunArguments(max_nonfinite_updates=max_in_row))
+
+
+def test_a_non_finite_update_is_skipped_whole_and_the_run_goes_on(tmp_path):
+    """Update 3's loss is NaN: its weights, optimizer moments, schedule and EMA stay as after update 2; it is
+    counted and logged in metrics.jsonl; updates 4 and 5 train as usual."""
+    result = pixel_run(tmp_path, PoisonedPixelRegression({3}, use_ema=True), "run")
+    assert result["step"] == 5 and result["exit_code"] == 0
+    out = tmp_path / "run"
+    states = {step: read_training_state(out / f"checkpoint-{step}") for step in (2, 3, 4)}
+    nets = {step: load_state(str(out / f"checkpoint-{step}"), "net") for step in (2, 3, 4)}
+    optimizer = {step: load_state(str(out / f"checkpoint-{step}"), "optimizer") for step in (2, 3, 4)}
+    emas = {step: load_state(str(out / f"checkpoint-{step}"), "ema") for step in (2, 3, 4)}
+    for name in nets[2]:
+        np.testing.assert_array_equal(nets[3][name], nets[2][name], err_msg=name)  # no step
+        assert not np.array_equal(nets[4][name], nets[3][name]), name  # and the next one trained
+    for name, value in optimizer[2].items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(optimizer[3][name], value, err_msg=name)  # moments and beta powers
+    assert states[3]["lr_scheduler"]["last_epoch"] == states[2]["lr_scheduler"]["last_epoch"]
+    assert states[4]["lr_scheduler"]["last_epoch"] == states[2]["lr_scheduler"]["last_epoch"] + 1
+    assert emas[3]["num_updates"] == emas[2]["num_updates"] == 2 and emas[4]["num_updates"] == 3
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert [line["train/nonfinite_skips"] for line in lines] == [0, 0, 1, 0, 0]
+    assert np.isnan(lines[2]["train/loss"]) and all(np.isfinite(line["train/loss"]) for line in lines if
+                                                   line["step"] != 3)
+
+
+def test_updates_non_finite_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tmp_path):
+    from ldm.train.health import NonFiniteStop
+
+    with pytest.raises(NonFiniteStop) as stopped:
+        pixel_run(tmp_path, PoisonedPixelRegression({3, 4, 5, 6}), "run", max_train_steps=10, save_steps=2,
+                  max_nonfinite_updates=3)
+    message = str(stopped.value)
+    assert "3 updates in a row (the last at update 5)" in message
+    assert message.count("\n") == 0 and f"{tmp_path / 'run' / 'checkpoint-4'}" in message
+    # checkpoint-4 (update 4 skipped) holds the weights of update 2; nothing later was written
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint-")) == ["checkpoint-2",
+                                                                                              "checkpoint-4"]
+    two, four = (load_state(str(tmp_path / "run" / f"checkpoint-{s}"), "net") for s in (2, 4))
+    assert all(np.array_equal(two[name], four[name]) for name in two)
+
+
+@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.distributed)])
+def test_an_absurd_learning_rate_is_stopped_by_the_guard_with_one_line(corpus, tmp_path, launch):
+    """A learning rate of 1e30: update 1 wrecks the weights, every later loss is NaN and skipped on every rank;
+    the third skip in a row ends the run, non-zero, naming the last checkpoint (written before, finite)."""
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_train_steps", "30", "--save_steps", "2", "--logging_steps", "1", "--num_workers", "0",
+                           "--learning_rate", "1e30", "--max_nonfinite_updates", "3", "--report_to", "none",
+                           "--output_dir", str(out)], launch=launch, cwd=tmp_path)
+    logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
+    # launched: each rank exits 2, or is ended by the launcher once the other has
+    assert result.returncode == 2 or launch and result.returncode != 0, \
+        launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    errors = []
+    for log in logs:
+        assert "Traceback" not in log
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
+        errors += [line for line in log.splitlines() if line.startswith("error: ")]
+    assert (len(errors) == 1 or launch and errors) and all("3 updates in a row (the last at update 4)" in line
+                                                          for line in errors)
+    assert all(f"last good checkpoint is {out / 'checkpoint-2'}" in line for line in errors)
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+
+
+def test_run_json_records_the_whole_run_and_a_resume_logs_changes_and_refuses_a_new_prediction_type(corpus, tmp_path):
+    """--config YAML beneath the command line; run.json, every checkpoint and metrics.jsonl (with --report_to none);
+    a resume that changes settings logs one line each and continues the metrics file; the prediction type cannot
+    change halfway unless --allow_config_change says so."""
+    import dataclasses
+    import subprocess
+
+    import paddle
+
+    from ldm.args import (
+        DataArguments,
+        LoopArguments,
+        ModelArguments,
+        RunArguments,
+        SamplingArguments,
+        ValidationArguments,
+    )
+
+    out = tmp_path / "run"
+    config = {"pretrained_model_name_or_path": "ldm-tiny", "allow_untrained_vae": True,  # the corpus flags
+              "file_list": corpus[corpus.index("--file_list") + 1],
+              "tokenizer_name": corpus[corpus.index("--tokenizer_name") + 1],
+              "model_max_length": 16, "resolution": 32, "train_batch_size": 4, "num_workers": 0,
+              "learning_rate": 0.5, "report_to": ["none"], "logging_steps": 1, "save_steps": 2}
+    (tmp_path / "run.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
+    first = run(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "1e-3", "--max_train_steps", "2",
+                 "--output_dir", str(out)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    recorded = json.loads((out / "run.json").read_text())
+    groups = (ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments, ValidationArguments)
+    assert set(recorded["arguments"]) == {g.__name__ for g in groups}
+    for group in groups:  # every field, defaults included
+        assert set(recorded["arguments"][group.__name__]) == {f.name for f in dataclasses.fields(group)}
+    loop = recorded["arguments"]["LoopArguments"]
+    assert loop["learning_rate"] == 1e-3 and loop["adam_beta2"] == 0.999 and loop["report_to"] == ["none"]
+    assert recorded["arguments"]["RunArguments"]["config"] == str(tmp_path / "run.yaml")
+    assert recorded["command"][-2:] == ["--output_dir", str(out)]
+    assert recorded["world"]["world_size"] == 1 and recorded["world"]["dataloader_workers_per_rank"] == 0
+    assert recorded["versions"]["paddle"] == paddle.__version__ and recorded["versions"]["ppdiffusers"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert recorded["git"]["commit"] == head.stdout.strip()
+    model = recorded["model"]
+    assert model["prediction_type"] == "epsilon" and model["source"].endswith("ldm-tiny")
+    assert set(model["autoencoder"]) == {"config_sha256", "weights_sha256"} and model["flops_per_sample"]["total"] > 0
+    in_checkpoint = json.loads((out / "checkpoint-2" / "run_config.json").read_text())
+    assert in_checkpoint["step"] == 2 and in_checkpoint["arguments"] == recorded["arguments"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    # the training loss by quarter of the noise schedule, beside the loss
+    assert {f"train/loss_q{q}" for q in (1, 2, 3, 4)} <= set(metrics[0])
+
+    again = ["--config", str(tmp_path / "run.yaml"), "--max_train_steps", "3", "--output_dir", str(out),
+             "--resume_from_checkpoint", "latest", "--learning_rate", "2e-3"]
+    refused = run(again + ["--prediction_type", "v_prediction"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "prediction type: 'epsilon' -> 'v_prediction'" in last
+    assert "--allow_config_change" in last
+
+    resumed = run(again + ["--prediction_type", "v_prediction", "--allow_config_change"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    changes = [line.split("WARNING ldm.train: ")[1] for line in resumed.stderr.splitlines() if "resume changes" in line]
+    assert "resume changes --learning_rate: 0.001 -> 0.002" in changes
+    assert "resume changes --max_train_steps: 2 -> 3" in changes
+    assert "resume changes model.prediction_type: 'epsilon' -> 'v_prediction'" in changes
+    assert len(changes) == len(set(changes))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    resumes = json.loads((out / "run.json").read_text())["resumes"]
+    assert len(resumes) == 1 and resumes[0]["resumed_from"].endswith("checkpoint-2")
+    assert resumes[0]["model"]["prediction_type"] == "v_prediction"
+
+
+@pytest.mark.parametrize("mode", ["bar", "none"])
+def test_progress_bar_or_nothing_when_asked(corpus, tmp_path, mode):
+    result = run(corpus + ["--max_train_steps", "2", "--logging_steps", "1", "--num_workers", "0", "--report_to",
+                           "none", "--progress", mode, "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "progress train: update" not in result.stderr
+    if mode == "bar":  # rank 0's bar: speed and data-wait share beside the loss, counted toward the end of the run
+        assert "train: 100%" in result.stderr and "samples_s=" in result.stderr and "data_wait=" in result.stderr
+    else:
+        assert "train:  " not in result.stderr and "upd/s" not in result.stderr and "\r" not in result.stderr
+
+
+def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path, monkeypatch):
+    """How the guard's cost was checked: every read of a device value into Python (bool, item, float, int,
+    numpy, tolist) is counted by where it comes from, in runs of 3 and 6 updates that log and save only at
+    their end; the 3 updates more cost exactly 3 reads, all of them the guard's verdict (on a GPU a host
+    synchronisation each; with several ranks the stop vote's read, which it replaces), and Paddle's optimizer
+    step reads nothing (the verdict reaches it as a Python bool)."""
+    import traceback
+    from collections import Counter
+
+    reads = []
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            frames = traceback.extract_stack(limit=12)[:-1]
+            ours = [f for f in frames if "/ldm/" in f.filename]
+            reads.append(f"{os.path.basename(ours[-1].filename)}:{ours[-1].name}" if ours else
+                         "paddle" if any("/paddle/" in f.filename for f in frames) else "other")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("__bool__", "item", "__float__", "__int__", "numpy", "tolist"):
+        monkeypatch.setattr(paddle.Tensor, name, counting(name, getattr(paddle.Tensor, name)))
+
+    counts = []
+    for updates in (3, 6):
+        reads.clear()
+        result = pixel_run(tmp_path / str(updates), PixelRegression(), "run", max_train_steps=updates,
+                           save_steps=100, logging_steps=100)
+        assert result["step"] == updates
+        counts.append(Counter(reads))
+    extra = counts[1] - counts[0]
+    assert extra == {"health.py:check": 3}, (counts[0], counts[1])
+
+
+@pytest.mark.slow
+def test_validation_loss_is_logged_leaves_training_alone_and_matches_the_offline_tool(corpus, tmp_path):
+    """eval/loss, eval/loss_t<t> and the EMA's at updates 2 and 4; the same run without validation ends with the
+    same weights (its random state and data position untouched); `python -m ldm.validate` on checkpoint-4 prints
+    the numbers training logged for those weights."""
+    from entry import run_python
+
+    listing = corpus[corpus.index("--file_list") + 1]
+    common = corpus + ["--max_train_steps", "4", "--save_steps", "4", "--logging_steps", "2", "--num_workers", "0",
+                       "--use_ema", "--learning_rate", "1e-3", "--report_to", "none"]
+    validated = run(common + ["--validation_file_list", listing, "--validation_steps", "2",
+                              "--validation_samples", "10", "--validation_timesteps", "4",
+                              "--output_dir", str(tmp_path / "a")])
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    plain = run(common + ["--output_dir", str(tmp_path / "b")])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    got, _ = weights(tmp_path / "a" / "checkpoint-4")
+    expected, _ = weights(tmp_path / "b" / "checkpoint-4")
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+    lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = {line["step"]: line for line in lines if "eval/loss" in line}
+    assert sorted(evals) == [2, 4]
+    names = {"eval/loss", "eval/ema_loss", "eval/time_fraction"} | {f"eval/{kind}loss_t{t}" for kind in ("", "ema_")
+                                                                   for t in (125, 375, 625, 875)}
+    assert names <= set(evals[4]), sorted(evals[4])
+    assert evals[2]["eval/loss"] != evals[4]["eval/loss"] and evals[4]["eval/loss"] != evals[4]["eval/ema_loss"]
+    assert evals[4]["eval/loss"] == pytest.approx(np.mean([evals[4][f"eval/loss_t{t}"] for t in (125, 375, 625, 875)]))
+
+    for kind, prefix in (("raw", "eval/"), ("ema", "eval/ema_")):
+        offline = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "a" / "checkpoint-4"), "--file_list",
+                              listing, "--validation_samples", "10", "--validation_timesteps", "4", "--weights", kind,
+                              "--json"])
+        assert offline.returncode == 0, offline.stderr[-3000:]
+        printed = json.loads(offline.stdout.strip().splitlines()[-1])
+        assert printed["records"] == 10
+        for name in ("loss", "loss_t125", "loss_t875"):
+            assert printed[name] == pytest.approx(evals[4][prefix + name], rel=1e-6), (kind, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_validation_loss_is_the_same_on_one_process_and_two(corpus, tmp_path):
+    from entry import run_python
+
+    listing = corpus[corpus.index("--file_list") + 1]
+    result = run(corpus + ["--max_train_steps", "1", "--num_workers", "0", "--report_to", "none",
+                           "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["--model", str(tmp_path / "run" / "checkpoint-1"), "--file_list", listing, "--validation_samples", "11",
+            "--json"]
+    one = run_python(["-m", "ldm.validate", *args])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_entry("ldm/validate.py", args, launch=True, cwd=tmp_path)
+    assert two.returncode == 0, launch_report(two, tmp_path)
+    on_two = [line for line in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()
+              if line.startswith("{")]
+    a, b = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(on_two[-1])
+    assert a["records"] == b["records"] == 11  # 6 on rank 0, 5 on rank 1
+    for name, value in a.items():
+        if name.startswith("loss"):
+            assert b[name] == pytest.approx(value, rel=1e-6), name
+
+
+class CorruptingPixelRegression(PixelRegression):
+    """PixelRegression whose weights turn NaN during update 3 (as a broken kernel or a bad device could make them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def loss(self, net, batch):
+        self.calls += 1
+        if self.calls == 3:
+            with paddle.no_grad():
+                weight = self.model[0].weight
+                weight.set_value(paddle.full_like(weight, float("nan")))
+        return super().loss(net, batch)
+
+
+def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
+    from ldm.train.health import NonFiniteStop
+
+    with pytest.raises(NonFiniteStop) as stopped:
+        pixel_run(tmp_path, CorruptingPixelRegression(), "run", max_train_steps=5, save_steps=1)
+    assert str(stopped.value).startswith("the weights are not finite at update 3: checkpoint-3 is not written")
+    assert str(tmp_path / "run" / "checkpoint-2") in str(stopped.value)
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == ["checkpoint-1",
+                                                                                            "checkpoint-2"]

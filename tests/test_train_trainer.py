@@ -87,6 +87,9 @@ def test_logs_exports_and_refuses_a_used_output_dir(corpus, tmp_path):
                 "train/global_samples_per_second"):
         assert tag in tags, tags
 
+    # beside the Trainer's own TrainingArguments, the run's whole record
+    record = json.loads(reader.get_data("text", "run_config")[0].text.encoded_text_string)
+    assert record == json.loads((out / "run.json").read_text()) | {"created": record["created"]}
     # validation images go to the Trainer's own trackers, beside its scalars, and to PNG files
     assert {"validation/guidance_1", "validation/guidance_7.5"} <= set(reader.get_tags()["image"])
     assert sorted(os.listdir(out / "images" / "validation" / "guidance_7.5")) == ["00000002.png"]
@@ -123,7 +126,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert state["weights_checksum"][0] == state["weights_checksum"][1]
     slots = [{int(slot) for slot in stream["slots"]} for stream in state["stream"]]  # JSON keys are strings
     assert slots[0].isdisjoint(slots[1]) and slots[0] | slots[1] == {0, 1}
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "pipeline", "run.json", "runs", "vqvae"]
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "pipeline", "run.json", "runs",
+                                      "vqvae"]
     runs = [os.path.join(d, f) for d, _, files in os.walk(out / "runs") for f in files]
     assert len(runs) == 1  # one VisualDL file: rank 0's
 
@@ -177,3 +181,68 @@ def test_three_updates_on_img2dataset_tars_with_metadata_filters(img2dataset_cor
     ok = read_scalars(str(run_dir), "train/data_ok")[1]
     rejected = read_scalars(str(run_dir), "train/data_filter_punsafe_lt_0.5")[1]
     assert ok[-1] >= 12 and rejected[-1] > 0
+
+
+@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.distributed)])
+def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path, launch):
+    """The loop's guard on PaddleNLP's Trainer: a learning rate of 1e30 makes every loss after update 1 non-finite;
+    those updates are skipped on every rank (the schedule does not move) and the third in a row stops the run
+    with one line."""
+    out = tmp_path / "run"
+    result = run(corpus + ["--max_steps", "30", "--save_steps", "2", "--logging_steps", "1", "--report_to", "none",
+                           "--dataloader_num_workers", "0", "--learning_rate", "1e30", "--max_nonfinite_updates", "3",
+                           "--output_dir", str(out)], launch=launch, cwd=tmp_path)
+    logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
+    # launched: each rank exits 2, or is ended by the launcher once the other has
+    assert result.returncode == 2 or launch and result.returncode != 0, \
+        launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    errors = []
+    for log in logs:
+        assert "Traceback" not in log
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
+        errors += [line for line in log.splitlines() if line.startswith("error: ")]
+    assert errors and all(line.startswith("error: 3 updates in a row (the last at update 4)") for line in errors)
+    assert all(str(out / "checkpoint-2") in line for line in errors)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    rates = [line["train/learning_rate"] for line in lines]
+    assert rates[1] == rates[2] == rates[3]  # linear decay, not stepped on skipped updates
+    assert not (out / "checkpoint-4").exists()
+
+
+def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path):
+    """The Trainer path's --config (YAML), run.json, metrics.jsonl with --report_to none, plain progress lines in a
+    log file, and a resume that continues the metrics file and logs what it changed."""
+    out = tmp_path / "run"
+    config = {"do_train": True, "model_name_or_path": "ldm-tiny", "allow_untrained_vae": True,
+              "file_list": corpus[corpus.index("--file_list") + 1],
+              "tokenizer_name": corpus[corpus.index("--tokenizer_name") + 1], "model_max_length": 16,
+              "resolution": 32, "per_device_train_batch_size": 4, "dataloader_num_workers": 0, "report_to": ["none"],
+              "logging_steps": 1, "save_steps": 2, "max_steps": 2, "output_dir": str(out),
+              "validation_file_list": corpus[corpus.index("--file_list") + 1], "validation_steps": 2,
+              "validation_samples": 4, "validation_timesteps": 2}
+    (tmp_path / "run.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
+    result = run(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "1e-3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads((out / "run.json").read_text())
+    assert set(recorded["arguments"]) == {"ModelArguments", "DataArguments", "SamplingArguments", "TrainingArguments",
+                                          "RunArguments", "ValidationArguments"}
+    training = recorded["arguments"]["TrainingArguments"]
+    assert training["learning_rate"] == 1e-3 and training["max_steps"] == 2 and "adam_beta2" in training
+    assert len(training) > 50  # every field of PaddleNLP's TrainingArguments, defaults included
+    assert json.loads((out / "checkpoint-2" / "run_config.json").read_text())["arguments"] == recorded["arguments"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/nonfinite_skips",
+            "train/tflops_per_device"} <= set(metrics[0])
+    assert "\r" not in result.stderr and "progress train: update 2/2 (100.0%)" in result.stderr
+    # the held-out loss, under the trackers' eval/ names
+    evals = [m for m in metrics if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [2] and {"eval/loss_t250", "eval/loss_t750"} <= set(evals[0])
+
+    resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume changes --max_steps: 2 -> 3" in resumed.stderr
+    assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]

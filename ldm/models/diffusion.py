@@ -93,8 +93,9 @@ class LatentDiffusion(nn.Layer):
         return DiagonalGaussianDistribution(latent_moments.astype("float32")).sample() * self.scaling_factor
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor,
-                latent_moments: paddle.Tensor | None = None) -> paddle.Tensor:
-        """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead."""
+                latent_moments: paddle.Tensor | None = None, details: bool = False):
+        """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead; `details`:
+        (loss, each sample's loss, each sample's timestep)."""
         if latent_moments is not None:
             latents = self.sample_latents(latent_moments)
         else:
@@ -116,4 +117,4 @@ class LatentDiffusion(nn.Layer):
         weights = self.loss_weights(timesteps)
         if weights is not None:
             loss = loss * weights
-        return loss.mean()
+        return (loss.mean(), loss, timesteps) if details else loss.mean()

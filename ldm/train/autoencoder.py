@@ -14,8 +14,9 @@ import numpy as np
 import paddle
 from ppdiffusers import AutoencoderKL
 
-from ldm.args import AutoencoderArguments, DataArguments, LoopArguments
+from ldm.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
 from ldm.checkpoint import refuse_pickles
+from ldm.flops import forward_flops
 from ldm.models.autoencoder import (
     AutoencoderTraining,
     latent_moments,
@@ -45,8 +46,8 @@ def build_autoencoder(name_or_path: str, seed: int):
 
 
 class Autoencoder(Objective):
-    def __init__(self, args: AutoencoderArguments, loop: LoopArguments):
-        self.args = args
+    def __init__(self, args: AutoencoderArguments, loop: LoopArguments, resolution: int = 256):
+        self.args, self.resolution = args, resolution
         vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
         self.vae = vae
         self.model = AutoencoderTraining(vae, args.kl_weight)
@@ -54,6 +55,20 @@ class Autoencoder(Objective):
         logger.info("autoencoder from %s: %.2fM parameters (%s), downsampling x%d, %d latent channels",
                     args.model_name_or_path, count / 1e6, "loaded" if loaded else "from scratch",
                     2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels)
+
+    def flops_per_sample(self, on_latents):
+        resolution = self.resolution
+        pixels = paddle.zeros([1, 3, resolution, resolution], dtype="float32")
+        state = paddle.get_rng_state()
+        try:
+            forward = sum(forward_flops(self.model, lambda: self.model(pixels)).values())
+        finally:
+            paddle.set_rng_state(state)
+        return {"autoencoder": 3 * forward, "total": 3 * forward}  # every part trains: forward and backward
+
+    def identity(self):
+        return {**super().identity(), "source": self.args.model_name_or_path, "class": type(self.vae).__name__,
+                "latent_channels": self.vae.config.latent_channels}
 
     def loss(self, net, batch):
         loss, l1, kl = net(batch["pixel_values"])
@@ -93,7 +108,10 @@ class Autoencoder(Objective):
                         1 / factor, int(moments[2]), final, factor)
 
 
-def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments) -> dict:
-    result = run(loop, data, lambda dist: Autoencoder(args, loop), image_logging_steps=args.image_logging_steps)
+def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments,
+          run_args: RunArguments | None = None) -> dict:
+    run_args = run_args or RunArguments()
+    result = run(loop, data, lambda dist: Autoencoder(args, loop, data.resolution),
+                 image_logging_steps=args.image_logging_steps, run_args=run_args, groups=(args, data, loop, run_args))
     result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
     return result

@@ -34,6 +34,7 @@ class TimedBatches:
         self.data_timeout = data_timeout
         self._iterators: list = []
         self._first = None
+        self.on_latents = False  # the batches carry precomputed latents (known once started)
 
     def start(self) -> None:
         """Read the first batch now: a run calls this before it writes anything, so that data it cannot use
@@ -41,7 +42,8 @@ class TimedBatches:
         iterator = self._batches()
         self._iterators.append(iterator)
         self._first = (iterator, next(iterator))
-        if "latent_moments" in self._first[1]:
+        self.on_latents = "latent_moments" in self._first[1]
+        if self.on_latents:
             logger.info("training on precomputed latents: the autoencoder is not run while training")
 
     def __iter__(self):
@@ -67,6 +69,10 @@ class TimedBatches:
             self.clock.waited(time.perf_counter() - start, batch_samples(batch))
             yield batch
             start = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent on something else (an evaluation) out of the window's speed."""
+        self.clock.start += seconds
 
     def window(self, dist: Distributed) -> tuple[float, float, Counter]:
         """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""

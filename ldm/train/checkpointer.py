@@ -20,9 +20,11 @@ import numpy as np
 import paddle
 
 from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
+from ldm.config import write_record
 from ldm.distributed import Distributed, weights_checksum
 from ldm.run_folder import CheckpointError, RunFolder
 from ldm.serialization import has_state, load_state, save_state, to_paddle
+from ldm.train.health import check_weights
 from ldm.train.objective import Objective, rank_seed
 
 logger = logging.getLogger("ldm.train")
@@ -83,10 +85,13 @@ class RandomState:
 class Checkpointer:
     def __init__(self, run_dir: RunFolder, dist: Distributed, objective: Objective, *, save_steps: int,
                  parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
-                 data_position: Callable[[], dict]):
+                 data_position: Callable[[], dict], record: dict | None = None):
         """`parts` beyond the ones every run has: the random state, the data position (restored when the
-        batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA."""
+        batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA.
+        `record`: the run's configuration (`ldm.config.describe_run`), written into every checkpoint."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
+        self.record = record
+        self.last: str | None = None  # the newest checkpoint saved or resumed by this run
         self.random = RandomState(dist, seed)
         self.parts = {
             **parts,
@@ -104,6 +109,7 @@ class Checkpointer:
         """checkpoint-<step> on every rank together (per-rank parts are gathered; rank 0 writes); `also(folder)`
         writes more files into it before the manifest seals it. Returns the checkpoint's path."""
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
+        check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
 
         def write(folder: str, final_folder: str) -> None:
             self.objective.save(folder, final_folder)
@@ -116,11 +122,14 @@ class Checkpointer:
                 else:
                     state[name] = part.state()
             save_state(folder, TRAINING_STATE, state)
+            if self.record is not None:
+                write_record(folder, {**self.record, "step": step})
             if also is not None:
                 also(folder)
 
         path = self.dist.from_main(lambda: self.run_dir.save(step, write))
         logger.info("saved %s", path)
+        self.last = path
         return path
 
     def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
@@ -128,6 +137,7 @@ class Checkpointer:
         `checkpoint`; returns its step."""
         state = read_training_state(checkpoint)
         self.random.step = state["step"]
+        self.last = checkpoint
         if weights:
             self.objective.load(checkpoint)
         for name in names if names is not None else self.parts:

@@ -76,6 +76,10 @@ class SampleClock:
         self.samples += self.global_batch
         self.updates += 1
 
+    def skip(self) -> None:
+        """An update skipped (a non-finite loss or gradient): it counts, but nothing was learned from its samples."""
+        self.updates += 1
+
     @property
     def position(self) -> int | float:
         position = self.samples / self.reference_batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from ldm.config import ConfigError
 from ldm.data.filelist import FileListError
 from ldm.data.latents import LatentMismatch
 from ldm.data.stream import NoUsableData
@@ -13,6 +14,7 @@ from ldm.models.build import ModelSourceError
 from ldm.run_folder import CheckpointError
 from ldm.serialization import StateFormatError
 from ldm.tracking import TrackerError
+from ldm.train.health import NonFiniteStop
 
 
 @contextlib.contextmanager
@@ -20,6 +22,6 @@ def user_errors():
     try:
         yield
     except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
-            TrackerError, StateFormatError) as e:
+            TrackerError, StateFormatError, ConfigError, NonFiniteStop) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,22 +12,40 @@ The `Checkpointer` owns the rest of the run state and when it is saved.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import paddle
-from tqdm import tqdm
 
-from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
+from ldm.args import (
+    DataArguments,
+    LoopArguments,
+    ModelArguments,
+    RunArguments,
+    SamplingArguments,
+    ValidationArguments,
+)
+from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed, sync_gradients
+from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder
 from ldm.runtime import resolve_precision
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.elastic import SampleClock
-from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
+from ldm.train.health import NonFiniteGuard, batch_positions
+from ldm.train.objective import (
+    EvalClock,
+    MetricsWindow,
+    TextToImage,
+    clip_grad_norm,
+    count_flops,
+    evaluate,
+    rank_seed,
+    start_batches,
+)
 from ldm.train.optim import lr_schedule
+from ldm.train.progress import Progress
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
@@ -52,19 +70,25 @@ def autocast(precision: str):
     return paddle.amp.auto_cast(enable=True, dtype="float16" if precision == "fp16" else "bfloat16", level="O1")
 
 
-def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments) -> dict:
+def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments,
+          run_args: RunArguments | None = None, validation: ValidationArguments | None = None) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
+    run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
     return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, recompute=loop.recompute,
-                                                    seed=loop.seed),
-               image_logging_steps=sampling.image_logging_steps)
+                                                    seed=loop.seed, validation=validation),
+               image_logging_steps=sampling.image_logging_steps, run_args=run_args,
+               groups=(model_args, data, sampling, loop, run_args, validation))
 
 
-def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0) -> dict:
+def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0,
+        run_args: RunArguments | None = None, groups=()) -> dict:
     """Train `build_objective(dist)` on the streamed shards; returns {"step", "checkpoint", "exit_code"}.
+    `groups`: every argument group of the entry point, for the run's record (default: `loop`, `data`, `run_args`).
 
-    Every input (folder policy, checkpoint, model, tokenizer, file list) is checked before the first
-    write, so a failed start leaves nothing behind.
+    Every input (folder policy, checkpoint, recorded configuration, model, tokenizer, file list) is checked
+    before the first write, so a failed start leaves nothing behind.
     """
+    run_args = run_args or RunArguments()
     dist = Distributed.init()
     setup.setup_logging(dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
@@ -72,6 +96,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     precision = resolve_precision(loop.mixed_precision)
 
     objective = build_objective(dist)
+    record = describe_run(groups or (loop, data, run_args), dist=dist, num_workers=loop.num_workers,
+                          model=objective.identity())
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
@@ -81,37 +107,49 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
     accumulation = loop.gradient_accumulation_steps
-    clock = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size, loop.max_train_steps)
+    samples = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size,
+                          loop.max_train_steps)
     checkpointer = Checkpointer(
         run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
-        data_position=data_stream.tracker.state_dict,
+        data_position=data_stream.tracker.state_dict, record=record,
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
-               "scaler": stateful(scaler, "load_state_dict"), "samples": clock.part()})
+               "scaler": stateful(scaler, "load_state_dict"), "samples": samples.part()})
+    guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+    try:
+        objective.start_validation(dist)
+        flops = count_flops(objective, data_stream, record)
+        if resume:
+            check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    except BaseException:
+        data_stream.close()  # its loader workers are running already
+        raise
     writer, progress = NullWriter(), None
     try:
-        run_dir.create(resume)  # the first write
+        run_dir.create(resume, record)  # the first write
         objective.start(run_dir)
-        writer = make_writer(loop.report_to, run_dir.path(), {**dataclasses.asdict(loop), **dataclasses.asdict(data)},
-                             dist.is_main)
         step = 0
         if resume:
             step = checkpointer.load(resume)
             logger.info("resumed from %s at update %d", resume, step)
-            if clock.message:
-                logger.warning("%s", clock.message)
+            if samples.message:
+                logger.warning("%s", samples.message)
         else:
             paddle.seed(rank_seed(loop.seed, dist.rank))
+        writer = make_writer(loop.report_to, run_dir.path(), hyperparameters(record), dist.is_main,
+                             resume_step=step if resume else None)
 
         ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
         no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
         model.train()
         window = MetricsWindow()
-        max_steps = clock.max_steps  # --max_train_steps, unless a resume changed the global batch (ldm.train.elastic)
+        max_steps = samples.max_steps  # --max_train_steps, unless a resume changed the global batch (ldm.train.elastic)
         max_norm = loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf")
         target, label = progress_target(step, max_steps, loop.save_steps)
-        progress = tqdm(total=target, initial=step, disable=not dist.is_main, desc=label, unit="upd")
+        progress = Progress(run_args.progress, total=target, initial=step, label=label, enabled=dist.is_main,
+                            seconds=run_args.progress_seconds)
         last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
         batches = iter(data_stream)
+        clock = EvalClock()
         with GracefulStop(dist) as stop:
             while step < max_steps and not stopping:
                 for _ in range(accumulation):
@@ -122,33 +160,49 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                     window.add_micro_step(loss, extra, 1 / accumulation)
                 sync_gradients(trained, dist.world_size)
                 scaler.unscale_(optimizer)
-                window.add_update(clip_grad_norm(trained, max_norm))
+                grad_norm = clip_grad_norm(trained, max_norm)
+                update_loss = window.update_loss()
+                # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
+                verdict = guard.check(update_loss, grad_norm, stop)
+                stopping = stop.agreed
+                guard.hand_to(optimizer, verdict, scaler)
                 scaler.step(optimizer)
                 scaler.update()
+                skipped = guard.was_skipped(optimizer)  # ours, or an fp16 overflow
+                window.add_update(grad_norm, skipped)
                 optimizer.clear_grad()
-                clock.advance()
-                lr.step(clock.position)  # the schedule follows samples seen
-                if ema is not None:
-                    ema.update()
+                if skipped:
+                    samples.skip()
+                else:
+                    samples.advance()
+                    lr.step(samples.position)  # the schedule follows samples seen
+                    if ema is not None:
+                        ema.update()
                 step += 1
-                progress.update(1)
-                stopping = stop.requested()
+                guard.record(step, skipped, loss=update_loss, grad_norm=grad_norm, last_checkpoint=checkpointer.last,
+                             where=batch_positions(data_stream.tracker.state_dict()) if skipped else "")
                 last = step == max_steps
+                logging_step = step % loop.logging_steps == 0 or last or stopping or guard.exhausted
 
-                if step % loop.logging_steps == 0 or last or stopping:
-                    metrics = {"learning_rate": optimizer.get_lr(), **window.read(dist, data_stream)}
+                if logging_step:
+                    metrics = {"learning_rate": optimizer.get_lr(), **window.read(dist, data_stream), **guard.read()}
+                    metrics.update(throughput_metrics(flops, metrics["global_samples_per_second"], dist.world_size,
+                                                      run_args.peak_tflops))
                     writer.scalars(metrics, step)
-                    progress.set_postfix(loss=f"{metrics['loss']:.4f}",
-                                         samples_s=f"{metrics['global_samples_per_second']:.1f}",
-                                         data_wait=f"{metrics['data_wait_fraction']:.0%}")
+                    progress.show({"loss": f"{metrics['loss']:.4f}",
+                                   "samples_s": f"{metrics['global_samples_per_second']:.1f}",
+                                   "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
+                progress.update(step, logging_step=logging_step)
+                guard.stop_if_exhausted()  # every rank at the same update: the verdict is shared
+                if objective.validation_due(step, last) and not stopping:
+                    writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:
                     objective.log_images(writer, step, batch)
                 if checkpointer.due(step, last=last, stopping=stopping):
                     last_checkpoint = checkpointer.save(step)
                     if step >= target and not stopping:  # an endless run: count toward the next checkpoint
                         target, label = progress_target(step, max_steps, loop.save_steps)
-                        progress.total = target
-                        progress.set_description(label)
+                        progress.retarget(target, label)
             progress.close()
             if stopping:
                 stop.announce(step, last_checkpoint)

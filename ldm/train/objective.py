@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import paddle
 
-from ldm.args import DataArguments, ModelArguments, SamplingArguments
+from ldm.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
 from ldm.checkpoint import (
     check_autoencoder,
     load_ldm_weights,
@@ -24,12 +25,14 @@ from ldm.checkpoint import (
 from ldm.compat import squared_l2_norm
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
+from ldm.flops import ldm_training_flops
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.ema import EMA
 from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter
 from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
+from ldm.validation import HeldOut, fixed_timesteps, read_records
 
 logger = logging.getLogger("ldm.train")
 
@@ -38,6 +41,9 @@ def rank_seed(seed: int, rank: int, step: int = 0) -> int:
     """The noise seed of a rank: the same weights everywhere (built before), different noise per rank; a
     resume that cannot restore a rank's random state (the world size changed) derives it from the step."""
     return seed + 1000 * rank + step
+
+
+QUARTERS = 4
 
 
 class Objective:
@@ -50,7 +56,8 @@ class Objective:
     autoencoder_source = ""
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
-        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model."""
+        """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model. An extra
+        value may be a (sum, count) pair: logged as the window's sum over its count (over ranks too)."""
         raise NotImplementedError
 
     def check_resume(self, checkpoint: str) -> None:
@@ -72,13 +79,32 @@ class Objective:
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
+    def start_validation(self, dist: Distributed) -> None:
+        """Read what `evaluate` needs (before the first write: unusable held-out data fails the start)."""
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        return False
+
+    def evaluate(self, dist: Distributed) -> dict[str, float]:
+        """Held-out metrics under the trackers' names (`eval_<name>`), the same on every rank; {}: none."""
+        return {}
+
+    def flops_per_sample(self, on_latents: bool) -> dict[str, int] | None:
+        """FLOPs of one training sample by part, with "total" (`ldm.flops`); None: not counted."""
+        return None
+
+    def identity(self) -> dict:
+        """What the run trains, for its record (`ldm.config`): where the model came from and what it is."""
+        return {"parameters": sum(int(p.numel()) for p in self.model.parameters()),
+                "trained_parameters": sum(int(p.numel()) for p in self.model.parameters() if not p.stop_gradient)}
+
 
 class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
-                 recompute: bool, seed: int):
-        self.data, self.sampling = data, sampling
+                 recompute: bool, seed: int, validation: ValidationArguments | None = None):
+        self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
         self.tokenizer = setup.build_tokenizer(data)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
                                                          seed=seed)
@@ -86,6 +112,43 @@ class TextToImage(Objective):
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
+        self.held_out: HeldOut | None = None
+
+    def start_validation(self, dist: Distributed) -> None:
+        """Read the held-out records (every rank reads them all and keeps its share): before the first write, so
+        an unusable --validation_file_list fails the start."""
+        v = self.validation
+        if not v.validation_file_list:
+            return
+        records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
+                               tokenizer=self.tokenizer, model_max_length=self.data.model_max_length,
+                               autoencoder=self.latents_of, autoencoder_source=self.autoencoder_source)
+        timesteps = fixed_timesteps(v.validation_timesteps, self.model.noise_scheduler.config.num_train_timesteps)
+        self.held_out = HeldOut(records, timesteps, dist, v.validation_batch_size)
+        logger.info("validation: %d held-out records at timesteps %s, every %d updates", len(records), timesteps,
+                    v.validation_steps)
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        return self.held_out is not None and (step % self.validation.validation_steps == 0 or last)
+
+    def evaluate(self, dist):
+        if self.held_out is None:
+            return {}
+        metrics = {f"eval_{name}": value for name, value in self.held_out.evaluate(self.model).items()}
+        if self.ema is not None:
+            with self.ema.swapped(self.model):
+                ema = self.held_out.evaluate(self.model)
+            metrics.update({f"eval_ema_{name}": value for name, value in ema.items()})
+        return metrics
+
+    def flops_per_sample(self, on_latents):
+        return ldm_training_flops(self.model, resolution=self.data.resolution, text_length=self.data.model_max_length,
+                                  on_latents=on_latents)
+
+    def identity(self):
+        return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,
+                "prediction_type": self.model.prediction_type, "autoencoder_source": self.components.vae_source,
+                "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__}
 
     def check_resume(self, checkpoint):
         check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
@@ -95,7 +158,17 @@ class TextToImage(Objective):
         self.vae_folder, _ = write_frozen_autoencoder(run_dir, self.components.vae)
 
     def loss(self, net, batch):
-        return net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments")), {}
+        loss, per_sample, timesteps = net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments"),
+                                          details=True)
+        # the loss by quarter of the noise schedule (guided-diffusion's quartiles): (sum, count) pairs, so that a
+        # quarter no sample of a batch drew counts for nothing rather than for zero
+        quarter = timesteps * QUARTERS // self.model.noise_scheduler.config.num_train_timesteps
+        per_sample = per_sample.detach()
+        extra = {}
+        for q in range(QUARTERS):
+            mask = (quarter == q).astype("float32")
+            extra[f"loss_q{q + 1}"] = ((per_sample * mask).sum(), mask.sum())
+        return loss, extra
 
     def save(self, folder, final_folder):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
@@ -132,6 +205,40 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
     return batches
 
 
+class EvalClock:
+    """Time spent evaluating against the time since the run (or the last evaluation) started."""
+
+    def __init__(self):
+        self.since = time.perf_counter()
+
+
+def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalClock,
+             batches: TimedBatches) -> dict[str, float]:
+    """The objective's held-out metrics at update `step`, with `eval_time_fraction`: the evaluation's share of the
+    wall time since the last one (its cost, for the trackers). Its time is left out of the training speed."""
+    start = time.perf_counter()
+    metrics = objective.evaluate(dist)
+    end = time.perf_counter()
+    batches.exclude(end - start)
+    metrics["eval_time_fraction"] = (end - start) / max(end - clock.since, 1e-9)
+    clock.since = end
+    logger.info("validation at update %d: loss %.5f (%.1f s, %.1f%% of the time since the last)", step,
+                metrics.get("eval_loss", float("nan")), end - start, 100 * metrics["eval_time_fraction"])
+    return metrics
+
+
+def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:
+    """FLOPs of one training sample of `objective` (on the batches' kind), logged and added to the run's record
+    (`record["model"]["flops_per_sample"]`); None when the objective does not count them."""
+    flops = objective.flops_per_sample(batches.on_latents)
+    if not flops:
+        return None
+    record.setdefault("model", {})["flops_per_sample"] = flops
+    logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
+                ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
+    return flops["total"]
+
+
 @paddle.no_grad()
 def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if above.
@@ -156,36 +263,60 @@ def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
 class MetricsWindow:
     """The scalars logged every `logging_steps`, the same names on both paths (the trackers show train/<name>).
 
-    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step.
+    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step. An
+    update the non-finite guard skipped (`ldm.train.health`) is left out of the means: its NaN would hide
+    the window's other updates.
     """
 
     def __init__(self):
         self.reset()
+        self.pending_loss, self.pending_extra = 0.0, {}
 
     def reset(self) -> None:
-        self.loss, self.grad_norm, self.updates, self.extra = 0.0, 0.0, 0, {}
+        self.loss, self.grad_norm, self.updates, self.extra, self.ratios = 0.0, 0.0, 0, {}, {}
 
-    def add_micro_step(self, loss: paddle.Tensor, extra: dict[str, paddle.Tensor], weight: float) -> None:
-        self.loss += loss.detach() * weight
+    def add_micro_step(self, loss: paddle.Tensor, extra: dict, weight: float) -> None:
+        self.pending_loss += loss.detach() * weight
         for name, value in extra.items():
-            self.extra[name] = self.extra.get(name, 0.0) + value.detach() * weight
+            if isinstance(value, tuple):  # (sum, count)
+                total, count = self.pending_extra.get(name, (0.0, 0.0))
+                self.pending_extra[name] = (total + value[0].detach(), count + value[1].detach())
+            else:
+                self.pending_extra[name] = self.pending_extra.get(name, 0.0) + value.detach() * weight
 
-    def add_update(self, grad_norm: paddle.Tensor) -> None:
-        self.grad_norm += grad_norm
-        self.updates += 1
+    def update_loss(self):
+        """The loss of the update being accumulated (on the device), for the guard."""
+        return self.pending_loss
+
+    def add_update(self, grad_norm: paddle.Tensor, skipped: bool = False) -> None:
+        if not skipped:
+            self.loss += self.pending_loss
+            for name, value in self.pending_extra.items():
+                if isinstance(value, tuple):
+                    total, count = self.ratios.get(name, (0.0, 0.0))
+                    self.ratios[name] = (total + value[0], count + value[1])
+                else:
+                    self.extra[name] = self.extra.get(name, 0.0) + value
+            self.grad_norm += grad_norm
+            self.updates += 1
+        self.pending_loss, self.pending_extra = 0.0, {}
 
     def read(self, dist: Distributed, batches: TimedBatches, *, with_loss: bool = True) -> dict[str, float]:
         """The window's means over updates and ranks, and the data path's figures; then a new window.
         `with_loss=False`: the loss is logged by someone else (PaddleNLP's Trainer)."""
         updates = max(1, self.updates)
         samples_per_second, wait_fraction, counts = batches.window(dist)
-        metrics = {"loss": dist.mean(float(self.loss) / updates)} if with_loss else {}
+        nothing = float("nan") if self.updates == 0 else 0.0  # every update of the window was skipped
+        metrics = {"loss": dist.mean(float(self.loss) / updates + nothing)} if with_loss else {}
         metrics.update({
-            "grad_norm": dist.mean(float(self.grad_norm) / updates),
+            "grad_norm": dist.mean(float(self.grad_norm) / updates + nothing),
             "global_samples_per_second": samples_per_second,  # the Trainer's own name for it
             "data_wait_fraction": wait_fraction,
         })
         metrics.update({name: dist.mean(float(value) / updates) for name, value in sorted(self.extra.items())})
+        for name, (total, count) in sorted(self.ratios.items()):
+            total, count = dist.sum(float(total)), dist.sum(float(count))
+            metrics[name] = total / count if count else float("nan")
         metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
         self.reset()
         return metrics

@@ -85,7 +85,7 @@ class GracefulStop:
 
     def requested(self) -> bool:
         """Whether any rank was signalled; every rank calls this after the same update."""
-        flag = self.signum is not None
+        flag = self.signalled()
         if self.dist.world_size > 1:
             import paddle
             import paddle.distributed as pdist
@@ -93,6 +93,15 @@ class GracefulStop:
             votes = paddle.to_tensor([int(flag)], dtype="int32")
             pdist.all_reduce(votes, op=pdist.ReduceOp.MAX)
             flag = bool(votes.item())
+        return self.settle(flag)
+
+    def signalled(self) -> bool:
+        """This rank's own vote: whether it got a signal."""
+        return self.signum is not None
+
+    def settle(self, flag: bool) -> bool:
+        """Act on the outcome of a vote that every rank took together (`requested`, or one carried by another
+        collective of the update: the non-finite guard's, `ldm.train.health`)."""
         if flag and self.signum is None:  # another rank was signalled: stop the same way, from now
             self._first, self.signum = time.monotonic(), signal.SIGTERM  # _first before signum: read unlocked
         self.agreed = self.agreed or flag

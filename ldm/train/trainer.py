@@ -19,27 +19,42 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
+from ldm.args import RunArguments, ValidationArguments
 from ldm.checkpoint import read_training_state
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
+from ldm.config import check_resume, describe_run, hyperparameters
 from ldm.distributed import Distributed
-from ldm.run_folder import RunFolder, checkpoint_problem
+from ldm.flops import throughput_metrics
+from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.runtime import resolve_precision
-from ldm.tracking import NullWriter, Tracker
+from ldm.tracking import MetricsFile, NullWriter, Tracker, tracker_name
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, stateful
 from ldm.train.elastic import SampleClock
-from ldm.train.objective import MetricsWindow, TextToImage, clip_grad_norm, rank_seed, start_batches
+from ldm.train.health import NonFiniteGuard, batch_positions
+from ldm.train.objective import (
+    EvalClock,
+    MetricsWindow,
+    TextToImage,
+    clip_grad_norm,
+    count_flops,
+    evaluate,
+    rank_seed,
+    start_batches,
+)
+from ldm.train.progress import Progress, resolve_mode
 from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
 
 
 class LDMCallback(TrainerCallback):
-    """EMA updates, per-rank noise seeds or restored random state, gradient norms and sample images, at the
-    Trainer's hooks."""
+    """EMA updates, per-rank noise seeds or restored random state, gradient norms, the non-finite guard and
+    sample images, at the Trainer's hooks."""
 
     def __init__(self, trainer: LDMTrainer):
         self.trainer = trainer
+        self.grad_norm, self.skipped = None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
@@ -47,38 +62,78 @@ class LDMCallback(TrainerCallback):
             t.checkpointer.load(t.resume_checkpoint, ["random"], weights=False)
         else:
             paddle.seed(rank_seed(args.seed, t.dist.rank))
+        if t.record is not None:
+            t.writer.add_config(t.record, hyperparameters(t.record))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.guard.stop_if_exhausted()  # when the Trainer did not log the update that exhausted it
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
-        norm = clip_grad_norm(self.trainer.trained)
-        self.trainer.window.add_update(norm / loss_scale(scaler) if scaler is not None else norm)
+        t = self.trainer
+        norm = clip_grad_norm(t.trained)
+        self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
+        # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
+        t.guard.hand_to(t.optimizer, t.guard.check(t.update_loss, self.grad_norm, t.stop), scaler)
+
+    def on_optimizer_end(self, args, state, control, scaler=None, **kwargs):
+        t = self.trainer
+        self.skipped = t.guard.was_skipped(t.optimizer)
+        if self.skipped and scaler is None:
+            # PaddleNLP steps the schedule unless its scaler saw an overflow: take that step back
+            t.lr_scheduler.last_epoch -= 1
+            t.lr_scheduler.last_lr = t.lr_scheduler.get_lr()
+        t.window.add_update(self.grad_norm, self.skipped)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        t.clock.advance()
-        if t.objective.ema is not None:
+        t.guard.record(state.global_step, self.skipped, loss=t.update_loss, grad_norm=self.grad_norm,
+                       last_checkpoint=t.checkpointer.last,
+                       where=batch_positions(t.data_stream.tracker.state_dict()) if self.skipped else "")
+        t.update_loss = paddle.zeros([])
+        if t.guard.exhausted:
+            control.should_log = True  # the window that ends the run is logged first (`LDMTrainer.log` stops it)
+        if self.skipped:
+            t.clock.skip()
+        else:
+            t.clock.advance()
+        if t.objective.ema is not None and not self.skipped:
             t.objective.ema.update()
+        if t.progress is not None:
+            t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0)
+        if t.objective.validation_due(state.global_step, state.global_step == state.max_steps) and not t.stop.agreed:
+            should_log = control.should_log  # PaddleNLP's on_log clears it: the update's own log still follows
+            t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock, t.data_stream))
+            control.should_log = t.control.should_log = should_log
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
             t.objective.log_images(t.writer, state.global_step, None)
-        if t.stop is not None and t.stop.requested():  # SIGTERM/SIGINT: save this update, then stop
+        if t.stop is not None and t.stop.agreed:  # SIGTERM/SIGINT (voted with the guard): save this update, stop
             control.should_save = control.should_training_stop = True
 
 
 class LDMTrainer(Trainer):
     def __init__(self, *, objective: TextToImage, args, dist: Distributed, run_dir: RunFolder, data_stream,
-                 clock: SampleClock, resume_checkpoint: str | None = None):
+                 clock: SampleClock, resume_checkpoint: str | None = None, record: dict | None = None,
+                 run_args: RunArguments | None = None, flops: int | None = None):
         check_trainer_hooks()  # the overrides below must still be hooks of PaddleNLP's Trainer
+        run_args = run_args or RunArguments()
         super().__init__(model=objective.model, args=args)
         self.objective, self.dist, self.run_dir, self.data_stream = objective, dist, run_dir, data_stream
-        self.writer, self.resume_checkpoint = NullWriter(), resume_checkpoint
+        self.writer, self.resume_checkpoint, self.record = NullWriter(), resume_checkpoint, record
         self.stop: GracefulStop | None = None
         self.window, self.clock = MetricsWindow(), clock
+        self.guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+        self.flops, self.peak_tflops = flops, run_args.peak_tflops
+        self.update_loss = paddle.zeros([])  # the update's loss so far (micro-steps summed), for the guard
+        self.progress: Progress | None = None
+        self.eval_clock = EvalClock()
+        self.metrics: MetricsFile | None = None
         self.trained = [p for p in objective.model.parameters() if not p.stop_gradient]
         # the optimizer, schedule and scaler exist once `train()` made them: the parts ask for them then
         self.checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=args.save_steps, seed=args.seed, trained=self.trained,
-            data_position=data_stream.tracker.state_dict,
+            data_position=data_stream.tracker.state_dict, record=record,
             parts={"optimizer": stateful(Deferred(lambda: self.optimizer), tensors=True),
                    "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler)),
                    "samples": clock.part()})
@@ -90,13 +145,23 @@ class LDMTrainer(Trainer):
         return self.data_stream
 
     def compute_loss(self, model, inputs, return_outputs=False):
-        loss, _ = self.objective.loss(model, inputs)
+        loss, extra = self.objective.loss(model, inputs)
+        self.update_loss = self.update_loss + loss.detach()
+        self.window.add_micro_step(loss, extra, 1 / self.args.gradient_accumulation_steps)
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict, **kwargs) -> None:
         if "loss" in logs:
             logs.update(self.window.read(self.dist, self.data_stream, with_loss=False))
+            logs.update(self.guard.read())
+            logs.update(throughput_metrics(self.flops, logs["global_samples_per_second"], self.dist.world_size,
+                                           self.peak_tflops))
         super().log(logs, **kwargs)
+        if self.metrics is not None:  # every scalar the trackers got, under the names they show
+            scalars = {tracker_name(k): v for k, v in logs.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool)}
+            self.metrics.write(self.state.global_step, scalars)
+        self.guard.stop_if_exhausted()
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
@@ -130,9 +195,11 @@ class Deferred:
         return lambda *args: getattr(self._get(), name)(*args)
 
 
-def train(training_args, model_args, data, sampling) -> dict:
+def train(training_args, model_args, data, sampling, run_args: RunArguments | None = None,
+          validation: ValidationArguments | None = None) -> dict:
     """The LDM through PaddleNLP's Trainer; ends with `<output_dir>/pipeline`. Inputs are checked before
     anything is written (see `ldm.train.loop.run`)."""
+    run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
@@ -147,7 +214,13 @@ def train(training_args, model_args, data, sampling) -> dict:
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
 
-    objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed)
+    progress = resolve_mode(run_args.progress) if dist.is_main else "none"
+    training_args.disable_tqdm = progress != "bar"  # PaddleNLP's bar, or its plain log lines and ours
+
+    objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed,
+                            validation=validation)
+    record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
+                          num_workers=training_args.dataloader_num_workers, model=objective.identity())
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
     clock = SampleClock(training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
@@ -161,16 +234,31 @@ def train(training_args, model_args, data, sampling) -> dict:
         if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
             logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
         training_args.max_steps = clock.max_steps
-    writer = NullWriter()
     try:
-        run_dir.create(checkpoint)  # the first write
+        objective.start_validation(dist)
+        flops = count_flops(objective, data_stream, record)
+        if checkpoint:
+            check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
+    except BaseException:
+        data_stream.close()  # its loader workers are running already
+        raise
+    writer, trainer = NullWriter(), None
+    try:
+        run_dir.create(checkpoint, record)  # the first write
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
-                             data_stream=data_stream, clock=clock, resume_checkpoint=checkpoint)
+                             data_stream=data_stream, clock=clock, resume_checkpoint=checkpoint, record=record,
+                             run_args=run_args, flops=flops)
         if dist.is_main:
-            # scalars go through the Trainer's own trackers (--report_to); images through them here
+            # scalars go through the Trainer's own trackers (--report_to) and the metrics file; images through
+            # the trackers here
             writer = trainer.writer = Tracker.of_trainer(trainer, run_dir.path())
+            trainer.metrics = MetricsFile(run_dir.path(), checkpoint_step(checkpoint) if checkpoint else None)
             paddlenlp_logger.set_level("INFO")  # the Trainer reports loss, learning rate and speed through it
+            if progress == "lines":
+                step = (checkpoint_step(checkpoint) or 0) if checkpoint else 0
+                trainer.progress = Progress("lines", total=training_args.max_steps, initial=step, label="train",
+                                            enabled=True, seconds=run_args.progress_seconds)
         with GracefulStop(dist) as stop:
             trainer.stop = stop
             trainer.train(resume_from_checkpoint=checkpoint)
@@ -185,5 +273,7 @@ def train(training_args, model_args, data, sampling) -> dict:
     finally:
         data_stream.close()
         writer.close()
+        if trainer is not None and trainer.metrics is not None:
+            trainer.metrics.close()
     dist.barrier()
     return {"step": step, "checkpoint": last, "exit_code": stop.exit_code if stopped else 0}

@@ -1,0 +1,271 @@
+"""The whole configuration of a run, written where a reader will look for it weeks later.
+
+`describe_run` gathers every argument of every group as resolved (defaults included), the command
+line, the world (ranks, hosts, loader workers per rank), the versions of Python, Paddle, PaddleNLP,
+ppdiffusers and this project, the git commit and the model and autoencoder identity. It goes to
+`<output_dir>/run.json`, into every checkpoint (`run_config.json`) and to the trackers as
+hyperparameters. A resume compares the checkpoint's record with this run's (`check_resume`): each
+difference is logged on a line of its own, and the settings a run cannot change halfway (the model,
+the resolution, the prediction type) are refused unless `--allow_config_change` is given.
+
+`--config FILE` (YAML or JSON) holds any flags; `expand_config` puts them in front of the command
+line, whose flags then win (argparse keeps the last value of a flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+logger = logging.getLogger("ldm.train")
+
+RUN_CONFIG = "run_config.json"  # a checkpoint's record of the run that wrote it
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A run changed halfway in these is another run: the weights, the latents or the target no longer fit.
+FIXED = {
+    "arguments.model_name_or_path": "the model",
+    "arguments.resolution": "the latent size",
+    "model.prediction_type": "the prediction type",
+}
+# Expected to differ between a run and its resume, or a record of the moment rather than a setting.
+NOT_SETTINGS = ("arguments.resume_from_checkpoint", "arguments.overwrite_output_dir", "arguments.config",
+                "arguments.logging_dir", "command", "created", "step", "world.hosts")
+
+
+class ConfigError(ValueError):
+    """A `--config` file that cannot be read or holds something that is not a flag value."""
+
+
+# -- --config FILE -----------------------------------------------------------------------------------
+def read_config_file(path: str) -> dict:
+    """{flag name: value} of a YAML or JSON file (a leading `--` on a name is allowed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror or e}") from None
+    if path.endswith(".json"):
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--config {path}: not valid JSON: {e}") from None
+    else:
+        import yaml
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, not a {type(values).__name__}")
+    return {str(name).removeprefix("--"): value for name, value in values.items()}
+
+
+def config_flags(values: dict, path: str) -> list[str]:
+    """The command-line spelling of a config file's values."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue  # the flag's default
+        if isinstance(value, dict):
+            raise ConfigError(f"--config {path}: {name} is a mapping; flags take a value or a list")
+        argv.append(f"--{name}")
+        if isinstance(value, bool):
+            argv.append(str(value).lower())
+        elif isinstance(value, list | tuple):
+            if not value:
+                raise ConfigError(f"--config {path}: {name} is an empty list")
+            argv.extend(str(v) for v in value)
+        else:
+            argv.append(str(value))
+    return argv
+
+
+def expand_config(argv: list[str]) -> list[str]:
+    """`argv` with the flags of `--config FILE` in front (the command line's own flags come later and win);
+    a lone `FILE.json`/`.yaml` argument is the same as `--config FILE`. The `--config` flag stays, so the
+    run records which file it read."""
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and not argv[0].startswith("-"):
+        argv = ["--config", argv[0]]
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            if "=" in arg:
+                path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            elif i + 1 < len(argv):
+                path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            else:
+                raise ConfigError("--config needs a file")
+            if any(a == "--config" or a.startswith("--config=") for a in rest):
+                raise ConfigError("--config given twice: put every flag in one file")
+            return config_flags(read_config_file(path), path) + rest + ["--config", path]
+    return list(argv)
+
+
+# -- the record --------------------------------------------------------------------------------------
+def plain(value):
+    """`value` as JSON can hold it (enums by value, other objects by their text)."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [plain(v) for v in value]
+    if hasattr(value, "value") and type(value).__module__ != "builtins":  # an Enum
+        return plain(value.value)
+    return str(value)
+
+
+def arguments_of(group) -> dict:
+    """Every field of an argument group as resolved (PaddleNLP's TrainingArguments hides its secrets)."""
+    if hasattr(group, "to_dict"):
+        values = group.to_dict()
+    else:
+        values = {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
+    return {name: plain(value) for name, value in values.items()}
+
+
+def package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def project_version() -> str | None:
+    version = package_version("ldm-laion")
+    if version is None:  # run from a clone that is not installed
+        import tomllib
+
+        try:
+            with open(os.path.join(PROJECT_ROOT, "pyproject.toml"), "rb") as f:
+                version = tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, ValueError):
+            return None
+    return version
+
+
+def versions() -> dict:
+    import paddle
+
+    return {
+        "python": platform.python_version(),
+        "paddle": paddle.__version__,
+        "paddle_commit": getattr(paddle.version, "commit", None),
+        "paddlenlp": package_version("paddlenlp"),
+        "ppdiffusers": package_version("ppdiffusers"),
+        "ldm-laion": project_version(),
+    }
+
+
+def git_commit(folder: str = PROJECT_ROOT) -> dict | None:
+    """{"commit", "dirty"} of the project's clone, or None outside one (an installed package)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", folder, *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None) -> dict:
+    """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses."""
+    import paddle
+
+    arguments: dict[str, dict] = {}
+    for group in groups:
+        arguments[type(group).__name__] = arguments_of(group)
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": [sys.executable, *(sys.argv if argv is None else argv)],
+        "arguments": arguments,
+        "world": {
+            "world_size": dist.world_size,
+            "hosts": dist.gather(socket.gethostname()),
+            "nodes": int(os.environ.get("PADDLE_NNODES", "1")),
+            "device": paddle.device.get_device(),
+            "dataloader_workers_per_rank": num_workers,
+        },
+        "versions": versions(),
+        "git": git_commit(),
+        "model": model or {},
+    }
+
+
+def flatten(record: dict) -> dict[str, object]:
+    """{"arguments.<flag>" (every group merged), "model.<key>", "versions.<name>", …: value} of a record."""
+    flat: dict[str, object] = {}
+    for group in record.get("arguments", {}).values():
+        flat.update({f"arguments.{name}": value for name, value in group.items()})
+    for section, values in record.items():
+        if section == "arguments":
+            continue
+        if isinstance(values, dict):
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            flat[section] = values
+    return flat
+
+
+def hyperparameters(record: dict) -> dict[str, object]:
+    """The record as one flat mapping of scalars, for a tracker's hyperparameters."""
+    return {name: value if isinstance(value, bool | int | float | str) else json.dumps(value)
+            for name, value in flatten(record).items()}
+
+
+def differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(name, saved value, current value) of every setting that differs, sorted by name."""
+    old, new = flatten(saved), flatten(current)
+    missing = "(absent)"
+    return [(name, old.get(name, missing), new.get(name, missing)) for name in sorted(set(old) | set(new))
+            if not name.startswith(NOT_SETTINGS) and old.get(name, missing) != new.get(name, missing)]
+
+
+def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: bool = True) -> list[str]:
+    """Compare `checkpoint`'s record with this run's: every difference logged (one line each), those of
+    `FIXED` refused (a ConfigError naming them all) unless `allow_change`. Returns the lines."""
+    path = os.path.join(checkpoint, RUN_CONFIG)
+    if not os.path.isfile(path):
+        if log:
+            logger.warning("%s records no configuration (written before run records existed): nothing to compare",
+                           checkpoint)
+        return []
+    with open(path) as f:
+        saved = json.load(f)
+    lines, refused = [], []
+    for name, old, new in differences(saved, current):
+        section, _, key = name.partition(".")
+        label = f"--{key}" if section == "arguments" else name
+        lines.append(f"resume changes {label}: {old!r} -> {new!r}")
+        if name in FIXED:
+            refused.append(f"{label} ({FIXED[name]}: {old!r} -> {new!r})")
+    if log:
+        for line in lines:
+            logger.warning("%s", line)
+    if refused and not allow_change:
+        raise ConfigError(f"{checkpoint} was trained with other settings that a run cannot change halfway: "
+                          f"{'; '.join(refused)}. Pass the checkpoint's values, or --allow_config_change to continue "
+                          "anyway")
+    return lines
+
+
+def write_record(folder: str, record: dict) -> None:
+    with open(os.path.join(folder, RUN_CONFIG), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)

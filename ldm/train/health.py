@@ -1,0 +1,127 @@
+"""The non-finite guard: an update whose loss or gradient norm is NaN or inf is skipped on every rank.
+
+The verdict is computed on the device (`isfinite` of the update's loss and of the global gradient
+norm) and, with several ranks, reduced (max) in the same all-reduce as the graceful stop's vote on a
+signal: the one host read that vote made at every update already answers both, so every rank skips
+the same updates. The skip is Paddle's own, the `found_inf` flag its GradScaler uses: AdamW leaves
+the weights, both moments and its bias-correction counters as they were; the schedule and the EMA are
+not stepped. Under fp16 the verdict is merged into the scaler's (which lowers the loss scale).
+
+Paddle's AdamW cannot skip on the device alone: its dygraph step tests the flag on the host
+(`Optimizer._apply_optimize`) and its GPU kernel copies `SkipUpdate` to the host
+(`phi/kernels/gpu/adamw_kernel.cu`). A single-process run in fp32 or bf16 therefore pays one read of
+a one-element flag per update that it did not pay before; several ranks (the stop vote's read) and
+fp16 (the scaler's read) pay nothing more.
+
+Each skip is logged with the update and where the rank's batches came from, and counted
+(`train/nonfinite_skips`, per logging window). `max_nonfinite_updates` skips in a row stop the run
+with one line naming the last good checkpoint (`NonFiniteStop`): every rank reaches it at the same
+update. The checkpointer refuses to write weights that are not finite (`check_weights`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import paddle
+
+from ldm.compat import skip_step_if, step_was_skipped
+
+logger = logging.getLogger("ldm.train")
+
+
+class NonFiniteStop(RuntimeError):
+    """The run cannot go on: updates keep failing, or the weights themselves are no longer finite."""
+
+
+class NonFiniteGuard:
+    def __init__(self, dist, max_in_row: int):
+        self.dist, self.max_in_row = dist, max_in_row
+        self.found: paddle.Tensor | None = None
+        self.in_row = 0  # skipped updates in a row, up to the last one
+        self.window_skips = 0  # since the last `read`
+        self.total_skips = 0
+        self.last_checkpoint: str | None = None  # the last checkpoint saved or resumed: named when the run stops
+        self.last_step = 0
+
+    @paddle.no_grad()
+    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None) -> bool:
+        """Whether to skip this update, the same on every rank: `loss` is this rank's loss of the update (its
+        micro-steps summed), `grad_norm` the norm of the synchronised gradients. With several ranks the verdict
+        travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
+        answers both: the read the stop vote made at every update before the guard existed."""
+        bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
+                                 & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("int32")
+        signalled = stop.signalled() if stop is not None else False
+        if self.dist.world_size > 1:
+            flags = paddle.concat([bad, paddle.to_tensor([int(signalled)], dtype="int32")])
+            paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
+            skipped, signalled = (bool(v) for v in flags.numpy())
+        else:
+            skipped = bool(bad.item())
+        if stop is not None:
+            stop.settle(signalled)
+        self.found = bad.astype("bool")
+        return skipped
+
+    def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:
+        """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so: as a
+        Python bool, which Paddle's step tests without reading the device; merged into an enabled scaler's own
+        verdict (a tensor the scaler reads anyway), which then also lowers the loss scale."""
+        skip_step_if(skipped, self.found, optimizer, scaler)
+
+    @staticmethod
+    def was_skipped(optimizer) -> bool:
+        """After the step: whether the optimizer skipped it (ours, or an fp16 overflow the scaler found)."""
+        return step_was_skipped(optimizer)
+
+    def record(self, step: int, skipped: bool, *, loss: paddle.Tensor | None = None,
+               grad_norm: paddle.Tensor | None = None, where: str = "", last_checkpoint: str | None = None) -> None:
+        """Count update `step`; a skip is logged with its figures and `where` its batches came from. After
+        `max_in_row` in a row the guard is `exhausted` (the same update on every rank: the verdict is shared)."""
+        self.last_step, self.last_checkpoint = step, last_checkpoint
+        if not skipped:
+            self.in_row = 0
+            return
+        self.in_row += 1
+        self.window_skips += 1
+        self.total_skips += 1
+        figures = ", ".join(f"{name} {float(value):.4g}" for name, value in (("loss", loss), ("grad norm", grad_norm))
+                            if value is not None)
+        logger.warning("update %d skipped (%d in a row): non-finite %s%s", step, self.in_row, figures or "values",
+                       f"; batches of rank {self.dist.rank}: {where}" if where else "")
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_row >= self.max_in_row
+
+    def stop_if_exhausted(self) -> None:
+        """Raise `NonFiniteStop` once `max_in_row` updates in a row were skipped (call after logging them)."""
+        if self.exhausted:
+            raise NonFiniteStop(
+                f"{self.in_row} updates in a row (the last at update {self.last_step}) had a non-finite loss or "
+                f"gradient norm and were skipped: the run stops. The last good checkpoint is "
+                f"{self.last_checkpoint or 'none'}; lower the learning rate or look at the data of those updates "
+                "before resuming")
+
+    def read(self) -> dict[str, float]:
+        """The window's count for the logged metrics (`train/nonfinite_skips`); then a new window."""
+        count, self.window_skips = self.window_skips, 0
+        return {"nonfinite_skips": count}
+
+
+def check_weights(checksums: list[float], step: int, last_checkpoint: str | None) -> None:
+    """Refuse to save weights whose fingerprint (sum of |w| per rank, `ldm.distributed.weights_checksum`) is
+    not finite: such a checkpoint could only poison a resume."""
+    if not all(math.isfinite(value) for value in checksums):
+        raise NonFiniteStop(f"the weights are not finite at update {step}: checkpoint-{step} is not written. The last "
+                            f"good checkpoint is {last_checkpoint or 'none'}; lower the learning rate before resuming")
+
+
+def batch_positions(stream_state: dict) -> str:
+    """Where a rank's batches of this update came from: each loader slot's pass, shard unit and last line read
+    (records are shuffled within `shuffle_buffer`, so a batch holds lines up to there)."""
+    slots = stream_state.get("slots", {})
+    return "; ".join(f"slot {slot} pass {s.get('pass')} unit {s.get('unit')} up to line {s.get('line')}"
+                     for slot, s in sorted(slots.items(), key=lambda item: int(item[0]))) or "unknown"

@@ -1,0 +1,143 @@
+"""The run's configuration (`ldm.config`): --config files, the record of a run, the comparison on resume; and the
+progress output (`ldm.train.progress`). The entry points are exercised in test_train_loop.py and
+test_train_trainer.py."""
+
+import json
+import logging
+
+import pytest
+
+from ldm.config import ConfigError, check_resume, differences, expand_config
+
+
+def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
+    (tmp_path / "run.yaml").write_text("learning_rate: 0.001\nuse_ema: true\nfreeze_text_encoder: false\n"
+                                       "report_to: [tensorboard, wandb]\nvae_name_or_path: null\n--seed: 3\n")
+    argv = expand_config(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "2e-4"])
+    assert argv == ["--learning_rate", "0.001", "--use_ema", "true", "--freeze_text_encoder", "false",
+                    "--report_to", "tensorboard", "wandb", "--seed", "3", "--learning_rate", "2e-4",
+                    "--config", str(tmp_path / "run.yaml")]
+    # JSON too, as `--config=FILE` or as the lone argument (PaddleNLP's convention)
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 5, "do_train": True}))
+    expected = ["--max_steps", "5", "--do_train", "true", "--config", str(tmp_path / "run.json")]
+    assert expand_config([f"--config={tmp_path / 'run.json'}"]) == expected
+    assert expand_config([str(tmp_path / "run.json")]) == expected
+    assert expand_config(["--seed", "1"]) == ["--seed", "1"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("- a\n- b\n", "expected a mapping of flag names to values, not a list"),
+    ("seed: [1\n", "not valid YAML"),
+    ("unet: {a: 1}\n", "unet is a mapping"),
+])
+def test_an_unusable_config_file_is_one_readable_error(tmp_path, content, message):
+    path = tmp_path / "c.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message) as error:
+        expand_config(["--config", str(path)])
+    assert "\n" not in str(error.value)
+
+
+def test_the_entry_points_parse_a_config_file_with_the_command_line_winning(tmp_path):
+    from ldm.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments, parse
+
+    (tmp_path / "c.yaml").write_text("learning_rate: 0.5\nmax_train_steps: 7\nprogress: lines\n"
+                                     "validation_guidance_scales: [1, 3]\n")
+    model, data, sampling, loop, run = parse([ModelArguments, DataArguments, SamplingArguments, LoopArguments,
+                                              RunArguments], ["--config", str(tmp_path / "c.yaml"),
+                                                              "--learning_rate", "0.25"])
+    assert (loop.learning_rate, loop.max_train_steps, run.progress) == (0.25, 7, "lines")
+    assert sampling.validation_guidance_scales == [1.0, 3.0] and run.config == str(tmp_path / "c.yaml")
+    (tmp_path / "typo.yaml").write_text("learnig_rate: 0.5\n")
+    with pytest.raises(SystemExit) as exited:
+        parse([ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments],
+              ["--config", str(tmp_path / "typo.yaml")])
+    assert exited.value.code == 2
+
+
+def record(lr=1e-4, model="ldm-tiny", resolution=256, prediction="epsilon", commit="abc"):
+    return {"created": "now", "command": ["python", "x"], "step": 10,
+            "arguments": {"ModelArguments": {"model_name_or_path": model},
+                          "DataArguments": {"resolution": resolution},
+                          "LoopArguments": {"learning_rate": lr, "resume_from_checkpoint": None}},
+            "world": {"world_size": 1, "hosts": ["a"]}, "git": {"commit": commit, "dirty": False},
+            "model": {"prediction_type": prediction}}
+
+
+def test_a_resume_logs_each_change_and_refuses_those_a_run_cannot_make(tmp_path, caplog):
+    saved = record()
+    (tmp_path / "run_config.json").write_text(json.dumps(saved))
+    resumed = record(lr=5e-5, commit="def")
+    resumed["arguments"]["LoopArguments"]["resume_from_checkpoint"] = "latest"  # expected to differ: not logged
+    resumed["world"]["hosts"] = ["b"]
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        lines = check_resume(str(tmp_path), resumed, allow_change=False)
+    assert lines == ["resume changes --learning_rate: 0.0001 -> 5e-05", "resume changes git.commit: 'abc' -> 'def'"]
+    assert [r.getMessage() for r in caplog.records] == lines
+
+    for changed in (record(model="ldm-demo"), record(resolution=512), record(prediction="v_prediction")):
+        with pytest.raises(ConfigError, match="cannot change halfway") as refused:
+            check_resume(str(tmp_path), changed, allow_change=False, log=False)
+        assert "--allow_config_change" in str(refused.value)
+        assert len(check_resume(str(tmp_path), changed, allow_change=True, log=False)) == 1
+    assert differences(saved, saved) == []
+    # a checkpoint written before records existed: nothing to compare, a warning
+    assert check_resume(str(tmp_path / "missing"), resumed, allow_change=False, log=False) == []
+
+
+def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog):
+    import time
+
+    from ldm.train.progress import Progress, resolve_mode
+
+    class Stream:
+        def __init__(self, tty):
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    assert resolve_mode("auto", Stream(True)) == "bar" and resolve_mode("auto", Stream(False)) == "lines"
+    assert resolve_mode("none", Stream(True)) == "none"
+    with caplog.at_level(logging.INFO, logger="ldm.train"):
+        progress = Progress("lines", total=100, initial=10, label="train", enabled=True, seconds=0.2)
+        progress.update(11)
+        progress.update(12, logging_step=True)
+        time.sleep(0.25)
+        progress.update(13)
+        progress.update(14)
+        silent = Progress("lines", total=100, initial=0, label="train", enabled=False)
+        silent.update(1, logging_step=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("progress train: update 12/100 (12.0%)") and "ETA" in lines[0]
+    assert lines[1].startswith("progress train: update 13/100") and "87 to go" in lines[1]
+
+
+def test_the_metrics_window_logs_a_ratio_over_the_window_and_leaves_skipped_updates_out():
+    """(sum, count) extras, as the loss by quarter of the schedule: the window's sum over its count, a quarter that
+    no sample drew is NaN (not 0), and a skipped update's values count for nothing."""
+    import math
+
+    import paddle
+
+    from ldm.distributed import Distributed
+    from ldm.train.objective import MetricsWindow
+
+    class Batches:
+        def window(self, dist):
+            return 1.0, 0.0, {}
+
+    def pair(total, count):
+        return paddle.to_tensor(float(total)), paddle.to_tensor(float(count))
+
+    window = MetricsWindow()
+    for extra in ({"q1": pair(3.0, 2), "q2": pair(0.0, 0)}, {"q1": pair(1.0, 1), "q2": pair(0.0, 0)}):
+        window.add_micro_step(paddle.to_tensor(1.0), extra, 0.5)
+    window.add_update(paddle.to_tensor(2.0))
+    window.add_micro_step(paddle.to_tensor(float("nan")), {"q1": pair(100.0, 1), "q2": pair(float("nan"), 1)}, 1.0)
+    window.add_update(paddle.to_tensor(float("nan")), skipped=True)
+    metrics = window.read(Distributed(), Batches())
+    assert metrics["q1"] == pytest.approx(4.0 / 3) and math.isnan(metrics["q2"])
+    assert metrics["loss"] == pytest.approx(1.0) and metrics["grad_norm"] == pytest.approx(2.0)
