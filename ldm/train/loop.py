@@ -24,7 +24,7 @@ from ldm.args import (
     SamplingArguments,
     ValidationArguments,
 )
-from ldm.config import check_resume, describe_run, hyperparameters
+from ldm.config import describe_run, hyperparameters
 from ldm.distributed import Distributed, sync_gradients
 from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder
@@ -38,8 +38,8 @@ from ldm.train.objective import (
     EvalClock,
     MetricsWindow,
     TextToImage,
+    check_before_writing,
     clip_grad_norm,
-    count_flops,
     evaluate,
     rank_seed,
     start_batches,
@@ -115,14 +115,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
                "scaler": stateful(scaler, "load_state_dict"), "samples": samples.part()})
     guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
-    try:
-        objective.start_validation(dist)
-        flops = count_flops(objective, data_stream, record)
-        if resume:
-            check_resume(resume, record, allow_change=run_args.allow_config_change, log=dist.is_main)
-    except BaseException:
-        data_stream.close()  # its loader workers are running already
-        raise
+    flops = check_before_writing(objective, data_stream, record, resume,
+                                 allow_config_change=run_args.allow_config_change, dist=dist)
     writer, progress = NullWriter(), None
     try:
         run_dir.create(resume, record)  # the first write

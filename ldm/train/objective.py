@@ -23,6 +23,7 @@ from ldm.checkpoint import (
     write_frozen_autoencoder,
 )
 from ldm.compat import squared_l2_norm
+from ldm.config import check_resume
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
 from ldm.flops import ldm_training_flops
@@ -237,6 +238,22 @@ def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> in
     logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
                 ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
     return flops["total"]
+
+
+def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
+                         allow_config_change: bool, dist: Distributed) -> int | None:
+    """What both paths check once the batches have started and before the first write: the held-out data,
+    the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. A failure
+    stops the loader workers, which are running already."""
+    try:
+        objective.start_validation(dist)
+        flops = count_flops(objective, batches, record)
+        if resume:
+            check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
+    except BaseException:
+        batches.close()
+        raise
+    return flops
 
 
 @paddle.no_grad()

@@ -22,7 +22,7 @@ from paddlenlp.utils.log import logger as paddlenlp_logger
 from ldm.args import RunArguments, ValidationArguments
 from ldm.checkpoint import read_training_state
 from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
-from ldm.config import check_resume, describe_run, hyperparameters
+from ldm.config import describe_run, hyperparameters
 from ldm.distributed import Distributed
 from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
@@ -36,8 +36,8 @@ from ldm.train.objective import (
     EvalClock,
     MetricsWindow,
     TextToImage,
+    check_before_writing,
     clip_grad_norm,
-    count_flops,
     evaluate,
     rank_seed,
     start_batches,
@@ -234,14 +234,8 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
         if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
             logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
         training_args.max_steps = clock.max_steps
-    try:
-        objective.start_validation(dist)
-        flops = count_flops(objective, data_stream, record)
-        if checkpoint:
-            check_resume(checkpoint, record, allow_change=run_args.allow_config_change, log=dist.is_main)
-    except BaseException:
-        data_stream.close()  # its loader workers are running already
-        raise
+    flops = check_before_writing(objective, data_stream, record, checkpoint,
+                                 allow_config_change=run_args.allow_config_change, dist=dist)
     writer, trainer = NullWriter(), None
     try:
         run_dir.create(checkpoint, record)  # the first write
