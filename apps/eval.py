@@ -181,6 +181,7 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     import paddle
     from ppdiffusers import AutoencoderKL
 
+    from ldm.checkpoint import refuse_pickles
     from ldm.data.dataset import to_pixel_values
     from ldm.data.synth import record
     from ldm.models.autoencoder import reconstruct
@@ -190,6 +191,7 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     if folder:
         if not os.path.isfile(os.path.join(folder, "config.json")):  # ppdiffusers would make it as a cache folder
             raise OSError(f"{folder}: not an AutoencoderKL folder (no config.json)")
+        refuse_pickles(folder, "autoencoder")
         vae = AutoencoderKL.from_pretrained(folder)
     vae.eval()
     captions, originals = zip(*(record(i, seed, resolution) for i in range(num_images)), strict=True)

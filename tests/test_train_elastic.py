@@ -151,3 +151,54 @@ def test_the_sample_clock_keeps_the_schedule_in_samples_and_changes_nothing_on_t
     unrecorded = SampleClock(global_batch=8, world_size=2, max_steps=10)
     unrecorded.assume(3)  # a checkpoint written before the clock existed
     assert unrecorded.state_dict() == saved
+
+
+def test_a_run_resized_and_resized_back_keeps_planning_in_samples():
+    """1000 updates of 64 planned; 500 done on 64, 100 on 128, 100 on 64 again: 200 updates of 64 are left,
+    whatever the layout of the next resume (the shortcut for an unchanged batch must not forget the resize)."""
+    from ldm.train.elastic import SampleClock
+
+    def resumed(state, global_batch, world_size, updates):
+        clock = SampleClock(global_batch, world_size, max_steps=1000)
+        clock.load_state_dict(state)
+        for _ in range(updates):
+            clock.advance()
+        return clock
+
+    first = SampleClock(64, 1, max_steps=1000)
+    for _ in range(500):
+        first.advance()
+    wider = resumed(first.state_dict(), 128, 2, 100)
+    assert wider.max_steps == 500 + 500 * 64 // 128
+    back = resumed(wider.state_dict(), 64, 1, 100)
+    assert back.max_steps == 600 + (1000 * 64 - 500 * 64 - 100 * 128) // 64
+    again = resumed(back.state_dict(), 64, 1, 0)
+    assert again.max_steps == back.max_steps == 900 and again.message == ""
+
+
+def test_skipped_updates_count_as_consumed_and_leave_the_schedule_where_it_was():
+    from ldm.train.elastic import SampleClock
+
+    clock = SampleClock(8, 1, max_steps=10)
+    clock.advance()
+    clock.skip()
+    clock.advance()
+    assert clock.updates == 3 and clock.position == 2  # the schedule stepped for the two applied updates
+    same = SampleClock(8, 1, max_steps=10)
+    same.load_state_dict(clock.state_dict())
+    assert same.max_steps == 10  # as an uninterrupted run: skipped updates are not made up
+
+
+def test_a_scaler_state_from_a_run_without_fp16_leaves_the_fresh_scaler():
+    import paddle
+
+    from ldm.train.checkpointer import scaler_part
+
+    scaler = paddle.amp.GradScaler(enable=True, init_loss_scaling=1024.0)
+    scaler._enable = True  # Paddle disables fp16 scaling on a CPU; an enabled scaler refuses an empty state
+    with pytest.raises(RuntimeError, match="empty"):
+        scaler.load_state_dict({})
+    part = scaler_part(scaler)
+    part.load({})  # what a disabled scaler saves (a run in fp32, bf16, or on a device without fp16)
+    part.missing({"step": 3})  # a Trainer-path checkpoint, which has no scaler part then
+    assert scaler._enable  # and nothing raised

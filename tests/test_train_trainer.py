@@ -246,3 +246,18 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+
+
+def test_resuming_a_finished_run_trains_nothing_more(corpus, tmp_path):
+    """A finished job requeued with the same command: PaddleNLP would take one more update before it checks
+    max_steps; the run instead says there is nothing left and exports its last checkpoint again."""
+    out = tmp_path / "run"
+    args = corpus + ["--max_steps", "2", "--save_steps", "2", "--dataloader_num_workers", "0",
+                     "--output_dir", str(out)]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run(args + ["--resume_from_checkpoint", "latest"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to train" in again.stderr
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert read_training_state(out / "checkpoint-2")["step"] == 2 and (out / "pipeline").is_dir()

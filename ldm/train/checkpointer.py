@@ -53,6 +53,18 @@ def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Pa
     return Part(obj.state_dict, (lambda tree: setter(to_paddle(tree))) if tensors else setter)
 
 
+def scaler_part(scaler) -> Part:
+    """The loss scaler. A checkpoint of a run without fp16 scaling (fp32, bf16, or a device without fp16)
+    holds no scaler state, or an empty one: resuming it with fp16 keeps this run's fresh scaler."""
+    part = stateful(scaler, "load_state_dict")
+
+    def load(tree) -> None:
+        if tree:
+            part.load(tree)
+
+    return Part(part.state, load, missing=lambda state: None)
+
+
 class RandomState:
     """A rank's generators (Paddle's, numpy's, Python's) as JSON-able trees."""
 

@@ -42,7 +42,7 @@ def describe_resize(saved_world_size: int, saved_global_batch: int, new_world_si
             step < 0 or max_steps < 0 or samples < 0:
         raise ValueError("world sizes and global batches must be positive, step, samples and max_steps not negative")
     ranks = f"{saved_world_size} -> {new_world_size} ranks"
-    if saved_global_batch == new_global_batch and reference_batch == new_global_batch:
+    if saved_global_batch == new_global_batch == reference_batch and samples == step * reference_batch:
         return (f"resumed at update {step} on {ranks} with the same global batch ({new_global_batch}): updates, "
                 f"learning-rate schedule and max_steps ({max_steps}) continue unchanged"), max_steps
     batches = f"global batch {saved_global_batch} -> {new_global_batch}"
@@ -60,16 +60,21 @@ def describe_resize(saved_world_size: int, saved_global_batch: int, new_world_si
 
 
 class SampleClock:
-    """Where a run is in samples seen: a checkpoint part, from which the learning-rate schedule's position and
-    the run's last update follow (the policy above).
+    """Where a run is in samples: a checkpoint part, from which the learning-rate schedule's position and the
+    run's last update follow (the policy above).
 
-    `position` is in updates of the run's first global batch (its reference), so a run that never changes its
-    global batch steps its schedule exactly as before, one whole update at a time.
+    `samples` counts what the updates consumed, skipped ones included (the plan of `--max_train_steps` is in
+    samples consumed, as an uninterrupted run's is); `position`, the schedule's, counts only the updates
+    that were applied, in updates of the run's first global batch (its reference). A run that never changes
+    its global batch therefore steps its schedule exactly as before, one whole update at a time. Once a run
+    has been resized, every later resume plans from the samples, even back on the first batch.
     """
 
     def __init__(self, global_batch: int, world_size: int, max_steps: int):
         self.global_batch, self.world_size, self.requested_max_steps = global_batch, world_size, max_steps
-        self.reference_batch, self.samples, self.updates, self.max_steps = global_batch, 0, 0, max_steps
+        self.reference_batch, self.max_steps = global_batch, max_steps
+        self.samples = self.skipped_samples = self.updates = 0
+        self.resized = False
         self.message = ""  # what a resume with another global batch changed, for the log
 
     def advance(self) -> None:
@@ -77,36 +82,42 @@ class SampleClock:
         self.updates += 1
 
     def skip(self) -> None:
-        """An update skipped (a non-finite loss or gradient): it counts, but nothing was learned from its samples."""
-        self.updates += 1
+        """An update skipped (a non-finite loss or gradient): its samples were consumed, nothing was learned."""
+        self.advance()
+        self.skipped_samples += self.global_batch
 
     @property
     def position(self) -> int | float:
-        position = self.samples / self.reference_batch
+        position = (self.samples - self.skipped_samples) / self.reference_batch
         return int(position) if position.is_integer() else position
 
     def state_dict(self) -> dict:
         return {"reference_batch": self.reference_batch, "samples": self.samples, "updates": self.updates,
-                "global_batch": self.global_batch, "world_size": self.world_size, "max_steps": self.max_steps}
+                "skipped_samples": self.skipped_samples, "resized": self.resized, "global_batch": self.global_batch,
+                "world_size": self.world_size, "max_steps": self.max_steps}
 
-    def assume(self, step: int) -> None:
-        """A checkpoint that did not record its samples: `step` updates of this run's global batch."""
-        self.load_state_dict({"reference_batch": self.global_batch, "samples": step * self.global_batch,
-                              "updates": step, "global_batch": self.global_batch, "world_size": self.world_size,
-                              "max_steps": self.requested_max_steps})
+    def assume(self, step: int, world_size: int | None = None) -> None:
+        """A checkpoint that did not record its samples: `step` updates of this run's per-rank batch on its
+        `world_size` ranks."""
+        world_size = world_size or self.world_size
+        batch = self.global_batch // self.world_size * world_size
+        self.load_state_dict({"reference_batch": batch, "samples": step * batch, "updates": step,
+                              "global_batch": batch, "world_size": world_size, "max_steps": self.requested_max_steps})
 
     def load_state_dict(self, saved: dict) -> None:
         self.reference_batch, self.samples, self.updates = saved["reference_batch"], saved["samples"], saved["updates"]
+        self.skipped_samples = saved.get("skipped_samples", 0)
+        changed = (saved["world_size"], saved["global_batch"]) != (self.world_size, self.global_batch)
+        self.resized = saved.get("resized", False) or changed or self.global_batch != self.reference_batch
         message, max_steps = describe_resize(saved["world_size"], saved["global_batch"], self.world_size,
                                              self.global_batch, self.updates, self.requested_max_steps,
                                              reference_batch=self.reference_batch, samples=self.samples)
-        changed = (saved["world_size"], saved["global_batch"]) != (self.world_size, self.global_batch)
         self.message = message if changed else ""
-        self.max_steps = max(max_steps, self.updates) if self.global_batch != self.reference_batch or changed \
-            else self.requested_max_steps
+        self.max_steps = max(max_steps, self.updates) if self.resized else self.requested_max_steps
 
     def part(self):
         """This clock as a checkpoint part (`ldm.train.checkpointer`)."""
         from ldm.train.checkpointer import Part
 
-        return Part(self.state_dict, self.load_state_dict, missing=lambda state: self.assume(state["step"]))
+        return Part(self.state_dict, self.load_state_dict,
+                    missing=lambda state: self.assume(state["step"], state.get("world_size")))

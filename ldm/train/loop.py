@@ -31,7 +31,7 @@ from ldm.run_folder import RunFolder
 from ldm.runtime import resolve_precision
 from ldm.tracking import NullWriter, make_writer
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, stateful
+from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.objective import (
@@ -113,7 +113,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
         data_position=data_stream.tracker.state_dict, record=record,
         parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
-               "scaler": stateful(scaler, "load_state_dict"), "samples": samples.part()})
+               "scaler": scaler_part(scaler), "samples": samples.part()})
     guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
     flops = check_before_writing(objective, data_stream, record, resume,
                                  allow_config_change=run_args.allow_config_change, dist=dist)

@@ -29,7 +29,7 @@ from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.runtime import resolve_precision
 from ldm.tracking import MetricsFile, NullWriter, Tracker, tracker_name
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, stateful
+from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.objective import (
@@ -138,7 +138,7 @@ class LDMTrainer(Trainer):
                    "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler)),
                    "samples": clock.part()})
         if self.do_grad_scaling:
-            self.checkpointer.parts["scaler"] = stateful(Deferred(lambda: self.scaler), "load_state_dict")
+            self.checkpointer.parts["scaler"] = scaler_part(Deferred(lambda: self.scaler))
         self.add_callback(LDMCallback(self))
 
     def get_train_dataloader(self):
@@ -230,7 +230,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
         if "samples" in saved:
             clock.load_state_dict(saved["samples"])
         else:
-            clock.assume(saved["step"])
+            clock.assume(saved["step"], saved["world_size"])
         if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
             logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
         training_args.max_steps = clock.max_steps
@@ -253,16 +253,23 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
                 step = (checkpoint_step(checkpoint) or 0) if checkpoint else 0
                 trainer.progress = Progress("lines", total=training_args.max_steps, initial=step, label="train",
                                             enabled=True, seconds=run_args.progress_seconds)
-        with GracefulStop(dist) as stop:
-            trainer.stop = stop
-            trainer.train(resume_from_checkpoint=checkpoint)
-        step = trainer.state.global_step
-        last = run_dir.path(f"checkpoint-{step}")
-        stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update changed nothing
+        if checkpoint and clock.updates >= training_args.max_steps:
+            # resumed at the end (a finished job requeued): PaddleNLP would take one more step before it checks
+            logger.info("%s is at update %d of %d: nothing left to train", checkpoint, clock.updates,
+                        training_args.max_steps)
+            step, last, stopped = clock.updates, checkpoint, False
+        else:
+            with GracefulStop(dist) as stop:
+                trainer.stop = stop
+                trainer.train(resume_from_checkpoint=checkpoint)
+            step = trainer.state.global_step
+            last = run_dir.path(f"checkpoint-{step}")
+            stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update changed nothing
+            if not stopped:
+                save_trainer_checkpoint(trainer)  # returns at once if saved already
         if stopped:
             stop.announce(step, last)
         else:
-            save_trainer_checkpoint(trainer)  # returns at once if saved already
             objective.finish(last, data_stream, dist, run_dir)
     finally:
         data_stream.close()
