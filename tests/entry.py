@@ -1,6 +1,7 @@
 """Running the training entry points as users do, and reading what they wrote (shared by the train tests)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -220,3 +221,18 @@ def launched_rank_pid(launcher_pid: int, rank: int) -> int:
         if f"PADDLE_TRAINER_ID={rank}".encode() in environ:
             return int(name)
     raise LookupError(f"rank {rank} of launcher {launcher_pid} not found")
+
+
+def guard_stop_errors(result, tmp_path, launch: bool) -> list[str]:
+    """The `error:` lines of a run the non-finite guard stopped after updates 2, 3 and 4 were skipped (every
+    rank's log when launched), once checked that it ended non-zero, without a traceback, skipping on every rank."""
+    logs = [(tmp_path / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)] if launch else [result.stderr]
+    # launched: each rank exits 2, or is ended by the launcher once the other has
+    assert result.returncode == 2 or launch and result.returncode != 0, \
+        launch_report(result, tmp_path) if launch else result.stderr[-3000:]
+    errors = []
+    for log in logs:
+        assert "Traceback" not in log
+        assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
+        errors += [line for line in log.splitlines() if line.startswith("error: ")]
+    return errors

@@ -18,6 +18,7 @@ from conftest import ROOT
 from corpus import write_corpus
 from img2dataset_corpus import IMAGE_SIZE, own_stats, write_list
 from servers import serve
+from test_data_stream import consume
 
 from ldm.args import ArgumentError, DataArguments
 from ldm.compat import stop_loader
@@ -373,19 +374,6 @@ def test_a_two_worker_loader_resumed_inside_tars_and_parquets_sees_the_uninterru
             caption_dropout_prob=0.2, num_workers=2, shuffle_buffer=16, state=state,
             metadata_filter=MetadataFilters(["punsafe < 0.8"]))
         return build_dataloader(stream, 2)
-
-    def consume(loader, tracker, n):
-        out = []
-        iterator = iter(loader)
-        try:
-            for batch in iterator:
-                batch = tracker.update(batch)
-                out.append((np.asarray(batch["pixel_values"]).copy(), np.asarray(batch["input_ids"]).copy()))
-                if len(out) == n:
-                    break
-        finally:
-            stop_loader(iterator)
-        return out
 
     total, cut = 30, 11  # 120 samples: past the first pass (96 records pass the filter)
     tracker = StreamState(2)
