@@ -102,6 +102,7 @@ class Checkpointer:
         batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA.
         `record`: the run's configuration (`ldm.config.describe_run`), written into every checkpoint."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
+        self._read: tuple[str, dict] | None = None  # (checkpoint, its training state) last read
         self.record = record
         self.last: str | None = None  # the newest checkpoint saved or resumed by this run
         self.random = RandomState(dist, seed)
@@ -147,7 +148,9 @@ class Checkpointer:
     def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
         """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from
         `checkpoint`; returns its step."""
-        state = read_training_state(checkpoint)
+        if self._read is None or self._read[0] != checkpoint:  # the Trainer path loads its parts in two calls
+            self._read = (checkpoint, read_training_state(checkpoint))
+        state = self._read[1]
         self.random.step = state["step"]
         self.last = checkpoint
         if weights:

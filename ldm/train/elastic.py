@@ -115,9 +115,15 @@ class SampleClock:
         self.message = message if changed else ""
         self.max_steps = max(max_steps, self.updates) if self.resized else self.requested_max_steps
 
+    def restore(self, training_state: dict) -> None:
+        """From a checkpoint's training state, written with this clock or before it existed."""
+        if "samples" in training_state:
+            self.load_state_dict(training_state["samples"])
+        else:
+            self.assume(training_state["step"], training_state.get("world_size"))
+
     def part(self):
         """This clock as a checkpoint part (`ldm.train.checkpointer`)."""
         from ldm.train.checkpointer import Part
 
-        return Part(self.state_dict, self.load_state_dict,
-                    missing=lambda state: self.assume(state["step"], state.get("world_size")))
+        return Part(self.state_dict, self.load_state_dict, missing=self.restore)

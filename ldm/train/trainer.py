@@ -226,11 +226,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     clock = SampleClock(training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
                         * dist.world_size, dist.world_size, training_args.max_steps)
     if checkpoint:
-        saved = read_training_state(checkpoint)
-        if "samples" in saved:
-            clock.load_state_dict(saved["samples"])
-        else:
-            clock.assume(saved["step"], saved["world_size"])
+        clock.restore(read_training_state(checkpoint))
         if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
             logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
         training_args.max_steps = clock.max_steps
