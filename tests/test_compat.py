@@ -13,10 +13,20 @@ def test_a_missing_private_name_is_one_error_naming_the_supported_versions():
         compat.private(paddle.amp.GradScaler(), "_no_such_thing", "a test")
 
 
-def test_squared_l2_norm_is_the_sum_of_squares():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_squared_l2_norm_is_the_sum_of_squares_in_fp32(dtype):
     values = np.random.default_rng(0).standard_normal((7, 5)).astype("float32")
-    got = float(compat.squared_l2_norm(paddle.to_tensor(values)).reshape([]))
-    assert got == pytest.approx(float((values.astype(np.float64) ** 2).sum()), rel=1e-5)
+    tensor = paddle.to_tensor(values).astype(dtype)
+    exact = float((tensor.astype("float32").numpy().astype(np.float64) ** 2).sum())
+    got = compat.squared_l2_norm(tensor)
+    assert got.dtype == paddle.float32 and float(got.reshape([])) == pytest.approx(exact, rel=1e-5)
+
+
+def test_scale_in_place_multiplies_by_a_device_factor():
+    values = np.random.default_rng(1).standard_normal((4, 3)).astype("float32")
+    tensor = paddle.to_tensor(values)
+    compat.scale_in_place(tensor, paddle.to_tensor(0.25))
+    np.testing.assert_allclose(tensor.numpy(), values * 0.25, rtol=1e-6)
 
 
 def test_loss_scale_is_the_factor_the_scaler_multiplies_by():

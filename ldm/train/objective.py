@@ -22,7 +22,7 @@ from ldm.checkpoint import (
     save_model,
     write_frozen_autoencoder,
 )
-from ldm.compat import squared_l2_norm
+from ldm.compat import scale_in_place, squared_l2_norm
 from ldm.config import check_resume
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
@@ -261,19 +261,20 @@ def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if above.
 
     The result of `paddle.nn.utils.clip_grad_norm_`, computed the way Paddle's own
-    `ClipGradByGlobalNorm` does (one squared-norm kernel per gradient, one sum) instead of a norm
-    per gradient, a stack and a second norm; no rescaling pass when `max_norm` is infinite. Per-op
-    cost dominates for small models on a CPU: see `scripts/bench_step.py`.
+    `ClipGradByGlobalNorm` does (one squared-norm kernel per gradient, one sum, one scale kernel per
+    gradient) instead of a norm per gradient, a stack and a second norm; no rescaling pass when
+    `max_norm` is infinite. Both kernels are called without Paddle's Python wrappers, whose cost per
+    call dominates for small models on a CPU (`scripts/bench_step.py`, `scripts/bench_train.py`).
     """
     grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
     if not grads:
         return paddle.zeros([], dtype="float32")
-    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g).astype("float32").reshape([]) for g in grads]))
+    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
     if math.isfinite(max_norm):
         scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
         scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
         for g in grads:
-            g.multiply_(scales[g.dtype])
+            scale_in_place(g, scales[g.dtype])
     return total
 
 
