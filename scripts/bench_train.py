@@ -5,7 +5,10 @@
 Baseline: a bare forward/backward/AdamW step of the model the loop trains (`LatentDiffusion` from the
 same flags), on random pixels and token ids already in memory. Measured: the real loop
 (`ldm.train.loop.run`, one process) on synthetic shards, with everything it does per update: data,
-loss window, gradient sync, clipping, the stop vote, logging, the progress bar. Each round times
+loss window, gradient sync, clipping, the non-finite guard, logging, FLOPs, the metrics file, the progress
+bar. Its data comes from one loader process, as a run's does (a run starts 6 per card; one here, where 2
+cores are shared): with `--num_workers 0` the data path runs in a thread of the training process, whose
+Python (the tokenizer) then competes with the step's op dispatch for the interpreter lock. Each round times
 `--updates` steps of each after as many warm-up steps, interleaved; the loop's time is its logged
 samples/s over the second logging window (the first holds the start-up). The last line is the loop's
 speed as a fraction of the bare step's.
@@ -73,7 +76,8 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num_workers", type=int, default=0, help="the loop's loader workers")
+    parser.add_argument("--num_workers", type=int, default=1,
+                        help="the loop's loader processes (0: a thread of the training process)")
     parser.add_argument("--against", choices=("bare", "latents"), default="bare",
                         help="bare: the loop against a bare step; latents: the loop on latents against on images")
     args = parser.parse_args()
@@ -121,11 +125,15 @@ def main() -> None:
         objective = TextToImage(model_args, data, sampling, recompute=False, seed=0)
         bare.append(bare_step_seconds(objective, args.batch, args.resolution, args.updates, 1e-4))
         loop.append(loop_update_seconds(data, f"run{round_index}"))
-        print(f"round {round_index + 1}: bare step {bare[-1] * 1e3:.1f} ms, loop update {loop[-1] * 1e3:.1f} ms")
+        print(f"round {round_index + 1}: bare step {bare[-1] * 1e3:.1f} ms, loop update {loop[-1] * 1e3:.1f} ms "
+              f"({bare[-1] / loop[-1]:.3f})")
     bare_ms, loop_ms = statistics.median(bare) * 1e3, statistics.median(loop) * 1e3
+    # the ratio of each round (its two measurements taken back to back), then their median: the machine's
+    # drift over a run moves both of a round alike
+    ratio = statistics.median(b / l for b, l in zip(bare, loop))
     print(f"bare step {bare_ms:.1f} ms, loop update {loop_ms:.1f} ms (medians of {args.rounds} rounds, "
-          f"{args.preset}, batch {args.batch})")
-    print(f"loop speed as a fraction of the bare step: {bare_ms / loop_ms:.3f}")
+          f"{args.preset}, batch {args.batch}, {args.num_workers} loader processes)")
+    print(f"loop speed as a fraction of the bare step (median of the rounds' ratios): {ratio:.3f}")
 
 
 def encode(listing: str, vae: str, resolution: int, folder: str) -> str:
