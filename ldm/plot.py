@@ -1,0 +1,133 @@
+"""Curves of one run or several, drawn from their `metrics.jsonl` (no tracker needed).
+
+    python -m ldm.plot OUT [OUT2 ...] --output curves.png
+    python -m ldm.plot OUT --panel train/loss eval/loss eval/ema_loss --panel "eval/loss_t*" --output p.png
+
+Each `--panel` is one plot of the metrics it names (`fnmatch` patterns on the names `metrics.jsonl` holds);
+by default the training loss beside the held-out loss (and the EMA's), then the held-out loss at each
+fixed timestep, then the training loss by quarter of the noise schedule. A run is its output folder or
+its `metrics.jsonl`; with several runs, each has its colour and its folder's name in the legend.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import sys
+
+from ldm.tracking import METRICS_FILE
+
+DEFAULT_PANELS = (
+    ("train/loss", "eval/loss", "eval/ema_loss"),
+    ("eval/loss_t*",),
+    ("train/loss_q*",),
+)
+
+
+class PlotError(Exception):
+    """A run or a metric the user named cannot be drawn: one line, exit 2."""
+
+
+def read_metrics(run: str) -> dict[str, tuple[list[int], list[float]]]:
+    """{metric: (steps, values)} of a run folder or a metrics file; non-finite values are left out (a skipped
+    window's NaN would break the line)."""
+    path = os.path.join(run, METRICS_FILE) if os.path.isdir(run) else run
+    if not os.path.isfile(path):
+        raise PlotError(f"{run}: no {METRICS_FILE} (give a run's --output_dir or the file itself)")
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+            for name, value in record.items():
+                if name in ("step", "time") or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    continue
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(step)
+                values.append(float(value))
+    if not series:
+        raise PlotError(f"{path}: no metric in it yet")
+    return series
+
+
+def matching(names, patterns) -> list[str]:
+    """The metric names that match any pattern, in the patterns' order (then by name, timesteps numerically)."""
+    def key(name):
+        digits = "".join(c for c in name.rsplit("_", 1)[-1] if c.isdigit())
+        return (name.rstrip("0123456789"), int(digits) if digits else -1)
+
+    chosen = []
+    for pattern in patterns:
+        chosen += sorted((n for n in names if fnmatch.fnmatchcase(n, pattern) and n not in chosen), key=key)
+    return chosen
+
+
+def plot(runs: dict[str, dict], panels, output: str) -> list[tuple[str, list[str]]]:
+    """Draw `panels` of every run into `output`; returns [(panel title, metrics drawn)] (empty panels dropped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {name for series in runs.values() for name in series}
+    drawn = [(", ".join(patterns), matching(names, patterns)) for patterns in panels]
+    drawn = [(title, metrics) for title, metrics in drawn if metrics]
+    if not drawn:
+        raise PlotError(f"none of {[p for panel in panels for p in panel]} is in the runs' metrics "
+                        f"(they hold {', '.join(sorted(names))})")
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5.5 * len(drawn), 4), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    for ax, (title, metrics) in zip(axes[0], drawn, strict=True):
+        for r, (run, series) in enumerate(runs.items()):
+            for m, metric in enumerate(metrics):
+                if metric not in series:
+                    continue
+                steps, values = series[metric]
+                # one run: a colour per metric; several: a colour per run, a line style per metric
+                colour, style = (colours[m % len(colours)], "-") if len(runs) == 1 else \
+                    (colours[r % len(colours)], styles[m % len(styles)])
+                label = metric if len(runs) == 1 else f"{run}: {metric}"
+                ax.plot(steps, values, style, color=colour, label=label, marker="." if len(steps) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer update")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ldm.args import ToolParser
+
+    parser = ToolParser(prog="python -m ldm.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run output folders (or metrics.jsonl files)")
+    parser.add_argument("--panel", nargs="+", action="append", metavar="METRIC",
+                        help="metrics of one plot (fnmatch patterns); repeat for more plots")
+    parser.add_argument("--output", default="curves.png", help="the image written (PNG, SVG or PDF)")
+    args = parser.parse_args(argv)
+    try:
+        labels = [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or "."))
+                  for r in args.runs]
+        if len(set(labels)) < len(labels):
+            labels = args.runs  # folders of the same name: show the paths given
+        runs = {label: read_metrics(run) for label, run in zip(labels, args.runs, strict=True)}
+        drawn = plot(runs, args.panel or DEFAULT_PANELS, args.output)
+    except PlotError as e:
+        print(f"python -m ldm.plot: {e}", file=sys.stderr)
+        return 2
+    for title, metrics in drawn:
+        print(f"{title}: {', '.join(metrics)}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
