@@ -542,6 +542,28 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                run_args=RunArguments(max_nonfinite_updates=max_in_row))
 
 
+def test_the_loop_rescales_gradients_only_when_their_norm_exceeds_the_maximum(tmp_path):
+    """One update with `adam_epsilon` 100, so that the update is nearly proportional to the gradient: a binding
+    `max_grad_norm` shrinks it by max / norm; a maximum the norm stays within (whose rescaling pass the loop
+    leaves out) trains bit-identically to no clipping at all."""
+    def update(name, max_grad_norm):
+        pixel_run(tmp_path, PixelRegression(), name, max_train_steps=1, max_grad_norm=max_grad_norm,
+                  adam_epsilon=100.0, adam_weight_decay=0.0, learning_rate=10.0, report_to=["visualdl"])
+        norm = read_scalars(str(tmp_path / name / "visualdl"), "train/grad_norm")[1][0]
+        return load_state(str(tmp_path / name / "checkpoint-1"), "net"), norm
+
+    start = {name: value.numpy() for name, value in PixelRegression().model.state_dict().items()}
+    free, norm = update("free", 0)
+    within, _ = update("within", norm * 1.5)
+    clipped, _ = update("clipped", norm / 4)
+    for name in start:
+        np.testing.assert_array_equal(within[name], free[name], err_msg=name)
+        moved, moved_clipped = free[name] - start[name], clipped[name] - start[name]
+        assert np.abs(moved).max() > 1e-4, name
+        # g / (|g| + 100) per element: a quarter of the gradient moves each weight by a quarter, give or take |g|
+        np.testing.assert_allclose(moved_clipped, moved / 4, rtol=0.02, atol=1e-3 * np.abs(moved).max())
+
+
 def test_a_non_finite_update_is_skipped_whole_and_the_run_goes_on(tmp_path):
     """Update 3's loss is NaN: its weights, optimizer moments, schedule and EMA stay as after update 2; it is
     counted and logged in metrics.jsonl; updates 4 and 5 train as usual."""

@@ -9,9 +9,10 @@ not stepped. Under fp16 the verdict is merged into the scaler's (which lowers th
 
 Paddle's AdamW cannot skip on the device alone: its dygraph step tests the flag on the host
 (`Optimizer._apply_optimize`) and its GPU kernel copies `SkipUpdate` to the host
-(`phi/kernels/gpu/adamw_kernel.cu`). A single-process run in fp32 or bf16 therefore pays one read of
-a one-element flag per update that it did not pay before; several ranks (the stop vote's read) and
-fp16 (the scaler's read) pay nothing more.
+(`phi/kernels/gpu/adamw_kernel.cu`). A single process therefore reads a three-element flag once per
+update, where it read nothing before (on a GPU, a host synchronisation after the backward pass); with
+several ranks it is the read the stop vote made anyway. The same read says whether the gradients'
+norm exceeds `--max_grad_norm`, so the rescaling pass over every gradient runs only when it does.
 
 Each skip is logged with the update and where the rank's batches came from, and counted
 (`train/nonfinite_skips`, per logging window). `max_nonfinite_updates` skips in a row stop the run
@@ -39,6 +40,7 @@ class NonFiniteGuard:
     def __init__(self, dist, max_in_row: int):
         self.dist, self.max_in_row = dist, max_in_row
         self.found: paddle.Tensor | None = None
+        self.clip = False  # the last `check`: the gradients' norm exceeds the maximum
         self.in_row = 0  # skipped updates in a row, up to the last one
         self.window_skips = 0  # since the last `read`
         self.total_skips = 0
@@ -46,20 +48,23 @@ class NonFiniteGuard:
         self.last_step = 0
 
     @paddle.no_grad()
-    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None) -> bool:
+    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None, clip_factor=None) -> bool:
         """Whether to skip this update, the same on every rank: `loss` is this rank's loss of the update (its
         micro-steps summed), `grad_norm` the norm of the synchronised gradients. With several ranks the verdict
         travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
-        answers both: the read the stop vote made at every update before the guard existed."""
+        answers both: the read the stop vote made at every update before the guard existed.
+
+        `clip_factor` (`ldm.train.objective.clip_factor`, on the device): the same read also sets `clip`,
+        whether it is below 1, so that the gradients are rescaled only when their norm exceeds the maximum
+        (the same on every rank: the norm is of the synchronised gradients)."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
                                  & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("int32")
+        over = (clip_factor.reshape([1]) < 1).astype("int32") if clip_factor is not None else paddle.zeros([1], "int32")
         signalled = stop.signalled() if stop is not None else False
+        flags = paddle.concat([bad, over, paddle.to_tensor([int(signalled)], dtype="int32")])
         if self.dist.world_size > 1:
-            flags = paddle.concat([bad, paddle.to_tensor([int(signalled)], dtype="int32")])
             paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
-            skipped, signalled = (bool(v) for v in flags.numpy())
-        else:
-            skipped = bool(bad.item())
+        skipped, self.clip, signalled = (bool(v) for v in flags.numpy())
         if stop is not None:
             stop.settle(signalled)
         self.found = bad.astype("bool")

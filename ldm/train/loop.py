@@ -39,9 +39,11 @@ from ldm.train.objective import (
     MetricsWindow,
     TextToImage,
     check_before_writing,
-    clip_grad_norm,
+    clip_factor,
     evaluate,
+    global_grad_norm,
     rank_seed,
+    scale_gradients,
     start_batches,
 )
 from ldm.train.optim import lr_schedule
@@ -154,10 +156,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                     window.add_micro_step(loss, extra, 1 / accumulation)
                 sync_gradients(trained, dist.world_size)
                 scaler.unscale_(optimizer)
-                grad_norm = clip_grad_norm(trained, max_norm)
+                grad_norm = global_grad_norm(trained)
+                factor = clip_factor(grad_norm, max_norm)
                 update_loss = window.update_loss()
-                # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
-                verdict = guard.check(update_loss, grad_norm, stop)
+                # the update's one host read: the non-finite verdict, the stop vote and whether to clip, agreed
+                # by every rank; clipping a norm within the maximum would multiply by exactly 1: skipped
+                verdict = guard.check(update_loss, grad_norm, stop, clip_factor=factor)
+                if guard.clip and not verdict:
+                    scale_gradients(trained, factor)
                 stopping = stop.agreed
                 guard.hand_to(optimizer, verdict, scaler)
                 scaler.step(optimizer)

@@ -266,16 +266,33 @@ def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     `max_norm` is infinite. Both kernels are called without Paddle's Python wrappers, whose cost per
     call dominates for small models on a CPU (`scripts/bench_step.py`, `scripts/bench_train.py`).
     """
+    total = global_grad_norm(parameters)
+    factor = clip_factor(total, max_norm)
+    if factor is not None:
+        scale_gradients(parameters, factor)
+    return total
+
+
+def global_grad_norm(parameters) -> paddle.Tensor:
+    """Global L2 norm of the gradients, fp32, on the device (0 without gradients)."""
     grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
     if not grads:
         return paddle.zeros([], dtype="float32")
-    total = paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
-    if math.isfinite(max_norm):
-        scale = paddle.clip(max_norm / (total + 1e-6), max=1.0)
-        scales = {dtype: scale.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
-        for g in grads:
-            scale_in_place(g, scales[g.dtype])
-    return total
+    return paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
+
+
+def clip_factor(total: paddle.Tensor, max_norm: float) -> paddle.Tensor | None:
+    """What clipping to `max_norm` multiplies the gradients by (on the device; exactly 1 when within it);
+    None when `max_norm` is infinite."""
+    return paddle.clip(max_norm / (total + 1e-6), max=1.0) if math.isfinite(max_norm) else None
+
+
+@paddle.no_grad()
+def scale_gradients(parameters, factor: paddle.Tensor) -> None:
+    grads = [p.grad_ for p in parameters if p.grad_ is not None]
+    factors = {dtype: factor.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
+    for g in grads:
+        scale_in_place(g, factors[g.dtype])
 
 
 class MetricsWindow:
