@@ -2,7 +2,7 @@
 
     python -m ldm.validate --model OUT/pipeline --file_list held_out.list [--validation_samples 256] [--json]
     python -m ldm.validate --model OUT/checkpoint-5000 --file_list held_out.list --weights raw
-    python -m paddle.distributed.launch --nproc_per_node 2 -m ldm.validate ...   (the same numbers, split)
+    python -m paddle.distributed.launch --nproc_per_node 2 ldm/validate.py ...   (the same numbers, split)
 
 Prints the mean loss and the loss at each fixed timestep (`ldm.validation`): with the same records,
 timesteps and weights, the numbers training logged as eval/loss and eval/loss_t<t> (eval/ema_* for the
