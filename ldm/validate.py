@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.distributed import Distributed
     from ldm.inference import is_pipeline, load_for_inference
     from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
     from ldm.train.errors import user_errors
     from ldm.validation import HeldOut, fixed_timesteps, read_records
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         model = LatentDiffusion(unet, text_encoder, vae, DDPMScheduler.from_config(scheduler_config))
-        resolution = args.resolution or unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
+        resolution = args.resolution or model_resolution(unet, vae)
         records = read_records(args.file_list, args.validation_samples, resolution=resolution, tokenizer=tokenizer,
                                model_max_length=tokenizer.model_max_length,
                                autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model)

@@ -130,7 +130,7 @@ def main() -> None:
     bare_ms, loop_ms = statistics.median(bare) * 1e3, statistics.median(loop) * 1e3
     # the ratio of each round (its two measurements taken back to back), then their median: the machine's
     # drift over a run moves both of a round alike
-    ratio = statistics.median(b / l for b, l in zip(bare, loop))
+    ratio = statistics.median(b_s / l_s for b_s, l_s in zip(bare, loop, strict=True))
     print(f"bare step {bare_ms:.1f} ms, loop update {loop_ms:.1f} ms (medians of {args.rounds} rounds, "
           f"{args.preset}, batch {args.batch}, {args.num_workers} loader processes)")
     print(f"loop speed as a fraction of the bare step (median of the rounds' ratios): {ratio:.3f}")

@@ -143,6 +143,12 @@ def download_autoencoder(name: str) -> str:
     raise ModelSourceError(f"{repo!r} on the model hub has no {wanted}: not an autoencoder")
 
 
+def model_resolution(unet, vae) -> int:
+    """The image size a UNet and autoencoder were made for: the UNet's latent size times the autoencoder's
+    downsampling (2 per block after the first)."""
+    return unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
+
+
 @dataclass
 class Components:
     unet: object
