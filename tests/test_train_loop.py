@@ -268,17 +268,21 @@ def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpo
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
 def test_clip_grad_norm_matches_paddles(max_norm):
-    from ldm.train.objective import clip_grad_norm
+    from ldm.train.objective import clip_grad_norm, global_grad_norm
 
     def clipped(clip):
         paddle.seed(0)
         net = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 4))
         (net(paddle.randn([5, 8])) ** 2).sum().backward()
-        norm = float(clip(net.parameters(), max_norm))
+        norm = clip(net.parameters(), max_norm)
+        assert norm.stop_gradient  # no autograd graph kept by a norm the loop sums over a logging window
+        norm = float(norm)
         return norm, [p.grad.numpy().copy() for p in net.parameters()]
 
     expected_norm, expected = clipped(paddle.nn.utils.clip_grad_norm_)
     norm, grads = clipped(clip_grad_norm)
+    unclipped, _ = clipped(lambda parameters, _: global_grad_norm(parameters))
+    assert unclipped == pytest.approx(expected_norm, rel=1e-6)
     assert norm == pytest.approx(expected_norm, rel=1e-6) and norm > 0.05
     for got, want in zip(grads, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)

@@ -61,10 +61,12 @@ class NonFiniteGuard:
                                  & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("int32")
         over = (clip_factor.reshape([1]) < 1).astype("int32") if clip_factor is not None else paddle.zeros([1], "int32")
         signalled = stop.signalled() if stop is not None else False
-        flags = paddle.concat([bad, over, paddle.to_tensor([int(signalled)], dtype="int32")])
         if self.dist.world_size > 1:
+            flags = paddle.concat([bad, over, paddle.to_tensor([int(signalled)], dtype="int32")])
             paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
-        skipped, self.clip, signalled = (bool(v) for v in flags.numpy())
+            skipped, self.clip, signalled = (bool(v) for v in flags.numpy())
+        else:  # the signal is this process's own
+            skipped, self.clip = (bool(v) for v in paddle.concat([bad, over]).numpy())
         if stop is not None:
             stop.settle(signalled)
         self.found = bad.astype("bool")

@@ -273,6 +273,7 @@ def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     return total
 
 
+@paddle.no_grad()
 def global_grad_norm(parameters) -> paddle.Tensor:
     """Global L2 norm of the gradients, fp32, on the device (0 without gradients)."""
     grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
@@ -281,6 +282,7 @@ def global_grad_norm(parameters) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
 
 
+@paddle.no_grad()
 def clip_factor(total: paddle.Tensor, max_norm: float) -> paddle.Tensor | None:
     """What clipping to `max_norm` multiplies the gradients by (on the device; exactly 1 when within it);
     None when `max_norm` is infinite."""
