@@ -134,10 +134,6 @@ def corpus_reference(num_images: int, resolution: int, seed: int = 12345) -> dic
     return score(readings, captions)
 
 
-def image_size(unet, vae) -> int:
-    return unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
-
-
 def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale: float = 5.0,
                    num_inference_steps: int = 50, seed: int = 0, reference_images: int = 1000,
                    grid: str | None = None, reconstructions: str | None = None) -> dict:
@@ -145,6 +141,7 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     the model's own autoencoder reconstructions (what the LDM can at best reach)."""
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference import load_for_inference
+    from ldm.models.build import model_resolution
     from ldm.sampling import ddim_scheduler, generate, image_grid
 
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(model)
@@ -160,7 +157,7 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     result = score(readings, repeated)
     result["per_prompt"] = {p: score(readings[i * num_images_per_prompt:(i + 1) * num_images_per_prompt],
                                      [p] * num_images_per_prompt)["all_three"] for i, p in enumerate(prompts)}
-    resolution = image_size(unet, vae)
+    resolution = model_resolution(unet, vae)
     return {
         "model": model,
         "ema_weights": used_ema,

@@ -46,7 +46,7 @@ def private(owner, name: str, use: str):
 
 def squared_l2_norm(tensor):
     """Sum of squares of a tensor in one kernel, the one Paddle's `ClipGradByGlobalNorm` uses: a
-    one-element fp32 tensor (a half-precision tensor is cast first). Called on `paddle._C_ops` directly:
+    one-element fp32 tensor (a tensor of another dtype is cast first). Called on `paddle._C_ops` directly:
     Paddle's Python wrapper costs several times the kernel on a small tensor, once per gradient per update."""
     import paddle
 
@@ -55,12 +55,13 @@ def squared_l2_norm(tensor):
     return private(paddle._C_ops, "squared_l2_norm", "gradient clipping")(tensor)
 
 
-def scale_in_place(tensor, factor) -> None:
-    """`tensor *= factor` for a one-element `factor` on the device, in the one kernel `paddle.scale` runs
-    (a broadcast `multiply_` measured several times slower per gradient on a CPU)."""
+def scale_in_place(tensor, factor: float) -> None:
+    """`tensor *= factor` in the one kernel `paddle.scale` runs (a broadcast `multiply_` by a one-element
+    tensor measured several times slower per gradient on a CPU). `factor` is a Python float: Paddle turns a
+    tensor given here into a host scalar, a device read per call on a GPU."""
     import paddle
 
-    private(paddle._C_ops, "scale_", "gradient clipping")(tensor, factor, 0.0, True)
+    private(paddle._C_ops, "scale_", "gradient clipping")(tensor, float(factor), 0.0, True)
 
 
 def loss_scale(scaler):

@@ -1,12 +1,13 @@
 """Curves of one run or several, drawn from their `metrics.jsonl` (no tracker needed).
 
     python -m ldm.plot OUT [OUT2 ...] --output curves.png
-    python -m ldm.plot OUT --panel train/loss eval/loss eval/ema_loss --panel "eval/loss_t*" --output p.png
+    python -m ldm.plot OUT --panel train/loss,eval/loss,eval/ema_loss --panel "eval/loss_t*" --output p.svg
 
-Each `--panel` is one plot of the metrics it names (`fnmatch` patterns on the names `metrics.jsonl` holds);
-by default the training loss beside the held-out loss (and the EMA's), then the held-out loss at each
-fixed timestep, then the training loss by quarter of the noise schedule. A run is its output folder or
-its `metrics.jsonl`; with several runs, each has its colour and its folder's name in the legend.
+Each `--panel` is one plot of the metrics it names (comma-separated `fnmatch` patterns on the names
+`metrics.jsonl` holds); by default the training loss beside the held-out loss (and the EMA's), then the
+held-out loss at each fixed timestep, then the training loss by quarter of the noise schedule. A run is
+its output folder or its `metrics.jsonl`; a metric has its colour, and with several runs each run has
+its line style and its folder's name in the legend.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEFAULT_PANELS = (
 )
 
 
-class PlotError(Exception):
+class PlotError(ValueError):
     """A run or a metric the user named cannot be drawn: one line, exit 2."""
 
 
@@ -78,30 +79,43 @@ def plot(runs: dict[str, dict], panels, output: str) -> list[tuple[str, list[str
     drawn = [(", ".join(patterns), matching(names, patterns)) for patterns in panels]
     drawn = [(title, metrics) for title, metrics in drawn if metrics]
     if not drawn:
-        raise PlotError(f"none of {[p for panel in panels for p in panel]} is in the runs' metrics "
+        raise PlotError(f"none of {', '.join(p for panel in panels for p in panel)} is in the runs' metrics "
                         f"(they hold {', '.join(sorted(names))})")
     fig, axes = plt.subplots(1, len(drawn), figsize=(5.5 * len(drawn), 4), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
     for ax, (title, metrics) in zip(axes[0], drawn, strict=True):
         for r, (run, series) in enumerate(runs.items()):
             for m, metric in enumerate(metrics):
                 if metric not in series:
                     continue
                 steps, values = series[metric]
-                # one run: a colour per metric; several: a colour per run, a line style per metric
-                colour, style = (colours[m % len(colours)], "-") if len(runs) == 1 else \
-                    (colours[r % len(colours)], styles[m % len(styles)])
                 label = metric if len(runs) == 1 else f"{run}: {metric}"
-                ax.plot(steps, values, style, color=colour, label=label, marker="." if len(steps) < 30 else None)
+                ax.plot(steps, values, linestyle=styles[r % len(styles)], color=colours[m % len(colours)],
+                        label=label, marker="." if len(steps) < 30 else None)
         ax.set_title(title)
         ax.set_xlabel("optimizer update")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(output, dpi=100)
+    finally:
+        plt.close(fig)
     return drawn
+
+
+def check_output(output: str) -> None:
+    """Refuse an image name matplotlib cannot write, before anything is read or drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    kind = os.path.splitext(output)[1][1:].lower()
+    if kind not in kinds:
+        raise PlotError(f"--output {output}: name the image with one of the extensions {', '.join(sorted(kinds))}")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise PlotError(f"--output {output}: the folder {folder} does not exist")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,19 +123,26 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = ToolParser(prog="python -m ldm.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run output folders (or metrics.jsonl files)")
-    parser.add_argument("--panel", nargs="+", action="append", metavar="METRIC",
-                        help="metrics of one plot (fnmatch patterns); repeat for more plots")
-    parser.add_argument("--output", default="curves.png", help="the image written (PNG, SVG or PDF)")
+    parser.add_argument("--panel", action="append", metavar="METRIC[,METRIC...]",
+                        help="metrics of one plot (comma-separated fnmatch patterns); repeat for more plots")
+    parser.add_argument("--output", default="curves.png", help="the image written (.png, .svg, .pdf, ...)")
     args = parser.parse_args(argv)
+    panels = [tuple(p.strip() for p in panel.split(",") if p.strip()) for panel in args.panel] if args.panel \
+        else DEFAULT_PANELS
     try:
+        check_output(args.output)
         labels = [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or "."))
                   for r in args.runs]
         if len(set(labels)) < len(labels):
             labels = args.runs  # folders of the same name: show the paths given
         runs = {label: read_metrics(run) for label, run in zip(labels, args.runs, strict=True)}
-        drawn = plot(runs, args.panel or DEFAULT_PANELS, args.output)
-    except PlotError as e:
-        print(f"python -m ldm.plot: {e}", file=sys.stderr)
+        names = {name for series in runs.values() for name in series}
+        for pattern in (p for panel in panels for p in panel) if args.panel else ():  # the user's only
+            if not matching(names, [pattern]):
+                print(f"warning: no metric matches {pattern!r}", file=sys.stderr)
+        drawn = plot(runs, panels, args.output)
+    except (PlotError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     for title, metrics in drawn:
         print(f"{title}: {', '.join(metrics)}")

@@ -132,7 +132,7 @@ def main() -> None:
     # drift over a run moves both of a round alike
     ratio = statistics.median(b_s / l_s for b_s, l_s in zip(bare, loop, strict=True))
     print(f"bare step {bare_ms:.1f} ms, loop update {loop_ms:.1f} ms (medians of {args.rounds} rounds, "
-          f"{args.preset}, batch {args.batch}, {args.num_workers} loader processes)")
+          f"{args.preset}, batch {args.batch}, loader processes: {args.num_workers})")
     print(f"loop speed as a fraction of the bare step (median of the rounds' ratios): {ratio:.3f}")
 
 

@@ -9,10 +9,11 @@ not stepped. Under fp16 the verdict is merged into the scaler's (which lowers th
 
 Paddle's AdamW cannot skip on the device alone: its dygraph step tests the flag on the host
 (`Optimizer._apply_optimize`) and its GPU kernel copies `SkipUpdate` to the host
-(`phi/kernels/gpu/adamw_kernel.cu`). A single process therefore reads a three-element flag once per
+(`phi/kernels/gpu/adamw_kernel.cu`). A single process therefore reads a two-element flag once per
 update, where it read nothing before (on a GPU, a host synchronisation after the backward pass); with
-several ranks it is the read the stop vote made anyway. The same read says whether the gradients'
-norm exceeds `--max_grad_norm`, so the rescaling pass over every gradient runs only when it does.
+several ranks it is the read the stop vote made anyway. The same read brings the clip factor to the
+host, so that the rescaling pass over every gradient runs only when the norm exceeds
+`--max_grad_norm`, without a device read of its own.
 
 Each skip is logged with the update and where the rank's batches came from, and counted
 (`train/nonfinite_skips`, per logging window). `max_nonfinite_updates` skips in a row stop the run
@@ -40,7 +41,7 @@ class NonFiniteGuard:
     def __init__(self, dist, max_in_row: int):
         self.dist, self.max_in_row = dist, max_in_row
         self.found: paddle.Tensor | None = None
-        self.clip = False  # the last `check`: the gradients' norm exceeds the maximum
+        self.clip_factor = 1.0  # the last `check`'s: what clipping multiplies the gradients by
         self.in_row = 0  # skipped updates in a row, up to the last one
         self.window_skips = 0  # since the last `read`
         self.total_skips = 0
@@ -54,22 +55,27 @@ class NonFiniteGuard:
         travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
         answers both: the read the stop vote made at every update before the guard existed.
 
-        `clip_factor` (`ldm.train.objective.clip_factor`, on the device): the same read also sets `clip`,
-        whether it is below 1, so that the gradients are rescaled only when their norm exceeds the maximum
-        (the same on every rank: the norm is of the synchronised gradients)."""
+        `clip_factor` (`ldm.train.objective.clip_factor`, on the device) is read along, as `self.clip_factor`
+        (the smallest over ranks; 1.0 without one): the loop rescales the gradients only when it is below 1,
+        by a number already on the host."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
-                                 & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("int32")
-        over = (clip_factor.reshape([1]) < 1).astype("int32") if clip_factor is not None else paddle.zeros([1], "int32")
+                                 & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("float32")
+        # negated, so that the all-reduce's MAX gives every rank the smallest factor
+        negated = -clip_factor.astype("float32").reshape([1]) if clip_factor is not None else \
+            paddle.full([1], -1.0, dtype="float32")
         signalled = stop.signalled() if stop is not None else False
         if self.dist.world_size > 1:
-            flags = paddle.concat([bad, over, paddle.to_tensor([int(signalled)], dtype="int32")])
+            flags = paddle.concat([bad, negated, paddle.full([1], float(signalled), dtype="float32")])
             paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
-            skipped, self.clip, signalled = (bool(v) for v in flags.numpy())
+            found, negated_factor, vote = flags.numpy().tolist()
+            signalled = bool(vote)
         else:  # the signal is this process's own
-            skipped, self.clip = (bool(v) for v in paddle.concat([bad, over]).numpy())
+            found, negated_factor = paddle.concat([bad, negated]).numpy().tolist()
+        skipped, self.clip_factor = bool(found), -negated_factor
         if stop is not None:
             stop.settle(signalled)
-        self.found = bad.astype("bool")
+        # the agreed verdict, for an fp16 scaler (merged into its own, which it reads anyway)
+        self.found = paddle.full([1], skipped, dtype="bool")
         return skipped
 
     def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:

@@ -157,13 +157,12 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 sync_gradients(trained, dist.world_size)
                 scaler.unscale_(optimizer)
                 grad_norm = global_grad_norm(trained)
-                factor = clip_factor(grad_norm, max_norm)
                 update_loss = window.update_loss()
-                # the update's one host read: the non-finite verdict, the stop vote and whether to clip, agreed
-                # by every rank; clipping a norm within the maximum would multiply by exactly 1: skipped
-                verdict = guard.check(update_loss, grad_norm, stop, clip_factor=factor)
-                if guard.clip and not verdict:
-                    scale_gradients(trained, factor)
+                # the update's one host read: the non-finite verdict, the stop vote and the clip factor, agreed
+                # by every rank; a norm within the maximum has a factor of exactly 1: no rescaling pass
+                verdict = guard.check(update_loss, grad_norm, stop, clip_factor=clip_factor(grad_norm, max_norm))
+                if guard.clip_factor < 1 and not verdict:
+                    scale_gradients(trained, guard.clip_factor)
                 stopping = stop.agreed
                 guard.hand_to(optimizer, verdict, scaler)
                 scaler.step(optimizer)

@@ -37,8 +37,8 @@ from ldm.train.objective import (
     MetricsWindow,
     TextToImage,
     check_before_writing,
-    clip_grad_norm,
     evaluate,
+    global_grad_norm,
     rank_seed,
     start_batches,
 )
@@ -71,7 +71,7 @@ class LDMCallback(TrainerCallback):
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
         t = self.trainer
-        norm = clip_grad_norm(t.trained)
+        norm = global_grad_norm(t.trained)  # PaddleNLP clips (with --max_grad_norm) in its step
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
         # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
         t.guard.hand_to(t.optimizer, t.guard.check(t.update_loss, self.grad_norm, t.stop), scaler)
