@@ -5,20 +5,11 @@
     python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_no_trainer.py ...
 """
 
-from ldm.args import (
-    DataArguments,
-    LoopArguments,
-    ModelArguments,
-    RunArguments,
-    SamplingArguments,
-    ValidationArguments,
-    parse,
-)
+from ldm.args import NO_TRAINER_GROUPS, parse
 
 
 def main(argv=None) -> int:
-    model_args, data_args, sampling_args, loop_args, run_args, validation_args = parse(
-        [ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments, ValidationArguments], argv)
+    model_args, data_args, sampling_args, loop_args, run_args, validation_args = parse(NO_TRAINER_GROUPS, argv)
     from ldm.runtime import use_fast_cpu_kernels
     from ldm.train.errors import user_errors
     from ldm.train.loop import train

@@ -257,6 +257,12 @@ class AutoencoderLoopArguments(LoopArguments):
     learning_rate: float = arg(1e-4, "peak learning rate")
 
 
+# The argument groups of the hand-written loop's entry point (`train_txt2img_laion400m_no_trainer.py`), in the
+# order `parse` returns them; each lands in a run's record (`run.json`) under its class name.
+NO_TRAINER_GROUPS = (ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments,
+                     ValidationArguments)
+
+
 def make_parser(dataclass_types):
     """PaddleNLP's PdArgumentParser, plus flag aliases from field metadata."""
     from paddlenlp.trainer import PdArgumentParser
