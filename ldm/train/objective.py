@@ -259,21 +259,12 @@ def check_before_writing(objective: Objective, batches: TimedBatches, record: di
 @paddle.no_grad()
 def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if
-    above, on the device throughout (no host read).
-
-    The result of `paddle.nn.utils.clip_grad_norm_`, computed the way Paddle's own
-    `ClipGradByGlobalNorm` does (one squared-norm kernel per gradient, one sum, one multiply per
-    gradient) instead of a norm per gradient, a stack and a second norm; no rescaling pass when
-    `max_norm` is infinite. The hand-written loop decides on the host instead, with the read its
-    non-finite guard makes anyway (`scale_gradients`).
-    """
+    above: the result of `paddle.nn.utils.clip_grad_norm_`, from the pieces the loop uses, in one call that
+    reads the factor itself (the loop reads it with its non-finite guard's verdict instead)."""
     total = global_grad_norm(parameters)
     factor = clip_factor(total, max_norm)
-    if factor is not None:
-        grads = [p.grad_ for p in parameters if p.grad_ is not None]
-        factors = {dtype: factor.astype(dtype) for dtype in {g.dtype for g in grads}}  # one cast per dtype
-        for g in grads:
-            g.multiply_(factors[g.dtype])
+    if factor is not None and float(factor) < 1:
+        scale_gradients(parameters, float(factor))
     return total
 
 
