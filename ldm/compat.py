@@ -78,15 +78,14 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-def skip_step_if(skip: bool, found, optimizer, scaler=None) -> None:
-    """Make the coming optimizer step (or `scaler.step`) skip when `skip` (`found`: the same verdict as a
-    one-element bool tensor on the device).
+def skip_step_if(skip: bool, optimizer, scaler=None) -> None:
+    """Make the coming optimizer step (or `scaler.step`) skip when `skip`.
 
     Paddle's own mechanism, the one its GradScaler uses: the optimizer's `found_inf` auxiliary variable,
     with which AdamW leaves the weights, both moments and its bias-correction counters alone; given as a
     Python bool, the step tests it without a device read. An enabled scaler hands its own `_found_inf`
     (a tensor, computed when it unscales, done here first if it was not yet) to the optimizer and lowers
-    the loss scale on it: `found` is merged into that one."""
+    the loss scale on it: `skip` is merged into that one."""
     if scaler is not None and private(scaler, "_enable", "the non-finite guard under fp16"):
         from paddle.amp.grad_scaler import OptimizerState
 
@@ -96,7 +95,7 @@ def skip_step_if(skip: bool, found, optimizer, scaler=None) -> None:
         import paddle
 
         mine = private(scaler, "_found_inf", "the non-finite guard under fp16")
-        scaler._found_inf = paddle.logical_or(mine, found.reshape(mine.shape).astype(mine.dtype))
+        scaler._found_inf = paddle.logical_or(mine, paddle.full(mine.shape, skip, dtype=mine.dtype))
         return
     inner = innermost_optimizer(optimizer)
     private(inner, "_set_auxiliary_var", "the non-finite guard")("found_inf", bool(skip))

@@ -40,7 +40,6 @@ class NonFiniteStop(RuntimeError):
 class NonFiniteGuard:
     def __init__(self, dist, max_in_row: int):
         self.dist, self.max_in_row = dist, max_in_row
-        self.found: paddle.Tensor | None = None
         self.clip_factor = 1.0  # the last `check`'s: what clipping multiplies the gradients by
         self.in_row = 0  # skipped updates in a row, up to the last one
         self.window_skips = 0  # since the last `read`
@@ -74,15 +73,13 @@ class NonFiniteGuard:
         skipped, self.clip_factor = bool(found), -negated_factor
         if stop is not None:
             stop.settle(signalled)
-        # the agreed verdict, for an fp16 scaler (merged into its own, which it reads anyway)
-        self.found = paddle.full([1], skipped, dtype="bool")
         return skipped
 
     def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:
         """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so: as a
         Python bool, which Paddle's step tests without reading the device; merged into an enabled scaler's own
         verdict (a tensor the scaler reads anyway), which then also lowers the loss scale."""
-        skip_step_if(skipped, self.found, optimizer, scaler)
+        skip_step_if(skipped, optimizer, scaler)
 
     @staticmethod
     def was_skipped(optimizer) -> bool:
