@@ -82,16 +82,15 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
         json.dump({"vae": vae, "vae_identity": vae_identity}, f, indent=2)
 
 
-def write_frozen_autoencoder(run_dir, vae) -> tuple[str, dict]:
-    """The frozen autoencoder of an LDM run, written once to `<output_dir>/vqvae`: (its folder, its identity).
-
-    A resumed run finds it there and checks that it is the same autoencoder.
+def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
+    """The frozen autoencoder of an LDM run (`identity`: its `autoencoder_identity`), written once to
+    `<output_dir>/vqvae`: its folder. A resumed run finds it there and checks that it is the same autoencoder.
     """
     from ppdiffusers import AutoencoderKL
 
     from ldm.models.autoencoder import autoencoder_identity
 
-    folder, identity = run_dir.path(VAE_FOLDER), autoencoder_identity(vae)
+    folder = run_dir.path(VAE_FOLDER)
 
     def write() -> None:
         if os.path.isfile(os.path.join(folder, "config.json")):
@@ -105,7 +104,7 @@ def write_frozen_autoencoder(run_dir, vae) -> tuple[str, dict]:
                 vae.save_pretrained(temp, safe_serialization=True)
 
     run_dir.dist.from_main(write)
-    return folder, identity
+    return folder
 
 
 def checkpoint_autoencoder(path: str):

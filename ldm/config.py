@@ -265,7 +265,3 @@ def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: boo
                           "anyway")
     return lines
 
-
-def write_record(folder: str, record: dict) -> None:
-    with open(os.path.join(folder, RUN_CONFIG), "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)

@@ -81,7 +81,7 @@ class MetricsFile:
         self.path = os.path.join(output_dir, METRICS_FILE)
         if resume_step is not None and os.path.isfile(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if self._step(line) is not None and self._step(line) <= resume_step]
+                kept = [line for line in f if (step := self._step(line)) is not None and step <= resume_step]
             with open(self.path + ".partial", "w") as f:
                 f.writelines(kept)
             os.replace(self.path + ".partial", self.path)

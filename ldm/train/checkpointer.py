@@ -11,6 +11,7 @@ never assembles a state dict. Formats: `ldm.checkpoint` (JSON and safetensors, n
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ import numpy as np
 import paddle
 
 from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
-from ldm.config import write_record
+from ldm.config import RUN_CONFIG
 from ldm.distributed import Distributed, weights_checksum
-from ldm.run_folder import CheckpointError, RunFolder
+from ldm.run_folder import CheckpointError, RunFolder, write_json
 from ldm.serialization import has_state, load_state, save_state, to_paddle
 from ldm.train.health import check_weights
 from ldm.train.objective import Objective, rank_seed
@@ -136,7 +137,7 @@ class Checkpointer:
                     state[name] = part.state()
             save_state(folder, TRAINING_STATE, state)
             if self.record is not None:
-                write_record(folder, {**self.record, "step": step})
+                write_json(os.path.join(folder, RUN_CONFIG), {**self.record, "step": step})
             if also is not None:
                 also(folder)
 

@@ -156,7 +156,7 @@ class TextToImage(Objective):
                           f"this run's autoencoder ({self.components.vae_source})")
 
     def start(self, run_dir):
-        self.vae_folder, _ = write_frozen_autoencoder(run_dir, self.components.vae)
+        self.vae_folder = write_frozen_autoencoder(run_dir, self.components.vae, self.vae_identity)
 
     def loss(self, net, batch):
         loss, per_sample, timesteps = net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments"),
