@@ -108,19 +108,19 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
-    accumulation = loop.gradient_accumulation_steps
-    samples = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size,
-                          loop.max_train_steps)
-    checkpointer = Checkpointer(
-        run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
-        data_position=data_stream.tracker.state_dict, record=record,
-        parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
-               "scaler": scaler_part(scaler), "samples": samples.part()})
-    guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
-    flops = check_before_writing(objective, data_stream, record, resume,
-                                 allow_config_change=run_args.allow_config_change, dist=dist)
-    writer, progress = NullWriter(), None
+    writer, progress = NullWriter(), None  # from here on, every exit stops the loader (`finally`)
     try:
+        accumulation = loop.gradient_accumulation_steps
+        samples = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size,
+                              loop.max_train_steps)
+        checkpointer = Checkpointer(
+            run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
+            data_position=data_stream.tracker.state_dict, record=record,
+            parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
+                   "scaler": scaler_part(scaler), "samples": samples.part()})
+        guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
+        flops = check_before_writing(objective, data_stream, record, resume,
+                                     allow_config_change=run_args.allow_config_change, dist=dist)
         run_dir.create(resume, record)  # the first write
         objective.start(run_dir)
         step = 0

@@ -243,16 +243,12 @@ def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> in
 def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
                          allow_config_change: bool, dist: Distributed) -> int | None:
     """What both paths check once the batches have started and before the first write: the held-out data,
-    the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. A failure
-    stops the loader workers, which are running already."""
-    try:
-        objective.start_validation(dist)
-        flops = count_flops(objective, batches, record)
-        if resume:
-            check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
-    except BaseException:
-        batches.close()
-        raise
+    the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
+    stops the loader workers, which are running already, when this fails."""
+    objective.start_validation(dist)
+    flops = count_flops(objective, batches, record)
+    if resume:
+        check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
     return flops
 
 

@@ -223,17 +223,17 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
                           num_workers=training_args.dataloader_num_workers, model=objective.identity())
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
-    clock = SampleClock(training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
-                        * dist.world_size, dist.world_size, training_args.max_steps)
-    if checkpoint:
-        clock.restore(read_training_state(checkpoint))
-        if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
-            logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
-        training_args.max_steps = clock.max_steps
-    flops = check_before_writing(objective, data_stream, record, checkpoint,
-                                 allow_config_change=run_args.allow_config_change, dist=dist)
-    writer, trainer = NullWriter(), None
+    writer, trainer = NullWriter(), None  # from here on, every exit stops the loader (`finally`)
     try:
+        clock = SampleClock(training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+                            * dist.world_size, dist.world_size, training_args.max_steps)
+        if checkpoint:
+            clock.restore(read_training_state(checkpoint))
+            if clock.message:  # PaddleNLP steps its schedule once per update: it is stretched over the new max_steps
+                logger.warning("%s (the Trainer path stretches its schedule over the new max_steps)", clock.message)
+            training_args.max_steps = clock.max_steps
+        flops = check_before_writing(objective, data_stream, record, checkpoint,
+                                     allow_config_change=run_args.allow_config_change, dist=dist)
         run_dir.create(checkpoint, record)  # the first write
         objective.start(run_dir)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
