@@ -44,7 +44,6 @@ class NonFiniteGuard:
         self.in_row = 0  # skipped updates in a row, up to the last one
         self.window_skips = 0  # since the last `read`
         self.total_skips = 0
-        self.last_checkpoint: str | None = None  # the last checkpoint saved or resumed: named when the run stops
         self.last_step = 0
 
     @paddle.no_grad()
@@ -87,10 +86,10 @@ class NonFiniteGuard:
         return step_was_skipped(optimizer)
 
     def record(self, step: int, skipped: bool, *, loss: paddle.Tensor | None = None,
-               grad_norm: paddle.Tensor | None = None, where: str = "", last_checkpoint: str | None = None) -> None:
+               grad_norm: paddle.Tensor | None = None, where: str = "") -> None:
         """Count update `step`; a skip is logged with its figures and `where` its batches came from. After
         `max_in_row` in a row the guard is `exhausted` (the same update on every rank: the verdict is shared)."""
-        self.last_step, self.last_checkpoint = step, last_checkpoint
+        self.last_step = step
         if not skipped:
             self.in_row = 0
             return
@@ -106,13 +105,14 @@ class NonFiniteGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.max_in_row
 
-    def stop_if_exhausted(self) -> None:
-        """Raise `NonFiniteStop` once `max_in_row` updates in a row were skipped (call after logging them)."""
+    def stop_if_exhausted(self, last_checkpoint: str | None) -> None:
+        """Raise `NonFiniteStop`, naming `last_checkpoint` (the newest saved or resumed), once `max_in_row` updates
+        in a row were skipped (call after logging them)."""
         if self.exhausted:
             raise NonFiniteStop(
                 f"{self.in_row} updates in a row (the last at update {self.last_step}) had a non-finite loss or "
                 f"gradient norm and were skipped: the run stops. The last good checkpoint is "
-                f"{self.last_checkpoint or 'none'}; lower the learning rate or look at the data of those updates "
+                f"{last_checkpoint or 'none'}; lower the learning rate or look at the data of those updates "
                 "before resuming")
 
     def read(self) -> dict[str, float]:

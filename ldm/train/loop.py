@@ -143,7 +143,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         target, label = progress_target(step, max_steps, loop.save_steps)
         progress = Progress(run_args.progress, total=target, initial=step, label=label, enabled=dist.is_main,
                             seconds=run_args.progress_seconds)
-        last_checkpoint, stopping = resume, False  # resumed at the end already: that checkpoint is the last
+        stopping = False
         batches = iter(data_stream)
         clock = EvalClock()
         with GracefulStop(dist) as stop:
@@ -178,7 +178,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                     if ema is not None:
                         ema.update()
                 step += 1
-                guard.record(step, skipped, loss=update_loss, grad_norm=grad_norm, last_checkpoint=checkpointer.last,
+                guard.record(step, skipped, loss=update_loss, grad_norm=grad_norm,
                              where=batch_positions(data_stream.tracker.state_dict()) if skipped else "")
                 last = step == max_steps
                 logging_step = step % loop.logging_steps == 0 or last or stopping or guard.exhausted
@@ -192,21 +192,21 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                    "samples_s": f"{metrics['global_samples_per_second']:.1f}",
                                    "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
                 progress.update(step, logging_step=logging_step)
-                guard.stop_if_exhausted()  # every rank at the same update: the verdict is shared
+                guard.stop_if_exhausted(checkpointer.last)  # every rank at the same update: the verdict is shared
                 if objective.validation_due(step, last) and not stopping:
                     writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
                 if image_logging_steps and step % image_logging_steps == 0 and writer.active:
                     objective.log_images(writer, step, batch)
                 if checkpointer.due(step, last=last, stopping=stopping):
-                    last_checkpoint = checkpointer.save(step)
+                    checkpointer.save(step)
                     if step >= target and not stopping:  # an endless run: count toward the next checkpoint
                         target, label = progress_target(step, max_steps, loop.save_steps)
                         progress.retarget(target, label)
             progress.close()
             if stopping:
-                stop.announce(step, last_checkpoint)
+                stop.announce(step, checkpointer.last)
             else:
-                objective.finish(last_checkpoint, batches, dist, run_dir)
+                objective.finish(checkpointer.last, batches, dist, run_dir)
     finally:
         if progress is not None:
             progress.close()  # an error's message then starts on a line of its own
@@ -214,4 +214,4 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         writer.close()
     dist.barrier()
     # a signal after the last update changed nothing: the run is complete
-    return {"step": step, "checkpoint": last_checkpoint, "exit_code": stop.exit_code if stopping else 0}
+    return {"step": step, "checkpoint": checkpointer.last, "exit_code": stop.exit_code if stopping else 0}

@@ -66,7 +66,8 @@ class LDMCallback(TrainerCallback):
             t.writer.add_config(t.record, hyperparameters(t.record))
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer.guard.stop_if_exhausted()  # when the Trainer did not log the update that exhausted it
+        t = self.trainer
+        t.guard.stop_if_exhausted(t.checkpointer.last)  # when the Trainer did not log the update that exhausted it
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
@@ -88,7 +89,6 @@ class LDMCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         t.guard.record(state.global_step, self.skipped, loss=t.update_loss, grad_norm=self.grad_norm,
-                       last_checkpoint=t.checkpointer.last,
                        where=batch_positions(t.data_stream.tracker.state_dict()) if self.skipped else "")
         t.update_loss = paddle.zeros([])
         if t.guard.exhausted:
@@ -161,7 +161,7 @@ class LDMTrainer(Trainer):
             scalars = {tracker_name(k): v for k, v in logs.items()
                        if isinstance(v, int | float) and not isinstance(v, bool)}
             self.metrics.write(self.state.global_step, scalars)
-        self.guard.stop_if_exhausted()
+        self.guard.stop_if_exhausted(self.checkpointer.last)
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
