@@ -32,7 +32,8 @@ def _tokens(output: paddle.Tensor) -> int:
 
 def forward_flops(layer: nn.Layer, run: Callable[[], object]) -> dict[str, int]:
     """FLOPs of the matrix products `run()` executes inside `layer`, by the name of `layer`'s direct child
-    that holds them ("" for `layer`'s own). Hooks are removed afterwards."""
+    that holds them ("" for `layer`'s own). Hooks are removed afterwards, and the random state (which `run()`
+    may draw from) and `layer`'s training mode are left as they were: `run()` runs in eval mode."""
     counts: dict[str, int] = {}
     hooks = []
 
@@ -77,12 +78,17 @@ def forward_flops(layer: nn.Layer, run: Callable[[], object]) -> dict[str, int]:
             parts = [getattr(sub, n, None) for n in names]
             if all(isinstance(p, nn.Linear) for p in parts):
                 hooks.extend(attention_hooks(name, *parts))
+    state, was_training = paddle.get_rng_state(), layer.training
+    layer.eval()
     try:
         with paddle.no_grad():
             run()
     finally:
         for hook in hooks:
             hook.remove()
+        paddle.set_rng_state(state)
+        if was_training:
+            layer.train()
     return counts
 
 
@@ -96,17 +102,9 @@ def _tokens_of(shape) -> int:
 def ldm_training_flops(model, *, resolution: int, text_length: int, on_latents: bool = False) -> dict[str, int]:
     """FLOPs of one training sample of a `LatentDiffusion` at `resolution`: {"unet", "text_encoder", "vae_encode",
     "total"}, each with its backward where it trains. The random state is left as it was."""
-    state = paddle.get_rng_state()
-    was_training = model.training
-    model.eval()
-    try:
-        pixels = paddle.zeros([1, 3, resolution, resolution], dtype="float32")
-        ids = paddle.zeros([1, text_length], dtype="int64")
-        forward = forward_flops(model, lambda: model(pixels, ids))
-    finally:
-        paddle.set_rng_state(state)
-        if was_training:
-            model.train()
+    pixels = paddle.zeros([1, 3, resolution, resolution], dtype="float32")
+    ids = paddle.zeros([1, text_length], dtype="int64")
+    forward = forward_flops(model, lambda: model(pixels, ids))
     text_trains = any(not p.stop_gradient for p in model.text_encoder.parameters())
     flops = {
         "unet": 3 * forward.get("unet", 0),
