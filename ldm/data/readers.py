@@ -336,16 +336,22 @@ def _all(number: int) -> bool:
     return True
 
 
+def leading_bytes(f: BinaryIO, path: str) -> bytes:
+    """The first chunk of an open shard, topped up to the end of the tar magic when it is shorter (a remote
+    stream's first read can be): what `kind_of` tells the kind from."""
+    first = first_bytes(f, path)
+    if len(first) < TAR_MAGIC_OFFSET + 8 and not first.startswith((GZIP_MAGIC, PARQUET_MAGIC)):
+        first += f.read(TAR_MAGIC_OFFSET + 8) or b""
+    return first
+
+
 def iter_records(path: str, want: Callable[[int], bool] | None = None) -> Iterator[tuple[int, bytes | Sample]]:
     """(number from 1, record) for the records `want` takes (default all) of a shard of any kind: a text shard's
     records are its lines (bytes), a tar's and a parquet's are `Sample`s. ShardError subclasses as `iter_lines`
     raises them, and ShardFormatError for a file of another kind."""
     want = want or _all
     with open_shard(path) as f:
-        first = first_bytes(f, path)
-        if len(first) < TAR_MAGIC_OFFSET + 8 and not first.startswith((GZIP_MAGIC, PARQUET_MAGIC)):
-            more = f.read(TAR_MAGIC_OFFSET + 8)  # a tiny first chunk (a remote stream's first read)
-            first += more or b""
+        first = leading_bytes(f, path)
         kind = kind_of(first, path)
         if kind == "text":
             for number, line in enumerate(read_lines(first, f, path), 1):
@@ -361,7 +367,7 @@ def iter_records(path: str, want: Callable[[int], bool] | None = None) -> Iterat
 def count_records(path: str) -> int:
     """How many records a shard holds (a parquet's from its footer; a tar's keys without reading their bytes)."""
     with open_shard(path) as f:
-        first = first_bytes(f, path)
+        first = leading_bytes(f, path)
         kind = kind_of(first, path)
         if kind == "text":
             return sum(1 for _ in read_lines(first, f, path))
@@ -375,7 +381,7 @@ def count_records(path: str) -> int:
 def shard_kind(path: str) -> str:
     """'text', 'tar' or 'parquet' (ShardError when unreadable or of another kind)."""
     with open_shard(path) as f:
-        return kind_of(first_bytes(f, path), path)
+        return kind_of(leading_bytes(f, path), path)
 
 
 # -- image folders (convert) ---------------------------------------------------------------------
