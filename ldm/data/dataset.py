@@ -30,7 +30,7 @@ from paddle.io import DataLoader, IterableDataset, get_worker_info
 
 from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard
-from ldm.data.filters import MetadataFilters, latent_metadata, sample_parts, text_metadata
+from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.readers import count_records as shard_records
 from ldm.data.record import ImageTransform, sample_rng
@@ -214,13 +214,8 @@ class CaptionImageStream(IterableDataset):
             raise LatentMismatch(f"{record.shard}:{record.line_number} is {'a latent' if latent else 'an image'} "
                                  "record, but the file list began with the other kind: train on one kind")
         transform = self.latents if latent else self.transform
-        if not text:
-            caption, payload = sample_parts(line, self.metadata_filter)
-        else:
-            caption, payload = transform.parse(line)
-            if self.metadata_filter:
-                self.metadata_filter.check(latent_metadata(line) if latent else text_metadata(line),
-                                           None if latent else payload)
+        _, caption, payload = record_parts(line, self.transform.parse, self.latents and self.latents.parse,
+                                           self.metadata_filter)
         rng = sample_rng(self.seed, record.pass_index, record.seed_key, record.line_number, record.copy)
         if rng.random() < self.caption_dropout_prob:
             caption = ""

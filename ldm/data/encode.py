@@ -36,7 +36,7 @@ from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
-from ldm.data.filters import MetadataFilters, parse_filters, record_parts, text_metadata
+from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
 from ldm.data.loader import watched
 from ldm.data.readers import iter_records
@@ -104,11 +104,8 @@ class ShardBatches(IterableDataset):
                 except SkipRecord as e:
                     counts[e.reason] += 1
                     continue
-                if isinstance(line, bytes):
-                    key, source = line.split(b"\t", 2)[1].decode("utf-8", "replace").strip(), text_metadata(line)
-                else:
-                    key, source = line.key, line.meta
-                records.append((caption, key or f"{os.path.basename(path)}:{number}", source or {}))
+                key, source = record_key_meta(line)
+                records.append((caption, key or f"{os.path.basename(path)}:{number}", source))
                 if len(crops) == self.batch_size:
                     self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
                     yield self.batch(index, crops, records)

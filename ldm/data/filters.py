@@ -164,6 +164,14 @@ def sample_parts(sample: Sample, filters: MetadataFilters | None) -> tuple[str, 
     return sample.caption.strip()[:MAX_CAPTION_CHARS], sample.image
 
 
+def record_key_meta(record) -> tuple[str, dict]:
+    """(key, metadata) a record carries ("" and {} when it has none): a text line's second column and 4th
+    column, a tar's or parquet's key and metadata."""
+    if isinstance(record, bytes):
+        return record.split(b"\t", 2)[1].decode("utf-8", "replace").strip(), text_metadata(record) or {}
+    return record.key or "", record.meta or {}
+
+
 def record_parts(record, image_parse, latent_parse, filters: MetadataFilters | None) -> tuple[bool, str, Any]:
     """(latent?, caption, payload) of a record of any kind, filters applied: for the data tools (`stats`,
     `encode`, `convert`), which read records as the training stream does (`CaptionImageStream.make_sample`)."""

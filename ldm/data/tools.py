@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ldm.args import VAE_DTYPES, ToolParser
 from ldm.data.filelist import FileListError, read_file_list
-from ldm.data.filters import parse_filters, record_parts, text_metadata
+from ldm.data.filters import parse_filters, record_key_meta, record_parts
 from ldm.data.latents import DTYPES as LATENT_DTYPES
 from ldm.data.readers import ShardFormatError, folder_records, iter_records, open_parquet, parquet_columns, shard_kind
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
@@ -309,12 +309,8 @@ def _shard_entries(path: str, filters, skipped: Counter):
             except SkipRecord as e:
                 _skip(skipped, e.reason, f"{path}:{number}", e.detail)
                 continue
-            if isinstance(record, bytes):
-                key = record.split(b"\t", 2)[1].decode("utf-8", "replace").strip() or f"{number}"
-                meta = text_metadata(record) or {}
-            else:
-                key, meta = record.key, record.meta or {}
-            yield caption, image, key, meta
+            key, meta = record_key_meta(record)
+            yield caption, image, key or f"{number}", meta
     except ShardError as e:  # the records before the break are kept
         _skip(skipped, shard_error_reason(e), path, str(e))
 
