@@ -88,6 +88,9 @@ class DataArguments:
     shuffle_buffer: int = arg(256, "records in each loader slot's shuffle buffer")
     data_timeout: float = arg(600, "seconds without a batch before the run stops with stacks and the shards being "
                                    "read (0: wait forever)")
+    allow_data_change: bool = arg(False, "resume even when the file list names other shards than the checkpoint's "
+                                         "data position was made for: the interrupted pass ends there and a new "
+                                         "pass over the new shards starts")
 
     def __post_init__(self):
         _check(self.model_max_length >= 2, "--model_max_length must be at least 2")

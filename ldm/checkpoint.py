@@ -26,9 +26,18 @@ import glob
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
-from ldm.run_folder import LEGACY_STATE_FILE, VAE_FOLDER, CheckpointError, atomic_folder, write_manifest
+from ldm.run_folder import (
+    LEGACY_STATE_FILE,
+    TEMP_PREFIX,
+    VAE_FOLDER,
+    CheckpointError,
+    atomic_folder,
+    write_manifest,
+)
 from ldm.serialization import has_state, load_state, save_state
 
 logger = logging.getLogger("ldm.train")
@@ -168,8 +177,10 @@ def read_training_state(folder: str) -> dict:
 def upgrade(folder: str) -> list[str]:
     """Rewrite a checkpoint of an earlier version (pickles) in today's format; returns the files replaced.
 
-    Unpickles: for checkpoints the user wrote. The manifest is rewritten last, so an interrupted upgrade
-    leaves a checkpoint that `latest` skips, not a mixed one.
+    Unpickles: for checkpoints the user wrote. The new checkpoint is built beside the old one (unchanged files
+    hard-linked, converted ones written anew, the manifest last) and swapped in at the end: a conversion that
+    fails, or is killed, leaves the checkpoint as it found it. A kill between the two renames of the swap leaves
+    the old one as `<folder>.pre-upgrade`.
     """
     import pickle
 
@@ -178,48 +189,62 @@ def upgrade(folder: str) -> list[str]:
     found = pickled_files(folder)
     if not found:
         return []
-    manifest = os.path.join(folder, "manifest.json")
-    if os.path.exists(manifest):
-        os.remove(manifest)
-    for part in ("unet", "bert", "vqvae"):
-        part_folder = os.path.join(folder, part)
-        if any(n.startswith(part + os.sep) for n in found):
-            _resave_part(part_folder, part)
-    legacy = os.path.join(folder, LEGACY_STATE_FILE)
-    if os.path.isfile(legacy):
-        with open(legacy, "rb") as f:
-            state = pickle.load(f)
-        world = state.get("world_size", 1)
-        if "rng" in state:  # the loop's: three per-rank generator lists
-            state["random"] = [{"paddle": [list(g.__getstate__()) for g in state["rng"][r]],
-                                "numpy": state["numpy"][r], "python": state["python"][r]} for r in range(world)]
-            for key in ("rng", "numpy", "python"):
-                state.pop(key)
-        for name, key in (("scheduler.pdparams", "lr_scheduler"), ("scaler.pdparams", "scaler")):
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):  # the Trainer path's, written by PaddleNLP
-                state[key] = paddle.load(path)
-        save_state(folder, TRAINING_STATE, state)
-    for name, target in (("ema.pdparams", EMA), ("optimizer.pdopt", OPTIMIZER)):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            save_state(folder, target, paddle.load(path))
-    for rel in found:
-        path = os.path.join(folder, rel)
-        if os.path.exists(path):
-            os.remove(path)
-    write_manifest(folder)
+    final = os.path.abspath(folder)
+    work = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(final)}-upgrade-", dir=os.path.dirname(final))
+    try:
+        shutil.copytree(final, work, dirs_exist_ok=True, copy_function=_link_or_copy,
+                        ignore=lambda root, names: [n for n in names if n == "manifest.json" or os.path.relpath(
+                            os.path.join(root, n), final) in found])
+        for part in ("unet", "bert", "vqvae"):
+            if any(n.startswith(part + os.sep) for n in found):
+                _resave_part(os.path.join(final, part), os.path.join(work, part))
+        legacy = os.path.join(final, LEGACY_STATE_FILE)
+        if os.path.isfile(legacy):
+            with open(legacy, "rb") as f:
+                state = pickle.load(f)
+            if not isinstance(state, dict):
+                raise ValueError(f"{LEGACY_STATE_FILE} holds a {type(state).__name__}, not a training state")
+            world = state.get("world_size", 1)
+            if "rng" in state:  # the loop's: three per-rank generator lists
+                state["random"] = [{"paddle": [list(g.__getstate__()) for g in state["rng"][r]],
+                                    "numpy": state["numpy"][r], "python": state["python"][r]} for r in range(world)]
+                for key in ("rng", "numpy", "python"):
+                    state.pop(key)
+            for name, key in (("scheduler.pdparams", "lr_scheduler"), ("scaler.pdparams", "scaler")):
+                path = os.path.join(final, name)
+                if os.path.isfile(path):  # the Trainer path's, written by PaddleNLP
+                    state[key] = paddle.load(path)
+            save_state(work, TRAINING_STATE, state)
+        for name, target in (("ema.pdparams", EMA), ("optimizer.pdopt", OPTIMIZER)):
+            path = os.path.join(final, name)
+            if os.path.isfile(path):
+                save_state(work, target, paddle.load(path))
+        write_manifest(work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    backup = final + ".pre-upgrade"
+    os.replace(final, backup)
+    os.replace(work, final)
+    shutil.rmtree(backup)
     return found
 
 
-def _resave_part(folder: str, part: str) -> None:
+def _link_or_copy(src: str, dst: str) -> None:
+    """A file the upgrade keeps as it is: a hard link (no second copy of gigabytes of weights), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _resave_part(source: str, target: str) -> None:
     from ppdiffusers import AutoencoderKL, UNet2DConditionModel
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
-    cls = {"unet": UNet2DConditionModel, "bert": LDMBertModel, "vqvae": AutoencoderKL}[part]
-    model = cls.from_pretrained(folder)
-    with atomic_folder(folder) as temp:
-        model.save_pretrained(temp, safe_serialization=True)
+    cls = {"unet": UNet2DConditionModel, "bert": LDMBertModel, "vqvae": AutoencoderKL}[os.path.basename(source)]
+    shutil.rmtree(target, ignore_errors=True)  # its configs were linked in with the rest
+    cls.from_pretrained(source).save_pretrained(target, safe_serialization=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {folder} is neither a checkpoint nor a run folder with checkpoints", file=sys.stderr)
             status = 2
         for target in targets:
-            replaced = upgrade(target)
+            try:
+                replaced = upgrade(target)
+            except Exception as e:  # noqa: BLE001 - an old pickle can fail in any way; the checkpoint is left as it was
+                print(f"error: {target} cannot be converted ({type(e).__name__}: {' '.join(str(e).split())}); it is "
+                      "left as it was", file=sys.stderr)
+                status = 2
+                continue
             print(f"{target}: " + (f"converted {len(replaced)} pickled file(s)" if replaced else "already current"))
     return status
 

@@ -20,7 +20,9 @@ Rules:
   checkpoint named explicitly is an error. Checkpoints are written into a temporary sibling and
   renamed.
 - `auto` resumes from the newest complete checkpoint when there is one and otherwise starts afresh
-  (emptying a run folder that holds none): one command for a job that is requeued after preemption.
+  (emptying a run folder that holds no checkpoint): one command for a job that is requeued after
+  preemption. A folder whose checkpoints all fail verification is refused, never emptied: saves are
+  atomic, so such a checkpoint was damaged, and it may be the run's only copy of weeks of training.
 - Resuming from an older checkpoint while newer ones exist (they were skipped as damaged, or the
   user named an older one) renames the newer ones `checkpoint-<step>.abandoned`, so that neither
   `latest` nor rotation ever mixes the two histories.
@@ -231,7 +233,14 @@ class RunFolder:
                 raise CheckpointError(f"output_dir {self.output_dir} holds files this project did not write: resume "
                                       "into an empty folder or into the run's own folder")
             return checkpoint
-        if resume == "auto":
+        if resume == "auto" and not overwrite:
+            damaged = checkpoint_dirs(self.output_dir)
+            if damaged:  # saves are atomic: a checkpoint-<step> that fails verification was damaged, not interrupted
+                raise CheckpointError(
+                    f"--resume_from_checkpoint auto: {self.output_dir} holds {len(damaged)} checkpoint(s) and none is "
+                    f"complete ({damaged[-1]}: {checkpoint_problem(damaged[-1])}); nothing was deleted. Repair it "
+                    f"(one of an earlier version: python -m ldm.checkpoint upgrade {damaged[-1]}) or move it out of "
+                    "the folder, or pass --overwrite_output_dir to start afresh")
             overwrite = True  # nothing to resume: start afresh
         if not overwrite:
             if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir):

@@ -155,3 +155,23 @@ def test_state_trees_round_trip_without_pickle(tmp_path):
     np.testing.assert_array_equal(to_paddle(back)["tensor"].astype("float32").numpy(), [1.5, 2.25])
     with pytest.raises(TypeError, match="without pickling"):
         save_state(str(tmp_path), "bad", {"object": object()})
+
+
+@pytest.mark.parametrize("content", [b"not a pickle at all", pickle.dumps(["a", "list"])])
+def test_an_upgrade_that_fails_leaves_the_checkpoint_as_it_found_it(tmp_path, capsys, content):
+    from ldm.checkpoint import main
+
+    checkpoint = tmp_path / "checkpoint-4"
+    (checkpoint / "unet").mkdir(parents=True)
+    (checkpoint / "unet" / "config.json").write_text("{}")
+    (checkpoint / LEGACY_STATE_FILE).write_bytes(content)
+    paddle.save({"w": paddle.ones([2])}, str(checkpoint / "optimizer.pdopt"))
+    write_manifest(str(checkpoint))
+    before = {p: open(os.path.join(r, p), "rb").read() for r, _, names in os.walk(checkpoint) for p in names}
+
+    assert main(["upgrade", str(checkpoint)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and "left as it was" in error, error
+    after = {p: open(os.path.join(r, p), "rb").read() for r, _, names in os.walk(checkpoint) for p in names}
+    assert after == before
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # nothing of the attempt left beside it

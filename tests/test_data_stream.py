@@ -343,3 +343,74 @@ def test_loader_workers_die_with_a_killed_training_process(tmp_path):
     for pid in alive:  # do not leave them behind if the test fails
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+@pytest.mark.parametrize("edit", ["append", "remove_first"])
+def test_a_resume_over_an_edited_file_list_is_refused_unless_asked_and_plan_says_the_same(tmp_path, vocab_dir, edit):
+    """The data position is a position in the shard order it was made for: another set of shards is refused in one
+    line (by training and by `plan --from_checkpoint`); asked for, the interrupted pass ends and pass 1 starts."""
+    from ldm.data import tools
+    from ldm.data.dataset import DataChanged, rank_stream_state
+    from ldm.data.filelist import shard_set
+    from ldm.serialization import save_state
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=64, records_per_shard=8)
+    extra = write_corpus(str(tmp_path / "more"), num_records=8, records_per_shard=8)
+    shards = read_file_list(listing)
+    tracker = StreamState(2, shard_set(shards))
+    consume(build_dataloader(make_stream(listing, vocab_dir, num_workers=2, seed=5), 2), tracker, 3)
+    saved = [json.loads(json.dumps(tracker.state_dict()))]
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    save_state(str(checkpoint), "training_state", {"stream": saved})
+    plan_args = ["plan", "--file_list", listing, "--world_size", "1", "--num_workers", "2",
+                 "--from_checkpoint", str(checkpoint)]
+    assert tools.main(plan_args) == 0  # unchanged: plans the rest of pass 0
+
+    filelist = tmp_path / "corpus" / "train.filelist"
+    names = filelist.read_text().splitlines()
+    if edit == "append":
+        names.append(os.path.relpath(read_file_list(extra)[0].path, filelist.parent))
+    else:
+        names = names[1:]
+    filelist.write_text("\n".join(names) + "\n")
+
+    with pytest.raises(DataChanged, match="--allow_data_change") as refused:
+        make_stream(listing, vocab_dir, rank_stream_state(saved, 0, 1), num_workers=2, seed=5)
+    assert ("8 shards when it was saved, now 9" if edit == "append" else "now 7") in str(refused.value)
+    stream = make_stream(listing, vocab_dir, rank_stream_state(saved, 0, 1), num_workers=2, seed=5,
+                         allow_data_change=True)
+    assert stream.schedule.plan == [] and stream.schedule.next_pass == 1
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert tools.main(plan_args) == 2
+    assert err.getvalue().startswith("error: the file list names other shards") and err.getvalue().count("\n") == 1
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tools.main(plan_args + ["--allow_data_change"]) == 0
+    assert out.getvalue() == ""  # nothing of the interrupted pass is left to plan: pass 1 is a fresh one
+
+
+@pytest.mark.parametrize("what", ["run_folder", "pipeline", "missing", "pickle"])
+def test_plan_from_something_that_is_no_checkpoint_is_one_line(tmp_path, what, capsys):
+    from ldm.data import tools
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
+    target = tmp_path / what
+    if what == "run_folder":
+        (target / "checkpoint-2").mkdir(parents=True)
+        (target / "run.json").write_text("{}")
+    elif what == "pipeline":
+        target.mkdir()
+        (target / "model_index.json").write_text("{}")
+    elif what == "pickle":
+        target.mkdir()
+        (target / "training_state.pkl").write_bytes(b"old")
+    assert tools.main(["plan", "--file_list", listing, "--world_size", "1", "--num_workers", "0",
+                       "--from_checkpoint", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err

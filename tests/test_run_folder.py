@@ -9,6 +9,7 @@ import pytest
 
 from ldm.distributed import Distributed
 from ldm.run_folder import (
+    MANIFEST,
     RUN_MARKER,
     CheckpointError,
     RunFolder,
@@ -137,8 +138,8 @@ def test_auto_resumes_when_it_can_and_starts_afresh_when_it_cannot(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / RUN_MARKER).write_text("{}")
-    (out / "visualdl").mkdir()  # a requeued job preempted before its first checkpoint
-    make_checkpoint(out, 5, complete=False)
+    (out / "visualdl").mkdir()  # a requeued job preempted before its first checkpoint was renamed into place
+    (out / ".tmp-checkpoint-5-x").mkdir()
     folder = RunFolder(str(out), Distributed())
     assert folder.check("auto", overwrite=False) is None
     folder.create(resume=None)
@@ -161,3 +162,24 @@ def test_checkpoints_of_runs_before_manifests_still_resume(tmp_path, caplog):
     (tmp_path / RUN_MARKER).write_text("{}")  # a run of this version: a manifest is required
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         resolve_resume(str(tmp_path), "latest")
+
+
+@pytest.mark.parametrize("damage", ["appended", "no_manifest"])
+def test_auto_never_deletes_a_run_whose_only_checkpoint_fails_verification(tmp_path, damage):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_MARKER).write_text("{}")
+    only = make_checkpoint(out, 5)
+    if damage == "appended":
+        with open(only / "unet" / "model.safetensors", "ab") as f:
+            f.write(b"x")
+    else:
+        (only / MANIFEST).unlink()  # what an interrupted upgrade of an earlier version left
+    folder = RunFolder(str(out), Distributed())
+    with pytest.raises(CheckpointError) as error:
+        folder.check("auto", overwrite=False)
+    message = str(error.value)
+    assert str(only) in message and "nothing was deleted" in message and "--overwrite_output_dir" in message
+    assert "\n" not in message
+    assert (only / "unet" / "model.safetensors").is_file()
+    assert folder.check("auto", overwrite=True) is None  # asked for explicitly: the folder is emptied

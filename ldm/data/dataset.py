@@ -29,7 +29,7 @@ import numpy as np
 from paddle.io import DataLoader, IterableDataset, get_worker_info
 
 from ldm.compat import READER_POLL_SECONDS, check_loader_classes
-from ldm.data.filelist import FileListError, Shard
+from ldm.data.filelist import FileListError, Shard, shard_set_change
 from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.readers import count_records as shard_records
@@ -95,8 +95,17 @@ def rank_stream_state(saved: list[dict], rank: int, world_size: int) -> dict:
     return {"saved": list(saved), "rank": rank, "world_size": world_size}
 
 
-def resolve_stream_state(request: dict, shards: list[Shard], seed: int, num_workers: int) -> dict:
-    """This rank's stream state in this run's layout (see `rank_stream_state`)."""
+class DataChanged(FileListError):
+    """A resume over other shards than the checkpoint's data position was made for."""
+
+
+def resolve_stream_state(request: dict, shards: list[Shard], seed: int, num_workers: int,
+                         allow_data_change: bool = False) -> dict:
+    """This rank's stream state in this run's layout (see `rank_stream_state`).
+
+    Positions in a pass are positions in its shard order, a function of the seed and the shard list: with another
+    seed the interrupted pass ends and a new one starts; with other shards the resume is refused (DataChanged)
+    unless `allow_data_change`, since reading on would read some records of the pass twice and others never."""
     saved, rank, world_size = request["saved"], request["rank"], request["world_size"]
     workers = max(1, num_workers)
     schedule = next((s["schedule"] for s in saved if s.get("schedule")), None)  # kept by one rank
@@ -107,11 +116,20 @@ def resolve_stream_state(request: dict, shards: list[Shard], seed: int, num_work
     old_workers = saved[0]["num_workers"]
     slots = {int(k): v for rank_state in saved for k, v in rank_state["slots"].items()}
     old = Schedule.from_json(schedule)
+    next_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
     changed = [f"--seed {s['seed']}, now {seed}" for s in list(slots.values())[:1] if s.get("seed", seed) != seed]
-    if old.num_shards not in (None, len(shards)):
-        changed.append(f"{old.num_shards} shards in the file list, now {len(shards)}")
-    if changed:  # positions in a pass are positions in its shard order, a function of both
-        next_pass = 1 + max((s["pass"] for s in slots.values()), default=-1)
+    recorded = next((s["shards"] for s in saved if s.get("shards")), None) or (
+        {"count": old.num_shards} if old.num_shards is not None else None)  # checkpoints before shard digests
+    data_change = shard_set_change(recorded, shards)
+    if data_change:
+        if not allow_data_change:
+            raise DataChanged(
+                f"the file list names other shards than the checkpoint's data position was made for ({data_change}): "
+                "resuming would read some records of the interrupted pass twice and others never. Restore the file "
+                f"list, or pass --allow_data_change to end the interrupted pass there and start pass {next_pass} over "
+                "the new shards")
+        changed.append(f"the file list's shards changed: {data_change}")
+    if changed:
         logger.warning("the data stream cannot resume the interrupted pass (%s); starting pass %d",
                        "; ".join(changed), next_pass)
         return {"num_workers": workers, "batches": 0, "slots": {}, "schedule": Schedule([], next_pass).to_json(),
@@ -163,8 +181,10 @@ class CaptionImageStream(IterableDataset):
         shuffle_buffer: int = 256,
         state: dict[str, Any] | None = None,
         metadata_filter: MetadataFilters | None = None,
+        allow_data_change: bool = False,
     ):
         super().__init__()
+        self.allow_data_change = allow_data_change
         self.shards, self.tokenize, self.transform, self.latents = shards, tokenize, transform, latents
         self.metadata_filter = metadata_filter or None  # no filters: nothing checked
         self.batch_size, self.caption_dropout_prob, self.seed = batch_size, caption_dropout_prob, seed
@@ -185,7 +205,8 @@ class CaptionImageStream(IterableDataset):
         """A request of `rank_stream_state` (any saved layout: resolved here, the result left in it under
         "resolved"), or this rank's state of a run of this very layout."""
         if "saved" in state:
-            state["resolved"] = resolve_stream_state(state, self.shards, self.seed, self.workers)
+            state["resolved"] = resolve_stream_state(state, self.shards, self.seed, self.workers,
+                                                     self.allow_data_change)
             state = state["resolved"]
         slots = {int(k): v for k, v in state["slots"].items()}
         if state["num_workers"] != self.workers or any(
@@ -262,8 +283,9 @@ class CaptionImageStream(IterableDataset):
 class StreamState:
     """The training loop's record of the data stream: what it consumed, per slot."""
 
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, shards: dict | None = None):
         self.num_workers = max(1, num_workers)
+        self.shards = shards  # `filelist.shard_set` of the shards read: what the position is a position in
         self.slots: dict[int, dict] = {}
         self.batches = 0
         self.schedule: dict | None = None  # the plan this run resumed with (ldm.data.resume), kept by one rank
@@ -291,6 +313,8 @@ class StreamState:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"num_workers": self.num_workers, "batches": self.batches, "slots": dict(self.slots)}
+        if self.shards:
+            state["shards"] = self.shards
         if self.schedule:
             state["schedule"] = self.schedule
         if self.counts_before:

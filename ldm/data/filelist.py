@@ -12,6 +12,7 @@ against the URL's folder only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -93,6 +94,27 @@ def read_file_list(path: str) -> list[Shard]:
     if not shards:
         raise FileListError(f"no shards listed in {path}")
     return shards
+
+
+def shard_set(shards: list[Shard]) -> dict:
+    """What a data position is made for: the number of shards and a digest of their names (as the lists name them)
+    and weights, in order. A pass's order and every saved position are positions in this list."""
+    digest = hashlib.sha256()
+    for shard in shards:
+        digest.update(f"{shard.seed_key}\t{shard.weight!r}\n".encode())
+    return {"count": len(shards), "sha256": digest.hexdigest()}
+
+
+def shard_set_change(recorded: dict | None, shards: list[Shard]) -> str | None:
+    """How `shards` differ from the shard set a position `recorded` (None: not recorded, nothing to compare)."""
+    if not recorded:
+        return None
+    now = shard_set(shards)
+    if recorded.get("count") not in (None, now["count"]):
+        return f"{recorded['count']} shards when it was saved, now {now['count']}"
+    if recorded.get("sha256") not in (None, now["sha256"]):
+        return f"the same {now['count']} shards in number, but other names, order or weights"
+    return None
 
 
 SHARDS_CHECKED = 1000

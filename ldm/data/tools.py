@@ -21,6 +21,7 @@ from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import ShardError, ShardMissing
 from ldm.data.stream import SlotStream, shard_error_reason
 from ldm.data.write import ShardWriter, record_line
+from ldm.run_folder import CheckpointError
 
 
 class UserError(Exception):
@@ -104,7 +105,7 @@ def slot_plan(file_list: str, world_size: int, num_workers: int, seed: int, pass
 
 
 def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: int, seed: int | None,
-                      shuffle_buffer: int):
+                      shuffle_buffer: int, allow_data_change: bool = False):
     """(rank, worker, shard, line) that each slot of a `world_size` x `num_workers` run resumed from `saved` (every
     rank's stream state of a checkpoint) reads for the rest of the interrupted pass(es), in reading order (draw
     order with a shuffle buffer): with another layout, the plan `ldm.data.resume` made of what is left; with the
@@ -117,7 +118,8 @@ def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: i
         seed = next((s["seed"] for s in slot_states if "seed" in s), 0)
     workers = max(1, num_workers)
     for rank in range(world_size):
-        resolved = resolve_stream_state(rank_stream_state(saved, rank, world_size), shards, seed, num_workers)
+        resolved = resolve_stream_state(rank_stream_state(saved, rank, world_size), shards, seed, num_workers,
+                                        allow_data_change)
         schedule = Schedule.from_json(resolved["schedule"])
         slots = {int(k): v for k, v in resolved["slots"].items()}
         # the same layout: up to the furthest phase of the checkpoint; another: the whole plan
@@ -133,14 +135,29 @@ def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: i
                 stream.next_pass()
 
 
+def checkpoint_streams(path: str) -> list[dict]:
+    """Every rank's stream state in the checkpoint `path`; UserError naming what `path` is when it is no checkpoint."""
+    from ldm.checkpoint import read_training_state
+    from ldm.run_folder import checkpoint_dirs
+
+    if not os.path.isdir(path):
+        raise UserError(f"--from_checkpoint {path}: no such folder")
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        raise UserError(f"--from_checkpoint {path} is an exported pipeline, which keeps no data position: name a "
+                        "checkpoint-<step> folder of the run")
+    found = checkpoint_dirs(path)
+    if found:
+        raise UserError(f"--from_checkpoint {path} is a run folder: name one of its checkpoints (the newest is "
+                        f"{found[-1]})")
+    return read_training_state(path)["stream"]
+
+
 def cmd_plan(args) -> None:
     out = sys.stdout
     if args.from_checkpoint:
-        from ldm.checkpoint import read_training_state
-
-        saved = read_training_state(args.from_checkpoint)["stream"]
-        records = resumed_slot_plan(read_file_list(args.file_list), saved, args.world_size, args.num_workers,
-                                    args.seed, args.shuffle_buffer)
+        records = resumed_slot_plan(read_file_list(args.file_list), checkpoint_streams(args.from_checkpoint),
+                                    args.world_size, args.num_workers, args.seed, args.shuffle_buffer,
+                                    args.allow_data_change)
     else:
         records = slot_plan(args.file_list, args.world_size, args.num_workers, args.seed or 0, args.pass_index,
                             args.shuffle_buffer)
@@ -420,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR reads for the rest of the interrupted pass, whatever layout wrote DIR")
     p.add_argument("--shuffle_buffer", type=int, default=1,
                    help="1 (default) prints reading order; the training value prints the order samples are drawn")
+    p.add_argument("--allow_data_change", action="store_true",
+                   help="with --from_checkpoint: plan as a run with this flag resumes over a file list that names "
+                        "other shards than the checkpoint's (a new pass over the new shards)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("bench", help="images/s of the data path vs a naive reference, one core")
@@ -489,9 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                  "batch_size"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be at least 1")
+    if getattr(args, "num_workers", 0) < 0:
+        parser.error("--num_workers must be at least 0")
     try:
         return args.run(args) or 0
-    except (UserError, FileListError, ValueError) as e:
+    except (UserError, FileListError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -10,7 +10,7 @@ from collections import Counter
 
 from ldm.args import DataArguments
 from ldm.data.dataset import CaptionImageStream, StreamState, batch_samples, build_dataloader, rank_stream_state
-from ldm.data.filelist import check_shards, read_file_list
+from ldm.data.filelist import check_shards, read_file_list, shard_set
 from ldm.data.filters import parse_filters
 from ldm.data.latents import LatentTransform
 from ldm.data.loader import watched
@@ -114,8 +114,9 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         shuffle_buffer=data.shuffle_buffer,
         state=state,
         metadata_filter=parse_filters(data.metadata_filter),
+        allow_data_change=data.allow_data_change,
     )
-    tracker = StreamState(num_workers)
+    tracker = StreamState(num_workers, shard_set(shards))
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
     return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout)
