@@ -12,7 +12,10 @@ checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint`).
 
 Rules:
 - Nothing is written before every input has been checked (`check` reads only): a failed start
-  leaves nothing that blocks the corrected retry.
+  leaves nothing that blocks the corrected retry. A run that fails later, before its first checkpoint
+  (a loader slot that finds no usable record), records why in `run.json`; the next start (not a
+  resume) then starts afresh in its place with a warning. A run killed outright records nothing and
+  is still refused: another process may still be writing there.
 - A non-empty folder is refused unless the run resumes (`--resume_from_checkpoint`) or starts over
   (`--overwrite_output_dir`, which empties it: nothing of the earlier run survives or is reused).
 - A checkpoint is complete when its `manifest.json` (every file's size and sha256) is there and
@@ -208,6 +211,7 @@ class RunFolder:
     def __init__(self, output_dir: str, dist, save_total_limit: int | None = None):
         self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit
         self.empty_first = False  # `check` decided that the run starts over (rank 0's decision)
+        self.created = False  # this run wrote the folder (`create`)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.output_dir, *parts)
@@ -242,6 +246,11 @@ class RunFolder:
                     f"(one of an earlier version: python -m ldm.checkpoint upgrade {damaged[-1]}) or move it out of "
                     "the folder, or pass --overwrite_output_dir to start afresh")
             overwrite = True  # nothing to resume: start afresh
+        failed = failure_of(self.output_dir) if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir) else None
+        if failed and not overwrite and resume is None:
+            logger.warning("%s holds a run that failed before its first checkpoint (%s): starting afresh in its place",
+                           self.output_dir, failed)
+            overwrite = True
         if not overwrite:
             if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir):
                 raise CheckpointError(f"output_dir {self.output_dir} holds a run that saved no checkpoint (it failed "
@@ -288,6 +297,22 @@ class RunFolder:
                 write_json(marker, run)
 
         self.dist.from_main(make)
+        self.created = True
+
+    def record_failure(self, error: BaseException) -> None:
+        """After an error that ends the run: a run that wrote its folder but no checkpoint says so in `run.json`,
+        so that the corrected command starts afresh in its place instead of being refused. Rank 0, no collective
+        (the other ranks may be gone); a folder this run did not create, or one with checkpoints, is left alone."""
+        if not (self.created and self.dist.is_main) or checkpoint_dirs(self.output_dir):
+            return
+        marker = self.path(RUN_MARKER)
+        try:
+            with open(marker) as f:
+                run = json.load(f)
+            run["failed"] = f"{type(error).__name__}: {' '.join(str(error).split())}"[:500]
+            write_json(marker, run)
+        except (OSError, ValueError) as e:
+            logger.warning("could not record the failure in %s: %s", marker, e)
 
     def _abandon_after(self, resume: str) -> None:
         """Checkpoints of this folder newer than the one resumed belong to another history: set them aside."""
@@ -339,6 +364,16 @@ class RunFolder:
         for folder in folders[:folders.index(oldest_kept)]:
             if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
                 remove(folder)
+
+
+def failure_of(output_dir: str) -> str | None:
+    """What ended the run of `output_dir` before its first checkpoint, as `RunFolder.record_failure` recorded it."""
+    try:
+        with open(os.path.join(output_dir, RUN_MARKER)) as f:
+            failed = json.load(f).get("failed")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return failed if isinstance(failed, str) else None
 
 
 def write_json(path: str, value: dict) -> None:

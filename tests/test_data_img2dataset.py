@@ -390,3 +390,15 @@ def test_a_two_worker_loader_resumed_inside_tars_and_parquets_sees_the_uninterru
         np.testing.assert_array_equal(p1, p2)
     counts = tracker.counts()
     assert counts == second.counts() and counts["filter_punsafe_lt_0.8"] > 0 and counts["status_not_success"] > 0
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_empty_tar_holds_no_record(tmp_path, compressed):
+    import tarfile
+
+    from ldm.data.readers import count_records, iter_records, shard_kind
+
+    path = tmp_path / ("empty.tar.gz" if compressed else "empty.tar")
+    tarfile.open(path, "w:gz" if compressed else "w").close()
+    assert shard_kind(str(path)) == "tar"
+    assert count_records(str(path)) == 0 and list(iter_records(str(path))) == []

@@ -192,6 +192,35 @@ def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, 
     assert not (tmp_path / "x").exists()
 
 
+def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_corrected_retry(corpus, tmp_path):
+    """One loader slot of two finds no usable record once the run has written its folder (an empty tar used to be
+    one such slot's only shard); the corrected command then starts afresh in its place."""
+    import tarfile
+
+    good = write_corpus(str(tmp_path / "good"), num_records=16, records_per_shard=16)
+    (tmp_path / "bad.gz").write_bytes(b"no tabs here\n" * 16)
+    tarfile.open(tmp_path / "empty.tar", "w").close()  # a valid tar of no members: 10,240 zero bytes
+    (tmp_path / "f").write_text(f"{tmp_path / 'good' / 'train-00000.gz'}\nbad.gz\nempty.tar\n")
+    (tmp_path / "list").write_text("f\n")
+    from ldm.data.tools import slot_plan
+
+    # a seed whose second slot reads the bad shard: the first batch (slot 0's, taken before anything is written)
+    # is good, and the failure comes once the run has written its folder
+    seed = next(s for s in range(20) if any(worker == 1 and shard.endswith("bad.gz") for _, worker, shard, _ in
+                                            slot_plan(str(tmp_path / "list"), 1, 2, s, 0, 1)))
+    out = tmp_path / "x"
+    args = corpus + ["--num_workers", "2", "--max_train_steps", "2", "--output_dir", str(out), "--seed", str(seed)]
+    result = run(args + ["--file_list", str(tmp_path / "list")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.match(r"error: slot \d of 2 read no usable record", result.stderr.strip().splitlines()[-1])
+    assert json.loads((out / "run.json").read_text())["failed"].startswith("NoUsableData: slot ")
+
+    retry = run(args + ["--file_list", good])
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    assert "failed before its first checkpoint" in retry.stderr
+    assert "failed" not in json.loads((out / "run.json").read_text())
+
+
 @pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     """With --recompute too: the public example's recompute path skipped the gradient all-reduce."""

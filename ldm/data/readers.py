@@ -35,6 +35,7 @@ from ldm.data import remote
 from ldm.data.shard import GZIP_MAGIC, ShardError, ShardTruncated, first_bytes, open_shard, read_lines
 
 TAR_MAGIC_OFFSET = 257
+TAR_BLOCK = 512
 PARQUET_MAGIC = b"PAR1"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # a sample's image member / a parquet's image column, in order
 PARQUET_IMAGE_COLUMNS = (*IMAGE_EXTENSIONS, "image")
@@ -98,14 +99,20 @@ def _inflated_head(first: bytes) -> bytes:
         return b""  # corrupt from the start: the text reader says so where it reads it
 
 
+def _is_tar(head: bytes) -> bool:
+    """A tar's first header, or a tar of no members (its end marker: two zero blocks, which no text shard starts
+    with)."""
+    return head[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] == b"ustar" or head[:2 * TAR_BLOCK] == bytes(2 * TAR_BLOCK)
+
+
 def kind_of(first: bytes, path: str) -> str:
     """'text', 'tar' or 'parquet' from a shard's first bytes; ShardFormatError for anything else."""
-    if first[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] == b"ustar":
+    if _is_tar(first):
         return "tar"
     if first.startswith(PARQUET_MAGIC):
         return "parquet"
     inner = _inflated_head(first) if first.startswith(GZIP_MAGIC) else first
-    if first.startswith(GZIP_MAGIC) and inner[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] == b"ustar":
+    if first.startswith(GZIP_MAGIC) and _is_tar(inner):
         return "tar"
     what = _foreign(inner)
     if what:
@@ -162,7 +169,6 @@ def tar_sample(key: str, files: dict[str, bytes]) -> Sample:
     return Sample(key, caption, image, status if isinstance(status, str) else None, meta)
 
 
-TAR_BLOCK = 512
 _ZERO_BLOCK = bytes(TAR_BLOCK)
 _FILE_TYPES = (b"0", b"\0", b"7")  # regular (and contiguous) files
 _PAX_PATH = re.compile(rb"\d+ path=([^\n]*)\n")
@@ -337,11 +343,11 @@ def _all(number: int) -> bool:
 
 
 def leading_bytes(f: BinaryIO, path: str) -> bytes:
-    """The first chunk of an open shard, topped up to the end of the tar magic when it is shorter (a remote
+    """The first chunk of an open shard, topped up to the end of a tar's end marker when it is shorter (a remote
     stream's first read can be): what `kind_of` tells the kind from."""
     first = first_bytes(f, path)
-    if len(first) < TAR_MAGIC_OFFSET + 8 and not first.startswith((GZIP_MAGIC, PARQUET_MAGIC)):
-        first += f.read(TAR_MAGIC_OFFSET + 8) or b""
+    if len(first) < 2 * TAR_BLOCK and not first.startswith((GZIP_MAGIC, PARQUET_MAGIC)):
+        first += f.read(2 * TAR_BLOCK - len(first)) or b""
     return first
 
 

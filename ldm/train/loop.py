@@ -207,6 +207,9 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 stop.announce(step, checkpointer.last)
             else:
                 objective.finish(checkpointer.last, batches, dist, run_dir)
+    except Exception as e:
+        run_dir.record_failure(e)
+        raise
     finally:
         if progress is not None:
             progress.close()  # an error's message then starts on a line of its own

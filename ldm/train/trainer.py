@@ -267,6 +267,9 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
             stop.announce(step, last)
         else:
             objective.finish(last, data_stream, dist, run_dir)
+    except Exception as e:
+        run_dir.record_failure(e)
+        raise
     finally:
         data_stream.close()
         writer.close()
