@@ -61,7 +61,7 @@ def read_config_file(path: str) -> dict:
         import yaml
 
         try:
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=yaml12_loader())
         except yaml.YAMLError as e:
             raise ConfigError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from None
     if values is None:
@@ -69,6 +69,23 @@ def read_config_file(path: str) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values, not a {type(values).__name__}")
     return {str(name).removeprefix("--"): value for name, value in values.items()}
+
+
+def yaml12_loader():
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false. YAML 1.1 also reads yes, no, on and off
+    as booleans, so `mixed_precision: no` would become False, not the choice `no`."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    bool_tag = "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Loader
 
 
 def config_flags(values: dict, path: str) -> list[str]:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from ldm.config import ConfigError, check_resume, differences, expand_config
+from ldm.config import ConfigError, check_resume, differences, expand_config, read_config_file
 
 
 def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
@@ -55,6 +55,18 @@ def test_the_entry_points_parse_a_config_file_with_the_command_line_winning(tmp_
         parse([ModelArguments, DataArguments, SamplingArguments, LoopArguments, RunArguments],
               ["--config", str(tmp_path / "typo.yaml")])
     assert exited.value.code == 2
+
+
+def test_yaml_reads_no_yes_on_and_off_as_the_words_they_are(tmp_path):
+    """YAML 1.1 reads `no` as false: `mixed_precision: no` was refused as not one of no, fp16, bf16."""
+    from ldm.args import LoopArguments, ModelArguments, RunArguments, parse
+
+    (tmp_path / "c.yaml").write_text("mixed_precision: no\nuse_ema: true\nreport_to: off\n")
+    assert read_config_file(str(tmp_path / "c.yaml")) == {"mixed_precision": "no", "use_ema": True,
+                                                          "report_to": "off"}
+    (tmp_path / "p.yaml").write_text("mixed_precision: no\n")
+    _, loop, _ = parse([ModelArguments, LoopArguments, RunArguments], ["--config", str(tmp_path / "p.yaml")])
+    assert loop.mixed_precision == "no"
 
 
 def record(lr=1e-4, model="ldm-tiny", resolution=256, prediction="epsilon", commit="abc"):
