@@ -334,6 +334,24 @@ def test_metadata_filters_read_text_latent_and_sample_metadata():
     assert e.value.reason == "filter_min_side_ge_100"
 
 
+def test_filter_numbers_are_shown_and_counted_as_written():
+    from ldm.data.record import SkipRecord
+
+    filters = MetadataFilters(["punsafe >= 0.1000001", "original_width > 30000001", "original_width > 3e+07"])
+    assert [f.reason for f in filters.filters] == ["filter_punsafe_ge_0.1000001", "filter_original_width_gt_30000001",
+                                                   "filter_original_width_gt_3e07"]
+    with pytest.raises(SkipRecord) as e:
+        filters.check({"punsafe": 0.1, "original_width": 4e7}, None)
+    assert e.value.reason == "filter_punsafe_ge_0.1000001" and "punsafe = 0.1, not punsafe >= 0.1000001" in e.value.detail
+    with pytest.raises(SkipRecord) as e:
+        filters.check({"punsafe": 0.2, "original_width": 30000001}, None)
+    assert "original_width = 30000001, not original_width > 30000001" in e.value.detail
+    assert len({f.reason for f in MetadataFilters(["a < 0.10000001", "a < 0.10000002"]).filters}) == 2
+    for bound in ("inf", "1e999", "-1e999"):
+        with pytest.raises(ValueError, match="finite" if bound != "inf" else "expected"):
+            MetadataFilters([f"punsafe < {bound}"])
+
+
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 @pytest.mark.parametrize("mode", ["w", "w:gz"])
 def test_tars_of_every_header_format_group_by_key_as_webdataset_does(fmt, mode):

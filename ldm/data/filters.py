@@ -40,6 +40,7 @@ class MetadataFilter:
     key: str
     op: str
     value: float
+    number: str  # the number as the user wrote it: messages and counter names show it, never a rounding of it
 
     @classmethod
     def parse(cls, text: str) -> MetadataFilter:
@@ -47,15 +48,25 @@ class MetadataFilter:
         if match is None:
             raise ValueError(f"--metadata_filter {text!r}: expected 'KEY OP NUMBER' with OP one of "
                              f"{' '.join(sorted(OPERATORS, key=len))}, e.g. 'punsafe < 0.5'")
-        return cls(match.group(1), match.group(2), float(match.group(3)))
+        value = float(match.group(3))
+        if not math.isfinite(value):
+            raise ValueError(f"--metadata_filter {text!r}: {match.group(3)} is beyond the range of a number; a "
+                             "filter needs a finite bound")
+        return cls(match.group(1), match.group(2), value, match.group(3))
 
     def __str__(self) -> str:
-        return f"{self.key} {self.op} {self.value:g}"
+        return f"{self.key} {self.op} {self.number}"
 
     @property
     def reason(self) -> str:
-        """What a rejection is counted under: `filter_punsafe_lt_0.5` for `punsafe < 0.5`."""
-        return f"filter_{self.key}_{OPERATOR_NAMES[self.op]}_{self.value:g}"
+        """What a rejection is counted under: `filter_punsafe_lt_0.5` for `punsafe < 0.5` (a `+` dropped: tags hold
+        letters, digits and `_ . -` only; `1e+07` is counted as `..._1e07`)."""
+        return f"filter_{self.key}_{OPERATOR_NAMES[self.op]}_{self.number.replace('+', '')}"
+
+
+def show_number(value: float) -> str:
+    """A metadata value in full: 30000001, 0.1000001 (`:g` would print 3e+07 and 0.1)."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
 
 
 def _number(value: Any) -> float | None:
@@ -110,7 +121,7 @@ class MetadataFilters:
             if value is None or math.isnan(value):
                 raise SkipRecord(missing)
             if not compare(value, f.value):
-                raise SkipRecord(rejected, f"{f.key} = {value:g}, not {f}")
+                raise SkipRecord(rejected, f"{f.key} = {show_number(value)}, not {f}")
 
 
 def derived_keys(meta: dict, image: bytes | None) -> dict[str, float]:
