@@ -420,3 +420,56 @@ def test_an_empty_tar_holds_no_record(tmp_path, compressed):
     tarfile.open(path, "w:gz" if compressed else "w").close()
     assert shard_kind(str(path)) == "tar"
     assert count_records(str(path)) == 0 and list(iter_records(str(path))) == []
+
+
+def small_tar(path, keys, image=b"\xff\xd8\xff fake jpeg"):
+    """A webdataset tar with a jpg, txt and json member per key, written by tarfile."""
+    with tarfile.open(path, "w") as tar:
+        for i, key in enumerate(keys):
+            for ext, data in (("jpg", image), ("txt", f"caption {i}".encode()), ("json", b'{"i": %d}' % i)):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def read_until_break(path):
+    from ldm.data.readers import iter_records
+    from ldm.data.shard import ShardTruncated
+
+    got = []
+    try:
+        for _, sample in iter_records(str(path)):
+            got.append(sample.caption)
+    except ShardTruncated as e:
+        return got, str(e)
+    return got, None
+
+
+@pytest.mark.parametrize("where, kept", [("after_last_member", 5), ("inside_first_header_of_5", 4),
+                                         ("inside_data_of_5", 4), ("inside_last_member_of_5", 4)])
+def test_a_tar_that_breaks_keeps_every_sample_read_whole(tmp_path, where, kept):
+    whole = tmp_path / "whole.tar"
+    small_tar(whole, [f"k{i}" for i in range(5)])
+    with tarfile.open(whole) as tar:
+        members = tar.getmembers()
+    assert len(members) == 15
+    last = members[-1]
+    cut = {"after_last_member": last.offset_data + -(-last.size // 512) * 512,
+           "inside_first_header_of_5": members[12].offset + 100,
+           "inside_data_of_5": members[12].offset_data + 5,
+           "inside_last_member_of_5": last.offset_data + 3}[where]
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(whole.read_bytes()[:cut])
+    got, error = read_until_break(broken)
+    assert got == [f"caption {i}" for i in range(kept)]
+    assert error is not None and f"after sample {kept}" in error  # the break itself is counted (truncated_shard)
+
+
+def test_two_adjacent_samples_under_one_key_are_two_records(tmp_path):
+    path = tmp_path / "dup.tar"
+    small_tar(path, ["a", "k0", "k0", "b"])
+    from ldm.data.readers import count_records
+
+    got, error = read_until_break(path)
+    assert error is None and got == ["caption 0", "caption 1", "caption 2", "caption 3"]
+    assert count_records(str(path)) == 4

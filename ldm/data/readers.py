@@ -193,15 +193,21 @@ def _tar_members(read, path: str) -> Iterator[tuple[str, Callable[[], bytes]]]:
     sample's time on 256 px JPEGs."""
     long_name: bytes | None = None
     while True:
-        block = read(TAR_BLOCK)
+        try:
+            block = read(TAR_BLOCK)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise TarHeaderBreak(f"tar {path}: {e}") from None
         if len(block) < TAR_BLOCK:
-            raise ShardTruncated(f"tar {path} ends without its end marker (truncated file)" if not block else
+            raise TarHeaderBreak(f"tar {path} ends without its end marker (truncated file)" if not block else
                                  f"tar {path} ends in the middle of a header (truncated file)")
         if block == _ZERO_BLOCK:
             return
-        stored = _octal(block[148:156], path)
+        try:
+            stored = _octal(block[148:156], path)
+        except ShardTruncated as e:
+            raise TarHeaderBreak(str(e)) from None
         if stored != sum(block) - sum(block[148:156]) + 8 * 32:  # the checksum field counts as 8 spaces
-            raise ShardTruncated(f"tar {path}: a header with a wrong checksum (corrupt, or not a tar)")
+            raise TarHeaderBreak(f"tar {path}: a header with a wrong checksum (corrupt, or not a tar)")
         size = _octal(block[124:136], path)
         padded = -(-size // TAR_BLOCK) * TAR_BLOCK
         kind = block[156:157]
@@ -232,6 +238,10 @@ def _tar_members(read, path: str) -> Iterator[tuple[str, Callable[[], bytes]]]:
         # directories, links, global pax headers: nothing to take
 
 
+class TarHeaderBreak(ShardTruncated):
+    """A tar breaks where a header should be: every member before it was read whole."""
+
+
 def _read_exact(read, size: int, path: str) -> bytes:
     data = read(size)
     if len(data) < size:
@@ -248,26 +258,37 @@ def _skip(read, size: int, path: str) -> None:
 
 
 def _tar_groups(f, path: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
-    """(number, key, {extension: bytes} or None when not wanted) for each sample of a tar stream (gzip or not)."""
+    """(number, key, {extension: bytes} or None when not wanted) for each sample of a tar stream (gzip or not).
+
+    A member whose extension the sample being grouped has already starts a new sample of the same key (two
+    adjacent samples written under one key are two records, not one carrying the second's files). Where the tar
+    breaks: at a header, the sample being grouped is kept (its members were read whole; a missing caption or
+    image is then counted as for any sample); inside a member's data, that sample is incomplete and dropped, and
+    the break is counted for the shard (`truncated_shard`)."""
     stream = io.BufferedReader(f, 1 << 20)
     read = stream.read
     if stream.peek(2)[:2] == GZIP_MAGIC:
         read = gzip.GzipFile(fileobj=stream).read
-    number, key, files, wanted = 0, None, {}, False
+    number, key, files, wanted, exts = 0, None, {}, False, set()
     try:
         for name, data in _tar_members(read, path):
             match = _KEY_EXT.match(name)
             if match is None:  # no extension: WebDataset skips it too
                 continue
             member_key, ext = match.group(1), match.group(2).lower()
-            if member_key != key:
+            if member_key != key or ext in exts:
                 if key is not None:
                     yield number, key, files if wanted else None
-                number, key, files = number + 1, member_key, {}
+                number, key, files, exts = number + 1, member_key, {}, set()
                 wanted = want(number)
+            exts.add(ext)
             if wanted:
                 files[ext] = data()
-    except ShardTruncated as e:  # the sample being read when it broke is incomplete
+    except TarHeaderBreak as e:
+        if key is not None:
+            yield number, key, files if wanted else None
+        raise ShardTruncated(f"{e}, after sample {number}") from None
+    except ShardTruncated as e:
         raise ShardTruncated(f"{e}, after sample {max(0, number - 1)}") from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ShardTruncated(f"tar {path}: {e}, after sample {max(0, number - 1)}") from None
