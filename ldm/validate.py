@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ppdiffusers import DDPMScheduler
 
+    from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import fingerprint
     from ldm.distributed import Distributed
     from ldm.inference import is_pipeline, load_for_inference
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dist = Distributed.init()
     with user_errors():
+        check_shards(read_file_list(args.file_list), args.file_list)  # before the model takes its time to load
         try:
             unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(
                 args.model, use_ema=args.weights == "ema")

@@ -62,6 +62,7 @@ def test_bench_prints_both_rates_and_the_ratio_last(corpus):
 @pytest.mark.parametrize("argv, message", [
     (["stats", "--file_list", "/no/such/list"], "file list not found"),
     (["plan", "--file_list", "x", "--world_size", "0", "--num_workers", "1"], "--world_size must be at least 1"),
+    (["plan", "--file_list", "x", "--world_size", "1", "--num_workers", "-2"], "--num_workers must be at least 0"),
     (["bench", "--file_list", "/no/such/list"], "file list not found"),
     (["convert", "/no/such/dir", "--output_dir", "/tmp/x"], "input not found"),
     (["frobnicate"], "invalid choice"),
@@ -107,6 +108,27 @@ def test_convert_folder_tar_and_parquet(tmp_path):
     captions = sorted(line.split(b"\t")[0].decode() for s in shards for line in iter_lines(s.path))
     assert captions == sorted([f"folder caption {i}" for i in range(3)] + ["tar caption 0", "tar caption 1",
                                                                            "parquet caption"])
+
+
+def test_convert_of_nothing_usable_or_into_a_used_folder_is_one_line_and_leaves_the_retry_free(tmp_path):
+    from ldm.data.tools import main
+
+    tarfile.open(tmp_path / "empty.tar", "w").close()
+    (tmp_path / "bad.gz").write_bytes(b"no tabs here\n" * 3)
+    out = run("-m", "ldm.data", "convert", str(tmp_path / "empty.tar"), str(tmp_path / "bad.gz"), "--output_dir",
+              str(tmp_path / "shards"))
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.splitlines()[-1].startswith("error: no usable record in the inputs (3 skipped")
+    assert not (tmp_path / "shards").exists()  # no file list naming nothing is left behind
+
+    used = tmp_path / "used"
+    first = write_corpus(str(used), num_records=6, records_per_shard=3)
+    before = sorted(os.listdir(used))
+    assert main(["convert", str(tmp_path / "bad.gz"), "--output_dir", str(used)]) == 2
+    assert main(["convert", first, "--output_dir", str(used)]) == 2  # the same name: refused, nothing touched
+    assert sorted(os.listdir(used)) == before
+    assert main(["convert", str(used / "train-00000.gz"), "--output_dir", str(used), "--name", "again"]) == 0
+    assert len(read_file_list(str(used / "again.filelist.list"))) == 1
 
 
 def test_write_filelist_default_and_options(tmp_path):

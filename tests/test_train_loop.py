@@ -221,6 +221,15 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
     assert "failed" not in json.loads((out / "run.json").read_text())
 
 
+def test_the_offline_validation_finds_a_missing_file_list_before_it_loads_a_model(tmp_path):
+    from entry import run_python
+
+    result = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "no_model"), "--file_list",
+                         str(tmp_path / "no_list")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"error: file list not found: {tmp_path / 'no_list'}"
+
+
 @pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     """With --recompute too: the public example's recompute path skipped the gradient all-reduce."""

@@ -353,26 +353,36 @@ def convert(inputs: list[str], output_dir: str, records_per_shard: int, name: st
     filelists, records written, records skipped by reason)."""
     filters = parse_filters(metadata_filter)
     sources = convert_sources(inputs)
+    earlier = ShardWriter.outputs_in(output_dir, name)
+    if earlier:  # the new file list would not name them, and a later `ls *.gz` would mix both
+        raise UserError(f"{output_dir} already holds {len(earlier)} file(s) of a corpus named {name!r} "
+                        f"({os.path.basename(earlier[0])}, ...): choose another --output_dir or --name, or remove them")
     written, skipped = 0, Counter()
-    with ShardWriter(output_dir, name, records_per_shard) as writer:
+    writer = ShardWriter(output_dir, name, records_per_shard)
+    try:
         for kind, path in sources:
             entries = _folder_entries(path, filters, skipped) if kind == "folder" else _shard_entries(path, filters,
                                                                                                       skipped)
             for caption, image, key, meta in tqdm(entries, desc=os.path.basename(path.rstrip("/")), unit="rec"):
                 writer.write(record_line(caption, image, key, meta))
                 written += 1
+        if not written:
+            raise UserError(f"no usable record in the inputs ({skip_summary(skipped)}); nothing was written")
+    except BaseException:
+        writer.discard()  # a failed convert leaves nothing that blocks the corrected retry
+        raise
     return writer.close(), written, skipped
+
+
+def skip_summary(skipped: Counter) -> str:
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+    return f"{sum(skipped.values())} skipped{': ' + reasons if reasons else ''}"
 
 
 def cmd_convert(args) -> int:
     listing, written, skipped = convert(args.inputs, args.output_dir, args.records_per_shard, args.name,
                                         args.metadata_filter)
-    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
-    print(f"wrote {written} records ({sum(skipped.values())} skipped{': ' + reasons if reasons else ''}); "
-          f"use --file_list {listing}")
-    if not written:
-        print("error: no usable record in the inputs", file=sys.stderr)
-        return 1
+    print(f"wrote {written} records ({skip_summary(skipped)}); use --file_list {listing}")
     return 0
 
 

@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import os
+import re
 import tarfile
 
 import pybase64
@@ -56,6 +57,7 @@ class ShardWriter:
     """
 
     def __init__(self, folder: str, name: str = "train", records_per_shard: int = 1000, compresslevel: int = 6):
+        self.made_folder = not os.path.isdir(folder)
         os.makedirs(folder, exist_ok=True)
         self.folder, self.name = folder, name
         self.records_per_shard, self.compresslevel = records_per_shard, compresslevel
@@ -76,6 +78,24 @@ class ShardWriter:
         if self._file is not None:
             self._file.close()
         self._file, self._in_shard = None, 0
+
+    @staticmethod
+    def outputs_in(folder: str, name: str) -> list[str]:
+        """Files of `folder` a writer of corpus `name` writes: its shards and its two file lists."""
+        if not os.path.isdir(folder):
+            return []
+        pattern = re.compile(rf"^{re.escape(name)}(-\d{{5,}}\.gz|\.filelist|\.filelist\.list)$")
+        return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
+
+    def discard(self) -> None:
+        """Remove what this writer wrote (and its folder, if it made it and it is empty)."""
+        self._close_shard()
+        for path in self.shards:
+            if os.path.exists(path):
+                os.remove(path)
+        self.shards = []
+        if self.made_folder and not os.listdir(self.folder):
+            os.rmdir(self.folder)
 
     def close(self) -> str:
         self._close_shard()
