@@ -342,7 +342,8 @@ def test_filter_numbers_are_shown_and_counted_as_written():
                                                    "filter_original_width_gt_3e07"]
     with pytest.raises(SkipRecord) as e:
         filters.check({"punsafe": 0.1, "original_width": 4e7}, None)
-    assert e.value.reason == "filter_punsafe_ge_0.1000001" and "punsafe = 0.1, not punsafe >= 0.1000001" in e.value.detail
+    assert e.value.reason == "filter_punsafe_ge_0.1000001"
+    assert "punsafe = 0.1, not punsafe >= 0.1000001" in e.value.detail
     with pytest.raises(SkipRecord) as e:
         filters.check({"punsafe": 0.2, "original_width": 30000001}, None)
     assert "original_width = 30000001, not original_width > 30000001" in e.value.detail
