@@ -164,3 +164,14 @@ CAPTIONS = [
     " ".join(["a long caption that runs past the seventy seven tokens of the text model"] * 8),
     "a grey square on a white background",
 ]
+
+
+def covariance_pair(kind: str, seed: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(mu1, sigma1, mu2, sigma2) of two seeded feature sets: 'well_conditioned' (64 dimensions, 600 samples
+    each) or 'rank_deficient' (256 dimensions, 10 samples each: covariances of rank 9, as FID of few images)."""
+    rng = np.random.default_rng([seed, 0 if kind == "well_conditioned" else 1])
+    dims, count = (64, 600) if kind == "well_conditioned" else (256, 10)
+    mixing = rng.standard_normal((dims, dims)) / np.sqrt(dims)
+    a = rng.standard_normal((count, dims)) @ mixing
+    b = rng.standard_normal((count, dims)) @ (mixing + 0.3 * rng.standard_normal((dims, dims)) / np.sqrt(dims)) + 0.2
+    return a.mean(0), np.cov(a, rowvar=False), b.mean(0), np.cov(b, rowvar=False)

@@ -421,6 +421,11 @@ def test_an_empty_tar_holds_no_record(tmp_path, compressed):
     tarfile.open(path, "w:gz" if compressed else "w").close()
     assert shard_kind(str(path)) == "tar"
     assert count_records(str(path)) == 0 and list(iter_records(str(path))) == []
+    from ldm.data.filelist import Shard
+    from ldm.data.stream import NoUsableData, SlotStream
+
+    with pytest.raises(NoUsableData, match="hold no record at all"):  # a slot whose share is empty shards only
+        next(SlotStream([Shard(str(path))]).samples(lambda record: record))
 
 
 def small_tar(path, keys, image=b"\xff\xd8\xff fake jpeg"):

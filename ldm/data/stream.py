@@ -222,9 +222,11 @@ class SlotStream:
             yield from self.pass_records()
             units = self._units_in_pass
             if units and not self.pass_ok:
+                found = (f"problems counted: {dict(self.counts)}" if self.counts else
+                         "they hold no record at all (empty shards?); use fewer loader workers or more data")
                 raise NoUsableData(
                     f"slot {self.slot} of {self.num_slots} read no usable record in pass {self.pass_index} "
-                    f"from its {units} shard unit(s); problems counted: {dict(self.counts) or 'none'}. "
+                    f"from its {units} shard unit(s); {found}. "
                     "Check the file list and the shards (python -m ldm.data stats --file_list ...)."
                 )
             empty_passes = 0 if units or self._phase_had_items else empty_passes + 1

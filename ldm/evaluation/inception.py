@@ -326,8 +326,10 @@ class Inception:
 
     def __call__(self, x) -> np.ndarray:
         """pool3 features (float32 numpy [N, 2048]) of a float32 [N, 3, H, W] array or tensor in [-1, 1]."""
+        if not isinstance(x, paddle.Tensor):
+            x = paddle.to_tensor(np.asarray(x, dtype=np.float32))
         with paddle.no_grad():
-            return self.model(paddle.to_tensor(x, dtype="float32")).numpy()
+            return self.model(x).numpy()
 
 
 # -- converting the published weights ------------------------------------------------------------------

@@ -1,0 +1,12 @@
+"""`python -m ldm.evaluate`: FID statistics, FID and CLIP score, offline (the commands: `ldm.evaluation.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from ldm.evaluation.cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
