@@ -197,7 +197,7 @@ PROGRESS = ("auto", "bar", "lines", "none")
 
 @dataclass
 class ValidationArguments:
-    """The held-out validation loss of the LDM entry points (`ldm.validation`)."""
+    """The held-out validation loss of the LDM entry points (`ldm.evaluation.heldout`)."""
 
     validation_file_list: Optional[str] = arg(None, "held-out shards (a list of filelists, as --file_list; latent "
                                                     "shards too): logs eval/loss and eval/loss_t<t> (default: off)")

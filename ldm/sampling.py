@@ -49,8 +49,12 @@ def generate(
     num_inference_steps: int = 50,
     seed: int = 0,
     batch_size: int = 8,
+    first_index: int = 0,
 ) -> np.ndarray:
-    """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored."""
+    """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored.
+
+    Image i's noise is drawn from (seed, first_index + i): a slice of a longer list, generated elsewhere (another
+    rank), gets the noise it has in the whole list."""
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
@@ -70,7 +74,7 @@ def generate(
                 context = paddle.concat([uncond, cond])
             else:
                 context = cond
-            latents = paddle.to_tensor(np.stack([initial_noise([channels, size, size], seed, start + i)
+            latents = paddle.to_tensor(np.stack([initial_noise([channels, size, size], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
             latents = latents * scheduler.init_noise_sigma
             scheduler.set_timesteps(num_inference_steps)

@@ -4,7 +4,7 @@
     python -m ldm.validate --model OUT/checkpoint-5000 --file_list held_out.list --weights raw
     python -m paddle.distributed.launch --nproc_per_node 2 ldm/validate.py ...   (the same numbers, split)
 
-Prints the mean loss and the loss at each fixed timestep (`ldm.validation`): with the same records,
+Prints the mean loss and the loss at each fixed timestep (`ldm.evaluation.heldout`): with the same records,
 timesteps and weights, the numbers training logged as eval/loss and eval/loss_t<t> (eval/ema_* for the
 EMA weights), so two models can be compared on one held-out set.
 """
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
     from ldm.train.errors import user_errors
-    from ldm.validation import HeldOut, fixed_timesteps, read_records
+    from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 
     dist = Distributed.init()
     with user_errors():

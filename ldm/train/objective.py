@@ -33,7 +33,7 @@ from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter
 from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
-from ldm.validation import HeldOut, fixed_timesteps, read_records
+from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 
 logger = logging.getLogger("ldm.train")
 
