@@ -197,18 +197,44 @@ PROGRESS = ("auto", "bar", "lines", "none")
 
 @dataclass
 class ValidationArguments:
-    """The held-out validation loss of the LDM entry points (`ldm.evaluation.heldout`)."""
+    """The held-out validation loss and the FID and CLIP score of generated images, during training
+    (`ldm.evaluation`)."""
 
     validation_file_list: Optional[str] = arg(None, "held-out shards (a list of filelists, as --file_list; latent "
                                                     "shards too): logs eval/loss and eval/loss_t<t> (default: off)")
     validation_steps: int = arg(1000, "evaluate every N updates, and at the end")
     validation_samples: int = arg(256, "records of --validation_file_list evaluated (its first ones, in order)")
     validation_timesteps: int = arg(8, "timesteps per record: the centres of this many equal bins of the schedule")
-    validation_batch_size: int = arg(8, "records per forward pass of the evaluation")
+    validation_batch_size: int = arg(8, "records per forward pass of the evaluation (and images per generation "
+                                        "batch of --fid_steps)")
+    fid_steps: int = arg(0, "every N updates, and at the end, generate --fid_samples images (EMA weights where there "
+                            "are some) and log eval/fid against --fid_reference (and eval/clip_score with --clip); "
+                            "0: off (docs/evaluation.md)")
+    fid_samples: int = arg(1024, "images generated per evaluation, split over the ranks (FID is biased below 2048)")
+    fid_reference: Optional[str] = arg(None, "Inception statistics of real images at this --resolution "
+                                             "(python -m ldm.evaluate stats)")
+    inception: Optional[str] = arg(None, "FID Inception weights as safetensors (python -m ldm.evaluate "
+                                         "convert-inception)")
+    clip: Optional[str] = arg(None, "a CLIP folder in Hugging Face's format (e.g. openai/clip-vit-large-patch14): "
+                                    "also log eval/clip_score")
+    fid_prompts: Optional[str] = arg(None, "a file of prompts, one per line, cycled (default: the captions of "
+                                           "--validation_file_list)")
+    fid_guidance_scale: float = arg(7.5, "classifier-free guidance of the images generated for --fid_steps")
+    fid_inference_steps: int = arg(25, "DDIM steps of the images generated for --fid_steps")
 
     def __post_init__(self):
-        for name in ("validation_steps", "validation_samples", "validation_timesteps", "validation_batch_size"):
+        for name in ("validation_steps", "validation_samples", "validation_timesteps", "validation_batch_size",
+                     "fid_inference_steps"):
             _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
+        _check(self.fid_steps >= 0, "--fid_steps must be >= 0")
+        _check(self.fid_guidance_scale >= 1, "--fid_guidance_scale must be >= 1 (1: no guidance)")
+        if self.fid_steps:
+            _check(self.fid_samples >= 2, "--fid_samples must be at least 2 (FID needs thousands)")
+            _check(bool(self.fid_reference and self.inception),
+                   "--fid_steps needs --fid_reference (python -m ldm.evaluate stats) and --inception (weights: "
+                   "python -m ldm.evaluate convert-inception)")
+            _check(bool(self.fid_prompts or self.validation_file_list),
+                   "--fid_steps needs prompts: --fid_prompts FILE, or --validation_file_list (its captions)")
 
 
 @dataclass

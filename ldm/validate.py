@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import fingerprint
     from ldm.distributed import Distributed
+    from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
     from ldm.inference import is_pipeline, load_for_inference
     from ldm.models.autoencoder import autoencoder_identity
     from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
     from ldm.train.errors import user_errors
-    from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 
     dist = Distributed.init()
     with user_errors():

@@ -10,6 +10,9 @@ from ldm.data.filelist import FileListError
 from ldm.data.latents import LatentMismatch
 from ldm.data.stream import NoUsableData
 from ldm.data.tokenize import TokenizerError
+from ldm.evaluation.clip import ClipError
+from ldm.evaluation.fid import FIDError
+from ldm.evaluation.inception import WeightsError
 from ldm.models.build import ModelSourceError
 from ldm.run_folder import CheckpointError
 from ldm.serialization import StateFormatError
@@ -22,6 +25,6 @@ def user_errors():
     try:
         yield
     except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
-            TrackerError, StateFormatError, ConfigError, NonFiniteStop) as e:
+            TrackerError, StateFormatError, ConfigError, NonFiniteStop, FIDError, WeightsError, ClipError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,7 @@ neither writes its own copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from ldm.compat import scale_in_place, squared_l2_norm
 from ldm.config import check_resume
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
+from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.flops import ldm_training_flops
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.ema import EMA
@@ -33,7 +35,6 @@ from ldm.run_folder import RunFolder
 from ldm.tracking import NullWriter
 from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
-from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 
 logger = logging.getLogger("ldm.train")
 
@@ -114,11 +115,15 @@ class TextToImage(Objective):
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
         self.held_out: HeldOut | None = None
+        self.generated = None  # (GeneratedMetrics, Sampling) with --fid_steps
+        self.due = (False, False)  # (held-out loss, generated images) at the update `validation_due` was asked
 
     def start_validation(self, dist: Distributed) -> None:
         """Read the held-out records (every rank reads them all and keeps its share): before the first write, so
-        an unusable --validation_file_list fails the start."""
+        an unusable --validation_file_list fails the start. With --fid_steps, what the FID needs too."""
         v = self.validation
+        if v.fid_steps:
+            self.start_generated_metrics(dist)
         if not v.validation_file_list:
             return
         records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
@@ -129,18 +134,64 @@ class TextToImage(Objective):
         logger.info("validation: %d held-out records at timesteps %s, every %d updates", len(records), timesteps,
                     v.validation_steps)
 
+    def start_generated_metrics(self, dist: Distributed) -> None:
+        """With --fid_steps: the Inception, the reference statistics, CLIP and the prompts, checked before the first
+        write (weights of the wrong kind, a reference of another mode, resolution or Inception are one line)."""
+        from ldm.evaluation.clip import ClipScorer
+        from ldm.evaluation.fid import Statistics
+        from ldm.evaluation.generated import GeneratedMetrics, Sampling, file_list_captions, read_prompts
+        from ldm.evaluation.inception import Inception
+
+        v = self.validation
+        prompts = read_prompts(v.fid_prompts) if v.fid_prompts else file_list_captions(v.validation_file_list,
+                                                                                         v.fid_samples)
+        metrics = GeneratedMetrics(Inception.from_file(v.inception), Statistics.load(v.fid_reference),
+                                   ClipScorer(v.clip) if v.clip else None, resolution=self.data.resolution)
+        sampling = Sampling(prompts, v.fid_samples, [v.fid_guidance_scale], v.fid_inference_steps,
+                            batch_size=v.validation_batch_size)
+        for note in metrics.check(sampling):
+            if dist.is_main:
+                logger.warning("%s", note)
+        self.generated = (metrics, sampling)
+        logger.info("FID%s: %d images (%d prompts, guidance %g, %d DDIM steps) every %d updates", " and CLIP score"
+                    if v.clip else "", v.fid_samples, len(prompts), v.fid_guidance_scale, v.fid_inference_steps,
+                    v.fid_steps)
+
     def validation_due(self, step: int, last: bool) -> bool:
-        return self.held_out is not None and (step % self.validation.validation_steps == 0 or last)
+        self.due = (self.held_out is not None and (step % self.validation.validation_steps == 0 or last),
+                    self.generated is not None and (step % self.validation.fid_steps == 0 or last))
+        return any(self.due)
 
     def evaluate(self, dist):
-        if self.held_out is None:
-            return {}
-        metrics = {f"eval_{name}": value for name, value in self.held_out.evaluate(self.model).items()}
-        if self.ema is not None:
-            with self.ema.swapped(self.model):
-                ema = self.held_out.evaluate(self.model)
-            metrics.update({f"eval_ema_{name}": value for name, value in ema.items()})
+        loss_due, generated_due = self.due
+        metrics = {}
+        if loss_due:
+            metrics.update({f"eval_{name}": value for name, value in self.held_out.evaluate(self.model).items()})
+            if self.ema is not None:
+                with self.ema.swapped(self.model):
+                    ema = self.held_out.evaluate(self.model)
+                metrics.update({f"eval_ema_{name}": value for name, value in ema.items()})
+        if generated_due:
+            with self.ema.swapped(self.model) if self.ema is not None else contextlib.nullcontext():
+                metrics.update(self.generated_metrics(dist))
         return metrics
+
+    def generated_metrics(self, dist) -> dict[str, float]:
+        """FID (and CLIP score) of the model's images as they are now: the EMA's when the caller swapped it in."""
+        from ldm.data.tokenize import CaptionTokenizer
+        from ldm.evaluation.generated import pipeline_images
+        from ldm.sampling import ddim_scheduler
+
+        metrics, sampling = self.generated
+        model = self.model
+        scheduler = ddim_scheduler(dict(model.noise_scheduler.config), model.prediction_type)
+        make = pipeline_images(model.unet, model.text_encoder, model.vae, scheduler,
+                               CaptionTokenizer(self.tokenizer, self.data.model_max_length), sampling)
+        scored = metrics.evaluate(make, sampling, dist)[0]
+        out = {"eval_fid": scored.fid, "eval_fid_seconds": scored.seconds}
+        if scored.clip_score is not None:
+            out["eval_clip_score"] = scored.clip_score
+        return out
 
     def flops_per_sample(self, on_latents):
         return ldm_training_flops(self.model, resolution=self.data.resolution, text_length=self.data.model_max_length,
@@ -223,8 +274,10 @@ def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalCloc
     batches.exclude(end - start)
     metrics["eval_time_fraction"] = (end - start) / max(end - clock.since, 1e-9)
     clock.since = end
-    logger.info("validation at update %d: loss %.5f (%.1f s, %.1f%% of the time since the last)", step,
-                metrics.get("eval_loss", float("nan")), end - start, 100 * metrics["eval_time_fraction"])
+    shown = " ".join(f"{name[len('eval_'):]} {metrics[name]:.5g}" for name in ("eval_loss", "eval_fid",
+                                                                               "eval_clip_score") if name in metrics)
+    logger.info("validation at update %d: %s (%.1f s, %.1f%% of the time since the last)", step, shown,
+                end - start, 100 * metrics["eval_time_fraction"])
     return metrics
 
 
