@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import Counter
 
 from ldm.args import ToolParser
@@ -84,22 +85,26 @@ def cmd_stats(args) -> int:
         raise EvalError(f"--output {args.output}: the folder {folder} does not exist")
     inception = load_inception(args.inception, "stats")
     skipped: Counter = Counter()
+    start = time.perf_counter()
     if args.images:
         stats = folder_statistics(args.images, inception, args)
     else:
         resolution = args.resolution or 256
         stats = compute_statistics(shard_images(args.file_list, resolution, skipped, args.max_images), inception,
                                    args.mode, args.batch_size, resolution, args.max_images, args.file_list)
+    seconds = time.perf_counter() - start
     stats.save(args.output)
     note = small_sample_warning(stats, args.output)
     if note:
         print(f"warning: {note}", file=sys.stderr)
     report = {"output": args.output, "images": stats.num_images, "skipped": dict(sorted(skipped.items())),
-              "mode": stats.mode, "resolution": stats.resolution, "weights_sha256": stats.weights_sha256}
+              "mode": stats.mode, "resolution": stats.resolution, "weights_sha256": stats.weights_sha256,
+              "seconds": round(seconds, 3), "images_per_second": round(stats.num_images / seconds, 3)}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"images          {stats.num_images} ({stats.mode}, resolution {stats.resolution or 'as stored'})")
+        print(f"images          {stats.num_images} ({stats.mode}, resolution {stats.resolution or 'as stored'}; "
+              f"{report['images_per_second']:.2f} images/s)")
         for reason, count in report["skipped"].items():
             print(f"  skipped {reason:<16} {count}")
         print(f"wrote {args.output}")

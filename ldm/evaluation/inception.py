@@ -162,11 +162,11 @@ class FIDInceptionE(nn.Layer):
         return paddle.concat([self.branch1x1(x), branch3x3, branch3x3dbl, self.branch_pool(pooled)], axis=1)
 
 
-def FIDInceptionE_1(in_channels):  # noqa: N802 - pytorch-fid's class names
+def FIDInceptionE_1(in_channels):  # pytorch-fid's class name
     return FIDInceptionE(in_channels)
 
 
-def FIDInceptionE_2(in_channels):  # noqa: N802
+def FIDInceptionE_2(in_channels):
     return FIDInceptionE(in_channels, max_pool=True)
 
 
@@ -477,8 +477,8 @@ def _read_torch_legacy(path: str) -> dict[str, np.ndarray]:
 
 def read_torch_checkpoint(path: str) -> dict[str, np.ndarray]:
     """The tensors of a `torch.save` file, read without torch: the zip format (torch >= 1.6) and the earlier
-    sequential format (pytorch-fid's .pth was published in 2020 from torch 1.x). Only tensors, dicts and
-    numbers are built: any other object the pickle names is refused."""
+    sequential one (not checked here which of the two pytorch-fid's .pth is in: both are read).
+    Only tensors, dicts and numbers are built: any other object the pickle names is refused."""
     try:
         return _read_torch_zip(path) if zipfile.is_zipfile(path) else _read_torch_legacy(path)
     except WeightsError:

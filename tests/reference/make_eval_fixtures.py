@@ -5,14 +5,14 @@ Runs in its own virtualenv, outside the project (the project needs no torch):
     python3 -m venv /work/refvenv
     /work/refvenv/bin/pip install torch==2.13.0 scipy pillow safetensors numpy requests ftfy transformers
     /work/refvenv/bin/pip install --no-deps torchvision pytorch-fid clean-fid
-    /work/refvenv/bin/python tests/reference/make_eval_fixtures.py [--benchmark]
+    /work/refvenv/bin/python tests/reference/make_eval_fixtures.py [--benchmark FOLDER]
 
 Writes tests/fixtures/eval/: pytorch-fid's pool3 features of the test images (`tests/eval_weights.py`) with the
 seeded random Inception weights, by pytorch-fid's own path (legacy_pytorch) and with clean-fid's resize
 (clean); pytorch-fid's FID between two halves of them and its Fréchet distance of seeded covariances; a tiny
 random CLIP in Hugging Face's format (`tiny-clip/`) with transformers' per-sample 100 * cos of the test images
-and captions; two small torch checkpoints (zip and legacy format) for the converter. `--benchmark` also
-prints pytorch-fid's images/s on this CPU.
+and captions; two small torch checkpoints (zip and legacy format) for the converter. `--benchmark FOLDER`
+instead prints pytorch-fid's statistics images/s on this CPU and the project's command to compare.
 """
 
 from __future__ import annotations
@@ -229,7 +229,8 @@ def clip_reference(folder: str, paths: list[str]) -> dict:
 # -- torch checkpoints for the converter ----------------------------------------------------------------
 def write_torch_checkpoints() -> dict:
     """A few of the seeded weights, saved by torch in both its formats, with the counters a BN state dict has
-    and a non-contiguous tensor (stored with its strides)."""
+    and a non-contiguous tensor (stored with its strides). The legacy file's bytes differ from run to run (torch
+    names its storages by address there); its contents do not."""
     weights = ew.random_inception(with_fc=False)
     names = ["Conv2d_1a_3x3.conv.weight", "Conv2d_1a_3x3.bn.weight", "Conv2d_1a_3x3.bn.bias",
              "Conv2d_1a_3x3.bn.running_mean", "Conv2d_1a_3x3.bn.running_var"]
@@ -244,43 +245,59 @@ def write_torch_checkpoints() -> dict:
         np.ascontiguousarray(v.numpy()).tobytes()).hexdigest() for k, v in state.items()}
 
 
-def benchmark(paths: list[str], rounds: int = 3) -> None:
-    """pytorch-fid's pool3 images/s (legacy path, the images already decoded), batch 8, median of rounds."""
+BENCH_IMAGES = 64
+
+
+def benchmark(folder: str) -> None:
+    """pytorch-fid's statistics throughput (its `calculate_activation_statistics`: decoding, ToTensor, the
+    network's resize, pool3, mean and covariance; batch 50, no loader workers) on BENCH_IMAGES 256x256 test
+    images written to FOLDER/images, with the seeded weights, which FOLDER/inception.safetensors holds for the
+    project's command to time on the same images."""
+    from pytorch_fid.fid_score import calculate_activation_statistics
+    from safetensors.numpy import save_file
+
+    images = os.path.join(folder, "images")
+    os.makedirs(images, exist_ok=True)
+    paths = []
+    for i in range(BENCH_IMAGES):
+        path = os.path.join(images, f"{i:03d}.png")
+        if not os.path.exists(path):
+            Image.fromarray(ew.make_image(100 + i, 256, 256)).save(path)
+        paths.append(path)
+    save_file(ew.random_inception(), os.path.join(folder, "inception.safetensors"))
     model = pytorch_fid_model(resize_input=True)
-    images = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB")).transpose(2, 0, 1).copy()).float()[None]
-              / 255 for p in paths]
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        rates = []
-        with torch.no_grad():
-            model(torch.nn.functional.interpolate(images[0], size=(299, 299), mode="bilinear"))
-            for _ in range(rounds):
-                start = time.perf_counter()
-                batch = torch.cat([torch.nn.functional.interpolate(x, size=(299, 299), mode="bilinear",
-                                                                   align_corners=False) for x in images])
-                model.resize_input = False
-                model(batch)
-                model.resize_input = True
-                rates.append(len(images) / (time.perf_counter() - start))
-        print(f"pytorch-fid (torch {torch.__version__}), {threads} thread(s): {np.median(rates):.2f} images/s")
+        calculate_activation_statistics(paths[:4], model, batch_size=4, device="cpu", num_workers=0)  # warm-up
+        start = time.perf_counter()
+        calculate_activation_statistics(paths, model, batch_size=50, device="cpu", num_workers=0)
+        rate = len(paths) / (time.perf_counter() - start)
+        print(f"pytorch-fid {versions()['pytorch-fid']} (torch {torch.__version__}), {threads} thread(s): "
+              f"{rate:.2f} images/s")
+    print(f"the same in the project: python -m ldm.evaluate stats --images {images} --inception "
+          f"{os.path.join(folder, 'inception.safetensors')} --mode legacy_pytorch --batch_size 50 --threads N "
+          "--output /tmp/bench.npz --json")
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "torchvision", "pytorch-fid", "clean-fid", "transformers",
+                                              "numpy", "scipy", "pillow")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--benchmark", action="store_true", help="also print pytorch-fid's images/s")
+    parser.add_argument("--benchmark", metavar="FOLDER",
+                        help="instead, print pytorch-fid's statistics images/s on test images it writes to FOLDER")
     args = parser.parse_args()
+    if args.benchmark:
+        benchmark(args.benchmark)
+        return
     torch.set_num_threads(2)
     os.makedirs(OUT, exist_ok=True)
-    versions = {}
-    for name in ("torch", "torchvision", "pytorch-fid", "clean-fid", "transformers", "numpy", "scipy", "pillow"):
-        from importlib.metadata import version
-
-        versions[name] = version(name)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_images(tmp)
-        if args.benchmark:
-            benchmark(paths)
-            return
         legacy, clean = legacy_features(paths), clean_features(paths)
         np.savez_compressed(os.path.join(OUT, "inception_features.npz"), legacy_pytorch=legacy, clean=clean)
         from pytorch_fid.fid_score import calculate_frechet_distance
@@ -291,7 +308,7 @@ def main() -> None:
         clip = clip_reference(os.path.join(OUT, "tiny-clip"), paths)
         np.savez_compressed(os.path.join(OUT, "clip_pixel_values.npz"), pixel_values=clip.pop("pixel_values"))
         reference = {
-            "versions": versions,
+            "versions": versions(),
             "weights_digest": ew.weights_digest(ew.random_inception()),
             "images_sha256": hashlib.sha256(b"".join(i.tobytes() for i in ew.make_images())).hexdigest(),
             "fid_sets": [SET_A, SET_B],
