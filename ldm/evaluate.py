@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 from ldm.evaluation.cli import main
 
 __all__ = ["main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldm.distributed import run_main
+
+    run_main(main)

@@ -323,12 +323,13 @@ def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_pa
     assert os.path.isdir(tmp_path / "run" / "pipeline")
     # the autoencoder does not run: its encode is no part of a sample's FLOPs
     assert "vae_encode 0 G" in result.stderr
-    # the held-out loss on latent shards, as `python -m ldm.validate` computes it for the checkpoint
+    # the held-out loss on latent shards, as `python -m ldm.evaluate loss` computes it for the checkpoint
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [line for line in logged if "eval/loss" in line]
     assert [line["step"] for line in logged] == [2]
-    offline = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "run" / "checkpoint-2"), "--file_list",
-                          encoded[0], "--validation_samples", "6", "--validation_timesteps", "2", "--json"])
+    offline = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "run" / "checkpoint-2"),
+                          "--file_list", encoded[0], "--validation_samples", "6", "--validation_timesteps", "2",
+                          "--json"])
     assert offline.returncode == 0, offline.stderr[-3000:]
     printed = json.loads(offline.stdout.strip().splitlines()[-1])
     assert printed["records"] == 6 and printed["resolution"] == RESOLUTION

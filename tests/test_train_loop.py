@@ -224,7 +224,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
 def test_the_offline_validation_finds_a_missing_file_list_before_it_loads_a_model(tmp_path):
     from entry import run_python
 
-    result = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "no_model"), "--file_list",
+    result = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "no_model"), "--file_list",
                          str(tmp_path / "no_list")])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == f"error: file list not found: {tmp_path / 'no_list'}"
@@ -778,7 +778,7 @@ def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path
 @pytest.mark.slow
 def test_validation_loss_is_logged_leaves_training_alone_and_matches_the_offline_tool(corpus, tmp_path):
     """eval/loss, eval/loss_t<t> and the EMA's at updates 2 and 4; the same run without validation ends with the
-    same weights (its random state and data position untouched); `python -m ldm.validate` on checkpoint-4 prints
+    same weights (its random state and data position untouched); `python -m ldm.evaluate loss` on checkpoint-4 prints
     the numbers training logged for those weights."""
     from entry import run_python
 
@@ -806,9 +806,9 @@ def test_validation_loss_is_logged_leaves_training_alone_and_matches_the_offline
     assert evals[4]["eval/loss"] == pytest.approx(np.mean([evals[4][f"eval/loss_t{t}"] for t in (125, 375, 625, 875)]))
 
     for kind, prefix in (("raw", "eval/"), ("ema", "eval/ema_")):
-        offline = run_python(["-m", "ldm.validate", "--model", str(tmp_path / "a" / "checkpoint-4"), "--file_list",
-                              listing, "--validation_samples", "10", "--validation_timesteps", "4", "--weights", kind,
-                              "--json"])
+        offline = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "a" / "checkpoint-4"),
+                              "--file_list", listing, "--validation_samples", "10", "--validation_timesteps", "4",
+                              "--weights", kind, "--json"])
         assert offline.returncode == 0, offline.stderr[-3000:]
         printed = json.loads(offline.stdout.strip().splitlines()[-1])
         assert printed["records"] == 10
@@ -827,9 +827,9 @@ def test_the_validation_loss_is_the_same_on_one_process_and_two(corpus, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     args = ["--model", str(tmp_path / "run" / "checkpoint-1"), "--file_list", listing, "--validation_samples", "11",
             "--json"]
-    one = run_python(["-m", "ldm.validate", *args])
+    one = run_python(["-m", "ldm.evaluate", "loss", *args])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_entry("ldm/validate.py", args, launch=True, cwd=tmp_path)
+    two = run_entry("ldm/evaluate.py", ["loss", *args], launch=True, cwd=tmp_path)
     assert two.returncode == 0, launch_report(two, tmp_path)
     on_two = [line for line in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()
               if line.startswith("{")]

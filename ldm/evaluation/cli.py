@@ -5,10 +5,16 @@
         --inception inception.safetensors --resolution 256 --output val256.npz
     python -m ldm.evaluate fid val256.npz samples/ --inception inception.safetensors --json
     python -m ldm.evaluate clip-score --images samples/ --captions prompts.txt --clip clip-vit-large-patch14/ --json
+    python -m ldm.evaluate run --model OUT/pipeline --prompts coco30k.txt --num_samples 30000 --guidance_scale 1.5 3 \\
+        --num_inference_steps 250 --inception inception.safetensors --reference coco256.npz --clip clip/ \\
+        --output_dir eval/
+    python -m ldm.evaluate loss --model OUT/checkpoint-5000 --file_list held_out.list [--weights raw]
+    python -m paddle.distributed.launch --nproc_per_node 2 ldm/evaluate.py run ...   (the same numbers, split)
 
 FID compares statistics of the same `--mode` and Inception weights only (recorded in each .npz); a folder given
 to `fid` is measured on the spot with --inception. Weights load from safetensors only: convert pytorch-fid's
-.pth or PaddleMIX's .pdparams once with `convert-inception`. Nothing is downloaded.
+.pth or PaddleMIX's .pdparams once with `convert-inception`. Nothing is downloaded. `loss` is the held-out
+validation loss training logs (eval/loss); `run` and `loss` split their work over the ranks of a launch.
 """
 
 from __future__ import annotations
@@ -192,10 +198,136 @@ def cmd_convert(args) -> int:
 
 
 # -- run: generation + scoring ------------------------------------------------------------------------
-# RESERVED: `run` (generate images from a checkpoint or pipeline, then their FID against reference statistics
-# and their CLIP score against the prompts) is added here. It uses the functions above on in-memory arrays:
-# `ldm.evaluation.fid.inception_features(images, inception, mode)` -> `statistics(...)` -> `check_comparable` /
-# `frechet_distance`, and `ldm.evaluation.clip.ClipScorer(folder).clip_score(images, captions)`.
+def cmd_run(args) -> int:
+    """Generate --num_samples images per guidance scale from a checkpoint or pipeline, then their FID against
+    --reference and their CLIP score; results.json, samples.png and fid_clip.png in --output_dir."""
+    from ldm.distributed import Distributed
+    from ldm.evaluation.clip import ClipScorer
+    from ldm.evaluation.generated import GeneratedMetrics, Sampling, pipeline_images, read_prompts
+    from ldm.inference import is_pipeline, load_for_inference
+    from ldm.models.build import model_resolution
+    from ldm.run_folder import CheckpointError
+
+    prompts = read_prompts(args.prompts)
+    reference = Statistics.load(args.reference)
+    inception = load_inception(args.inception, "run")
+    clip = ClipScorer(args.clip) if args.clip else None
+    dist = Distributed.init()
+    try:
+        unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(
+            args.model, use_ema=args.weights == "ema")
+    except (FileNotFoundError, CheckpointError) as e:
+        raise EvalError(f"--model {args.model}: {e}") from None
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.sampling import ddim_scheduler
+
+    resolution = model_resolution(unet, vae)
+    metrics = GeneratedMetrics(inception, reference, clip, args.mode, resolution)
+    sampling = Sampling(prompts, args.num_samples, list(args.guidance_scale), args.num_inference_steps, args.seed,
+                        args.batch_size)
+    notes = metrics.check(sampling)
+    if dist.is_main:
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+    make = pipeline_images(unet, text_encoder, vae, ddim_scheduler(scheduler_config),
+                           CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings), sampling)
+    scored = metrics.evaluate(make, sampling, dist, keep_images=args.grid_images)
+    if not dist.is_main:
+        return 0
+    weights = "EMA" if used_ema else "the pipeline's" if is_pipeline(args.model) else "trained"
+    report = {"model": args.model, "weights": weights, "reference": args.reference, "mode": args.mode,
+              "inception_sha256": inception.fingerprint, "clip": args.clip, "resolution": resolution,
+              "num_samples": args.num_samples, "num_inference_steps": args.num_inference_steps, "seed": args.seed,
+              "prompts": len(prompts), "ranks": dist.world_size, "results": [r.as_dict() for r in scored],
+              "warnings": notes}
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    write_figures(scored, args.output_dir)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for r in scored:
+            clip_text = f"  CLIP score {r.clip_score:.3f}" if r.clip_score is not None else ""
+            print(f"guidance {r.guidance_scale:g}: FID {r.fid:.3f}{clip_text}  ({r.samples} samples, "
+                  f"{r.seconds:.1f} s)")
+        print(f"wrote results.json, samples.png and fid_clip.png to {args.output_dir}")
+    return 0
+
+
+def write_figures(scored, output_dir: str) -> None:
+    """samples.png: a row of the first samples per guidance scale; fid_clip.png: FID against CLIP score (or against
+    the guidance scale without CLIP), each point labelled with its scale, as the Stable Diffusion card plots it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ldm.sampling import labeled_grid
+
+    rows = [r for r in scored if r.images is not None]
+    if rows:
+        width = min(len(r.images) for r in rows)
+        grid = np.concatenate([r.images[:width] for r in rows])
+        labeled_grid(grid, [f"guidance {r.guidance_scale:g}" for r in rows]).save(
+            os.path.join(output_dir, "samples.png"))
+    figure, axes = plt.subplots(figsize=(5, 4))
+    with_clip = all(r.clip_score is not None for r in scored)
+    xs = [r.clip_score if with_clip else r.guidance_scale for r in scored]
+    ys = [r.fid for r in scored]
+    axes.plot(xs, ys, marker="o")
+    for x, y, r in zip(xs, ys, scored, strict=True):
+        axes.annotate(f"{r.guidance_scale:g}", (x, y), textcoords="offset points", xytext=(4, 4))
+    axes.set_xlabel("CLIP score" if with_clip else "guidance scale")
+    axes.set_ylabel("FID")
+    axes.set_title(f"FID against {'CLIP score' if with_clip else 'guidance'} ({scored[0].samples} samples)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(os.path.join(output_dir, "fid_clip.png"), dpi=120)
+    plt.close(figure)
+
+
+# -- loss: the held-out validation loss -----------------------------------------------------------------
+def cmd_loss(args) -> int:
+    """The held-out loss of a pipeline or checkpoint, as training logs it (`ldm.evaluation.heldout`)."""
+    from ppdiffusers import DDPMScheduler
+
+    from ldm.data.filelist import check_shards, read_file_list
+    from ldm.data.latents import fingerprint
+    from ldm.distributed import Distributed
+    from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
+    from ldm.inference import is_pipeline, load_for_inference
+    from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.build import model_resolution
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.train.errors import user_errors
+
+    dist = Distributed.init()
+    with user_errors():
+        check_shards(read_file_list(args.file_list), args.file_list)  # before the model takes its time to load
+        try:
+            unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(
+                args.model, use_ema=args.weights == "ema")
+        except FileNotFoundError as e:
+            raise EvalError(str(e)) from None
+        model = LatentDiffusion(unet, text_encoder, vae, DDPMScheduler.from_config(scheduler_config))
+        resolution = args.resolution or model_resolution(unet, vae)
+        records = read_records(args.file_list, args.validation_samples, resolution=resolution, tokenizer=tokenizer,
+                               model_max_length=tokenizer.model_max_length,
+                               autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model)
+        timesteps = fixed_timesteps(args.validation_timesteps, model.noise_scheduler.config.num_train_timesteps)
+        metrics = HeldOut(records, timesteps, dist, args.validation_batch_size).evaluate(model)
+    if dist.is_main:
+        weights = "EMA" if used_ema else "the pipeline's" if is_pipeline(args.model) else "trained"
+        if args.json:
+            print(json.dumps({"model": args.model, "weights": weights, "records": len(records),
+                              "resolution": resolution, **metrics}))
+        else:
+            print(f"{args.model} ({weights} weights), {len(records)} records at {resolution} px")
+            for name, value in metrics.items():
+                print(f"{name:>12} {value:.6f}")
+    return 0
 
 
 # -- entry ---------------------------------------------------------------------------------------------
@@ -245,6 +377,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"clip_score": ..., "per_sample": [...]}')
     p.set_defaults(run=cmd_clip_score)
 
+    p = sub.add_parser("run", help="generate images from a checkpoint or pipeline per guidance scale, then their "
+                                   "FID and CLIP score (split over the ranks under paddle.distributed.launch)")
+    p.add_argument("--model", required=True, help="an exported pipeline folder or a training checkpoint")
+    p.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line, cycled over the samples")
+    p.add_argument("--num_samples", type=int, required=True, help="images per guidance scale (FID: 10k-30k)")
+    p.add_argument("--guidance_scale", type=float, nargs="+", default=[7.5], metavar="G")
+    p.add_argument("--num_inference_steps", type=int, default=50, help="DDIM steps")
+    p.add_argument("--inception", required=True, metavar="W.safetensors",
+                   help="the FID Inception weights under pytorch-fid's names (see convert-inception)")
+    p.add_argument("--reference", required=True, metavar="S.npz",
+                   help="statistics of real images at the model's resolution (python -m ldm.evaluate stats)")
+    p.add_argument("--clip", metavar="FOLDER", help="a CLIP in Hugging Face's format: also the CLIP score")
+    p.add_argument("--mode", choices=MODES, default="clean", help="as the reference was computed")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema",
+                   help="a checkpoint's EMA weights when it has them (as exported), or its trained ones")
+    p.add_argument("--seed", type=int, default=0, help="sample i's noise is drawn from (seed, i)")
+    p.add_argument("--batch_size", type=int, default=8, help="images generated (and scored) at once per rank")
+    p.add_argument("--grid_images", type=int, default=8, help="samples per guidance scale in samples.png")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core this process may use)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--json", action="store_true", help="print results.json on stdout too")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("loss", help="the held-out validation loss of a pipeline or checkpoint, as training logs it "
+                                    "(eval/loss, eval/loss_t<t>)")
+    p.add_argument("--model", required=True, help="an exported pipeline folder or a training checkpoint")
+    p.add_argument("--file_list", required=True, help="held-out shards: a list of filelists, as for training")
+    p.add_argument("--validation_samples", type=int, default=256, help="records evaluated (the first ones)")
+    p.add_argument("--validation_timesteps", type=int, default=8, help="timesteps per record")
+    p.add_argument("--validation_batch_size", type=int, default=8, help="records per forward pass")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema",
+                   help="a checkpoint's EMA weights when it has them (as exported), or its trained ones")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="image size (default: the model's, from its UNet and autoencoder)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core this process may use)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.set_defaults(run=cmd_loss)
+
     p = sub.add_parser("convert-inception", help="pytorch-fid's .pth or PaddleMIX's .pdparams of the FID Inception "
                                                  "to safetensors (unpickles it: only files you trust)")
     p.add_argument("file", help="pt_inception-2015-12-05-6726825d.pth or pp_inception-2015-12-05-6726825d.pdparams")
@@ -256,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("batch_size", "max_images", "resolution", "threads"):
+    for name in ("batch_size", "max_images", "resolution", "threads", "num_samples", "num_inference_steps",
+                 "validation_samples", "validation_timesteps", "validation_batch_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name} must be at least 1")

@@ -11,7 +11,7 @@ mean), captions are not dropped, crops are centred, nothing is flipped.
 
 Ranks split the records (record i on rank i mod world size) and add up their sums; the model runs in
 eval mode without gradients, and the training's random state is not touched (numpy generators of
-their own). `python -m ldm.validate` computes the same numbers offline for a pipeline or a checkpoint.
+their own). `python -m ldm.evaluate loss` computes the same numbers offline for a pipeline or a checkpoint.
 """
 
 from __future__ import annotations
