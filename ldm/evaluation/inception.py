@@ -295,6 +295,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
                            "pytorch-fid's .pth with `python -m ldm.evaluate convert-inception`)")
     head = _head(path)
     if not is_safetensors(head):
+        if path.endswith(".npz"):
+            raise WeightsError(f"{path} is a numpy .npz (FID statistics?), not Inception weights: give the "
+                               "safetensors `python -m ldm.evaluate convert-inception` writes")
         if is_pickle(head):
             raise WeightsError(f"{path} is a pickle (a torch .pth or a Paddle .pdparams), which is not loaded: "
                                f"convert it once with `python -m ldm.evaluate convert-inception {path} "
