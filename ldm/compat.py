@@ -42,6 +42,16 @@ def private(owner, name: str, use: str):
                                  f"this project supports {SUPPORTED} (requirements.lock)") from None
 
 
+# --- Paddle: CPU threads -------------------------------------------------------------------------
+
+def set_cpu_threads(threads: int) -> None:
+    """The number of threads Paddle's CPU kernels use (one by default: neither an environment variable nor
+    `paddle.set_flags` changes it). For tools that run one process on every core (`ldm.evaluate`)."""
+    import paddle
+
+    private(paddle.base.core, "set_num_threads", "running on several CPU threads")(int(threads))
+
+
 # --- Paddle: gradient clipping and loss scaling -------------------------------------------------
 
 def squared_l2_norm(tensor):

@@ -13,6 +13,11 @@ def test_a_missing_private_name_is_one_error_naming_the_supported_versions():
         compat.private(paddle.amp.GradScaler(), "_no_such_thing", "a test")
 
 
+def test_the_cpu_thread_count_can_be_set():
+    compat.set_cpu_threads(2)  # the installed Paddle still has the setter `ldm.evaluate --threads` needs
+    compat.set_cpu_threads(1)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_squared_l2_norm_is_the_sum_of_squares_in_fp32(dtype):
     values = np.random.default_rng(0).standard_normal((7, 5)).astype("float32")

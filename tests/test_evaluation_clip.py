@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 from PIL import Image
+from test_evaluation_fid import assert_user_error, run
 
-from ldm.evaluate import main
 from ldm.evaluation.clip import ClipError, ClipScorer, ImagePreprocessor, aggregate, paddle_state
 
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
@@ -35,21 +35,6 @@ def folder(tmp_path_factory):
         Image.fromarray(image).save(root / "images" / f"{i:02d}.png")
     (root / "captions.txt").write_text("\n".join(ew.CAPTIONS) + "\n")
     return root
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    code = main([*argv, "--threads", "1"])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(code: int, err: str, *words: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def test_tokens_and_pixels_are_transformers(scorer):

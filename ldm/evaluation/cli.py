@@ -36,13 +36,11 @@ class EvalError(Exception):
 
 def use_threads(threads: int | None) -> None:
     """Paddle runs its CPU kernels on one thread unless told otherwise: the metric on every core it may use."""
-    import paddle
-
-    from ldm.compat import private
+    from ldm.compat import set_cpu_threads
 
     if not threads:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    private(paddle.base.core, "set_num_threads", "running the evaluation on several CPU threads")(threads)
+    set_cpu_threads(threads)
 
 
 def _progress(total: int | None, what: str):
