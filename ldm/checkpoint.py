@@ -179,8 +179,8 @@ def upgrade(folder: str) -> list[str]:
 
     Unpickles: for checkpoints the user wrote. The new checkpoint is built beside the old one (unchanged files
     hard-linked, converted ones written anew, the manifest last) and swapped in at the end: a conversion that
-    fails, or is killed, leaves the checkpoint as it found it. A kill between the two renames of the swap leaves
-    the old one as `<folder>.pre-upgrade`.
+    fails, or is killed, leaves the checkpoint as it found it. A kill between the two renames of the swap (a
+    moment) leaves the original as `<folder>.pre-upgrade`, which the next upgrade names instead of going on.
     """
     import pickle
 
@@ -190,6 +190,10 @@ def upgrade(folder: str) -> list[str]:
     if not found:
         return []
     final = os.path.abspath(folder)
+    backup = final + ".pre-upgrade"
+    if os.path.exists(backup):
+        raise CheckpointError(f"{backup} exists: an earlier upgrade was interrupted while it swapped the folders. "
+                              f"{backup} is the original: check {folder} against it, then remove one of them")
     work = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(final)}-upgrade-", dir=os.path.dirname(final))
     try:
         shutil.copytree(final, work, dirs_exist_ok=True, copy_function=_link_or_copy,
@@ -220,13 +224,15 @@ def upgrade(folder: str) -> list[str]:
             if os.path.isfile(path):
                 save_state(work, target, paddle.load(path))
         write_manifest(work)
+        os.replace(final, backup)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    backup = final + ".pre-upgrade"
-    os.replace(final, backup)
     os.replace(work, final)
-    shutil.rmtree(backup)
+    try:
+        shutil.rmtree(backup)
+    except OSError as e:
+        logger.warning("%s is converted; its original copy %s could not be deleted: %s", folder, backup, e)
     return found
 
 

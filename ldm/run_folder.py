@@ -240,9 +240,11 @@ class RunFolder:
         if resume == "auto" and not overwrite:
             damaged = checkpoint_dirs(self.output_dir)
             if damaged:  # saves are atomic: a checkpoint-<step> that fails verification was damaged, not interrupted
+                # (its checksums were read already, by `latest`: the quick look names what it can)
+                problem = checkpoint_problem(damaged[-1], checksums=False) or "a file does not match its checksum"
                 raise CheckpointError(
                     f"--resume_from_checkpoint auto: {self.output_dir} holds {len(damaged)} checkpoint(s) and none is "
-                    f"complete ({damaged[-1]}: {checkpoint_problem(damaged[-1])}); nothing was deleted. Repair it "
+                    f"complete ({damaged[-1]}: {problem}); nothing was deleted. Repair it "
                     f"(one of an earlier version: python -m ldm.checkpoint upgrade {damaged[-1]}) or move it out of "
                     "the folder, or pass --overwrite_output_dir to start afresh")
             overwrite = True  # nothing to resume: start afresh
@@ -301,16 +303,17 @@ class RunFolder:
 
     def record_failure(self, error: BaseException) -> None:
         """After an error that ends the run: a run that wrote its folder but no checkpoint says so in `run.json`,
-        so that the corrected command starts afresh in its place instead of being refused. Rank 0, no collective
-        (the other ranks may be gone); a folder this run did not create, or one with checkpoints, is left alone."""
-        if not (self.created and self.dist.is_main) or checkpoint_dirs(self.output_dir):
+        so that the corrected command starts afresh in its place instead of being refused. Whichever rank fails
+        writes it, with no collective (rank 0 may be waiting in one for the rank that failed); a folder this run
+        did not create, or one with checkpoints, is left alone."""
+        if not self.created or checkpoint_dirs(self.output_dir):
             return
         marker = self.path(RUN_MARKER)
         try:
             with open(marker) as f:
                 run = json.load(f)
             run["failed"] = f"{type(error).__name__}: {' '.join(str(error).split())}"[:500]
-            write_json(marker, run)
+            write_json(marker, run, partial=f"{marker}.partial-{self.dist.rank}")
         except (OSError, ValueError) as e:
             logger.warning("could not record the failure in %s: %s", marker, e)
 
@@ -376,11 +379,13 @@ def failure_of(output_dir: str) -> str | None:
     return failed if isinstance(failed, str) else None
 
 
-def write_json(path: str, value: dict) -> None:
-    """Replace `path` by `value` as JSON, whole or not at all."""
-    with open(path + ".partial", "w") as f:
+def write_json(path: str, value: dict, partial: str | None = None) -> None:
+    """Replace `path` by `value` as JSON, whole or not at all (written first to `partial`, default `path.partial`:
+    writers that may run at once each name their own)."""
+    partial = partial or path + ".partial"
+    with open(partial, "w") as f:
         json.dump(value, f, indent=1, sort_keys=True)
-    os.replace(path + ".partial", path)
+    os.replace(partial, path)
 
 
 def remove(path: str) -> None:

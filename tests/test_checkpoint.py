@@ -178,3 +178,7 @@ def test_an_upgrade_that_fails_leaves_the_checkpoint_as_it_found_it(tmp_path, ca
     assert error.startswith("error: ") and error.count("\n") == 1 and "left as it was" in error, error
     assert files_of(checkpoint) == before
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # nothing of the attempt left beside it
+    (tmp_path / "checkpoint-4.pre-upgrade").mkdir()  # what a kill between the swap's two renames leaves
+    assert main(["upgrade", str(checkpoint)]) == 2
+    assert "an earlier upgrade was interrupted" in capsys.readouterr().err
+    assert files_of(checkpoint) == before

@@ -428,9 +428,9 @@ def test_an_empty_tar_holds_no_record(tmp_path, compressed):
         next(SlotStream([Shard(str(path))]).samples(lambda record: record))
 
 
-def small_tar(path, keys, image=b"\xff\xd8\xff fake jpeg"):
+def small_tar(path, keys, image=b"\xff\xd8\xff fake jpeg", fmt=tarfile.DEFAULT_FORMAT):
     """A webdataset tar with a jpg, txt and json member per key, written by tarfile."""
-    with tarfile.open(path, "w") as tar:
+    with tarfile.open(path, "w", format=fmt) as tar:
         for i, key in enumerate(keys):
             for ext, data in (("jpg", image), ("txt", f"caption {i}".encode()), ("json", b'{"i": %d}' % i)):
                 info = tarfile.TarInfo(f"{key}.{ext}")
@@ -452,10 +452,13 @@ def read_until_break(path):
 
 
 @pytest.mark.parametrize("where, kept", [("after_last_member", 5), ("inside_first_header_of_5", 4),
-                                         ("inside_data_of_5", 4), ("inside_last_member_of_5", 4)])
+                                         ("inside_data_of_5", 4), ("inside_last_member_of_5", 4),
+                                         ("inside_padding_of_last_member", 5), ("inside_pax_record_of_5", 4)])
 def test_a_tar_that_breaks_keeps_every_sample_read_whole(tmp_path, where, kept):
     whole = tmp_path / "whole.tar"
-    small_tar(whole, [f"k{i}" for i in range(5)])
+    pax = where == "inside_pax_record_of_5"  # long names: a pax record before each member, tarfile's default
+    small_tar(whole, [("x" * 120 if pax else "") + f"k{i}" for i in range(5)],
+              fmt=tarfile.PAX_FORMAT if pax else tarfile.DEFAULT_FORMAT)
     with tarfile.open(whole) as tar:
         members = tar.getmembers()
     assert len(members) == 15
@@ -463,7 +466,9 @@ def test_a_tar_that_breaks_keeps_every_sample_read_whole(tmp_path, where, kept):
     cut = {"after_last_member": last.offset_data + -(-last.size // 512) * 512,
            "inside_first_header_of_5": members[12].offset + 100,
            "inside_data_of_5": members[12].offset_data + 5,
-           "inside_last_member_of_5": last.offset_data + 3}[where]
+           "inside_last_member_of_5": last.offset_data + 3,
+           "inside_padding_of_last_member": last.offset_data + last.size + 10,
+           "inside_pax_record_of_5": members[12].offset + 512 + 20}[where]
     broken = tmp_path / "broken.tar"
     broken.write_bytes(whole.read_bytes()[:cut])
     got, error = read_until_break(broken)

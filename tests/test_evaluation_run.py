@@ -82,6 +82,7 @@ def test_run_refuses_bad_input_in_one_line_before_generating(setup, tmp_path):
         (["--reference", other], "resolution"),
         (["--model", str(tmp_path)], "neither a training checkpoint"),
         (["--inception", reference], "not Inception weights"),
+        (["--output_dir", "/proc/no_such_dir"], "/proc/no_such_dir"),
     ]:
         args = run_args(setup, tmp_path / "out")
         for flag, value in zip(argv[::2], argv[1::2], strict=True):
@@ -91,6 +92,9 @@ def test_run_refuses_bad_input_in_one_line_before_generating(setup, tmp_path):
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and words in last, (argv, last)
     assert not (tmp_path / "out").exists()
+    missing = run_python(["-m", "ldm.evaluate", "stats", "--file_list", str(tmp_path / "no.list"), "--inception",
+                          weights, "--output", str(tmp_path / "s.npz")])
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith("error: file list not found")
 
 
 def test_fid_during_training_is_logged_from_the_ema_and_drawn(setup, vocab_dir, tmp_path):

@@ -226,9 +226,18 @@ def _tar_members(read, path: str) -> Iterator[tuple[str, Callable[[], bytes]]]:
                 return _read_exact(read, size, path)
 
             yield name.decode("utf-8", "surrogateescape"), data
-            _skip(read, padded - size if taken else padded, path)
+            if taken:  # the member's data was read whole: a break in its padding is a break before the next header
+                try:
+                    _skip(read, padded - size, path)
+                except ShardTruncated as e:
+                    raise TarHeaderBreak(str(e)) from None
+            else:
+                _skip(read, padded, path)
             continue
-        content = _read_exact(read, padded, path)[:size]
+        try:  # a long name or pax record: it belongs to the next member, so the members before it are whole
+            content = _read_exact(read, padded, path)[:size]
+        except ShardTruncated as e:
+            raise TarHeaderBreak(str(e)) from None
         if kind == b"L":  # GNU long name of the next member
             long_name = content.split(b"\0", 1)[0]
         elif kind == b"x":  # pax header of the next member: its path, if it has one

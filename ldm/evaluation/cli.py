@@ -224,6 +224,9 @@ def cmd_run(args) -> int:
     sampling = Sampling(prompts, args.num_samples, list(args.guidance_scale), args.num_inference_steps, args.seed,
                         args.batch_size)
     notes = metrics.check(sampling)
+    os.makedirs(args.output_dir, exist_ok=True)  # every input checked: an unusable --output_dir fails now, not later
+    if not os.access(args.output_dir, os.W_OK):
+        raise EvalError(f"--output_dir {args.output_dir} is not writable")
     if dist.is_main:
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
@@ -432,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.runtime import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
+    from ldm.compat import CompatibilityError
+    from ldm.data.filelist import FileListError
     from ldm.evaluation.clip import ClipError
     from ldm.evaluation.inception import WeightsError
 
@@ -439,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "convert-inception":
             use_threads(args.threads)
         return args.run(args) or 0
-    except (EvalError, FIDError, WeightsError, ClipError, OSError) as e:
+    except BrokenPipeError:
+        return 0
+    except (EvalError, FIDError, WeightsError, ClipError, FileListError, CompatibilityError, OSError) as e:
         message = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}"
         print(f"error: {message}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        return 0

@@ -141,12 +141,17 @@ class TextToImage(Objective):
         from ldm.evaluation.fid import Statistics
         from ldm.evaluation.generated import GeneratedMetrics, Sampling, file_list_captions, read_prompts
         from ldm.evaluation.inception import Inception
+        from ldm.models.build import model_resolution
 
         v = self.validation
-        prompts = read_prompts(v.fid_prompts) if v.fid_prompts else file_list_captions(v.validation_file_list,
-                                                                                         v.fid_samples)
-        metrics = GeneratedMetrics(Inception.from_file(v.inception), Statistics.load(v.fid_reference),
-                                   ClipScorer(v.clip) if v.clip else None, resolution=self.data.resolution)
+        # read once, on rank 0: every rank generates from the same prompts and compares with the same reference
+        prompts, reference = dist.from_main(lambda: (
+            read_prompts(v.fid_prompts) if v.fid_prompts else file_list_captions(v.validation_file_list,
+                                                                                 v.fid_samples),
+            Statistics.load(v.fid_reference)))
+        resolution = model_resolution(self.model.unet, self.model.vae)  # what the sampler makes, whatever the crops
+        metrics = GeneratedMetrics(Inception.from_file(v.inception), reference, ClipScorer(v.clip) if v.clip else None,
+                                   mode=reference.mode or "clean", resolution=resolution)
         sampling = Sampling(prompts, v.fid_samples, [v.fid_guidance_scale], v.fid_inference_steps,
                             batch_size=v.validation_batch_size)
         for note in metrics.check(sampling):
@@ -179,6 +184,8 @@ class TextToImage(Objective):
     def generated_metrics(self, dist) -> dict[str, float]:
         """FID (and CLIP score) of the model's images as they are now: the EMA's when the caller swapped it in."""
         from ldm.data.tokenize import CaptionTokenizer
+        from ldm.evaluation.clip import ClipError
+        from ldm.evaluation.fid import FIDError
         from ldm.evaluation.generated import pipeline_images
         from ldm.sampling import ddim_scheduler
 
@@ -187,7 +194,11 @@ class TextToImage(Objective):
         scheduler = ddim_scheduler(dict(model.noise_scheduler.config), model.prediction_type)
         make = pipeline_images(model.unet, model.text_encoder, model.vae, scheduler,
                                CaptionTokenizer(self.tokenizer, self.data.model_max_length), sampling)
-        scored = metrics.evaluate(make, sampling, dist)[0]
+        try:
+            scored = metrics.evaluate(make, sampling, dist)[0]
+        except (FIDError, ClipError) as e:  # raised on every rank (the FID comes from rank 0): the run goes on
+            logger.warning("FID not computed at this update: %s", e)
+            return {"eval_fid": float("nan")}
         out = {"eval_fid": scored.fid, "eval_fid_seconds": scored.seconds}
         if scored.clip_score is not None:
             out["eval_clip_score"] = scored.clip_score
