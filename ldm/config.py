@@ -202,8 +202,11 @@ def git_commit(folder: str = PROJECT_ROOT) -> dict | None:
     return {"commit": commit, "dirty": dirty}
 
 
-def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None) -> dict:
-    """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses."""
+def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None,
+                 precision: str | None = None) -> dict:
+    """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses;
+    `precision`: the mixed precision actually used (`ldm.runtime.resolve_precision`), which may not be the one
+    asked for."""
     import paddle
 
     arguments: dict[str, dict] = {}
@@ -219,6 +222,7 @@ def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, a
             "nodes": int(os.environ.get("PADDLE_NNODES", "1")),
             "device": paddle.device.get_device(),
             "dataloader_workers_per_rank": num_workers,
+            **({"precision": precision} if precision else {}),
         },
         "versions": versions(),
         "git": git_commit(),

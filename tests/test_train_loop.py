@@ -288,12 +288,21 @@ def test_two_process_runs_of_one_seed_end_with_bit_identical_weights(corpus, tmp
 
 
 @pytest.mark.skipif(paddle.amp.is_float16_supported(), reason="fp16 works on this device")
-def test_unsupported_mixed_precision_falls_back_with_a_message(corpus, tmp_path):
-    result = run(corpus + ["--max_train_steps", "1", "--mixed_precision", "fp16", "--recompute", "--num_workers", "0",
-                           "--output_dir", str(tmp_path / "run")])
+@pytest.mark.parametrize("precision, message", [
+    ("fp16", "fp16 mixed precision is not supported"),
+    ("bf16", "bf16 mixed precision on a CPU: Paddle's autocast casts nothing there, training in fp32"),
+])
+def test_mixed_precision_this_device_cannot_run_falls_back_says_so_and_records_it(corpus, tmp_path, precision,
+                                                                                  message):
+    if paddle.device.get_device() != "cpu":
+        pytest.skip("what a CPU does")
+    result = run(corpus + ["--max_train_steps", "1", "--mixed_precision", precision, "--recompute", "--num_workers",
+                           "0", "--output_dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "fp16 mixed precision is not supported" in result.stderr
+    assert message in result.stderr
     assert read_training_state(tmp_path / "run" / "checkpoint-1")["step"] == 1
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["world"]["precision"] == "no" and record["arguments"]["LoopArguments"]["mixed_precision"] == precision
 
 
 def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpoint():

@@ -99,7 +99,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
 
     objective = build_objective(dist)
     record = describe_run(groups or (loop, data, run_args), dist=dist, num_workers=loop.num_workers,
-                          model=objective.identity())
+                          model=objective.identity(), precision=precision)
     model, ema = objective.model, objective.ema
     trained = [p for p in model.parameters() if not p.stop_gradient]
     lr = lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)

@@ -208,8 +208,8 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
         resume = "latest"
     run_dir = RunFolder(training_args.output_dir, dist, training_args.save_total_limit)
     checkpoint = run_dir.check(resume, training_args.overwrite_output_dir)
-    requested = "fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no"
-    if resolve_precision(requested) == "no":
+    precision = resolve_precision("fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no")
+    if precision == "no":
         training_args.fp16 = training_args.bf16 = False
     training_args.ignore_data_skip = True  # the data position is restored, not replayed
     training_args.remove_unused_columns = False
@@ -220,7 +220,8 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed,
                             validation=validation)
     record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
-                          num_workers=training_args.dataloader_num_workers, model=objective.identity())
+                          num_workers=training_args.dataloader_num_workers, model=objective.identity(),
+                          precision=precision)
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
     writer, trainer = NullWriter(), None  # from here on, every exit stops the loader (`finally`)
