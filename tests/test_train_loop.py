@@ -169,6 +169,34 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
+def wrong_kind_lists(tmp_path, corpus) -> dict:
+    """File lists of a good shard beside a file that is no shard, and of shards none of which can be read."""
+    good = os.path.join(os.path.dirname(corpus[corpus.index("--file_list") + 1]), "train-00000.gz")
+    (tmp_path / "00000_stats.json").write_text('{"count": 10, "successes": 8}')
+    for name in ("a.gz", "b.gz"):
+        (tmp_path / name).mkdir()  # there, but nothing can read it
+    lists = {}
+    for case, names in (("wrong_kind", [good, "00000_stats.json"]), ("unreadable", ["a.gz", "b.gz"])):
+        (tmp_path / f"{case}.filelist").write_text("".join(f"{n}\n" for n in names))
+        (tmp_path / f"{case}.list").write_text(f"{case}.filelist\n")
+        lists[case] = str(tmp_path / f"{case}.list")
+    return lists
+
+
+@pytest.mark.parametrize("case, message", [
+    ("wrong_kind", "names a file that is no shard: {dir}/00000_stats.json is a JSON file"),
+    ("unreadable", "none of the 2 shard(s) of {list} whose first bytes were read can be read"),
+])
+def test_a_file_list_of_wrong_kinds_or_unreadable_shards_is_refused_at_start(corpus, tmp_path, case, message):
+    lists = wrong_kind_lists(tmp_path, corpus)
+    result = run(corpus + ["--file_list", lists[case], "--num_workers", "2", "--max_train_steps", "1",
+                           "--output_dir", str(tmp_path / "x")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message.format(dir=tmp_path, list=lists[case]) in last, last
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_untrained_autoencoder_is_refused_with_what_to_pass_instead(corpus, tmp_path):
     result = run([a for a in corpus if a != "--allow_untrained_vae"] + ["--max_train_steps", "1", "--output_dir",
                                                                         str(tmp_path / "x")])

@@ -114,6 +114,16 @@ def test_user_errors_exit_non_zero_with_one_readable_line(corpus, tmp_path, extr
     assert not (tmp_path / "x").exists()  # a failed start leaves nothing that blocks the corrected retry
 
 
+def test_a_file_list_naming_a_file_that_is_no_shard_is_refused_at_start(corpus, tmp_path):
+    from test_train_loop import wrong_kind_lists
+
+    result = run(corpus + ["--file_list", wrong_kind_lists(tmp_path, corpus)["wrong_kind"], "--max_steps", "1",
+                           "--output_dir", str(tmp_path / "x")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "00000_stats.json is a JSON file" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.distributed
 def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     out = tmp_path / "run"

@@ -119,16 +119,20 @@ def shard_set_change(recorded: dict | None, shards: list[Shard]) -> str | None:
 
 SHARDS_CHECKED = 1000
 REMOTE_SHARDS_CHECKED = 8  # each is a request to the store
+KINDS_CHECKED = 32  # local shards whose first bytes are read (a chunk each)
 
 
 def check_shards(shards: list[Shard], file_list: str) -> None:
     """Before a run writes anything: no shard there at all is an error, some missing a warning; a URL
-    scheme this process cannot read is an error naming the package to install.
+    scheme this process cannot read is an error naming the package to install; a shard of no kind the
+    stream reads (an img2dataset `_stats.json` or metadata parquet listed by a glob, an HTML error page),
+    or shards none of which can be read, are errors naming one.
 
     Missing shards are otherwise counted as unreadable while training. At most `SHARDS_CHECKED` local
     shards (on a FUSE mount of object storage each look is a request) and `REMOTE_SHARDS_CHECKED` URLs,
-    spread evenly over the list, are looked at. A URL that cannot be looked at (no connection, no
-    credentials) is a warning: the run's own reads retry, then count it.
+    spread evenly over the list, are looked at; the first bytes of `KINDS_CHECKED` of those local ones and
+    of those URLs are read. A URL that cannot be looked at (no connection, no credentials) is a warning:
+    the run's own reads retry, then count it. Shards not looked at are counted when they are read.
     """
     local = [s.path for s in shards if not remote.is_url(s.path)]
     urls = [s.path for s in shards if remote.is_url(s.path)]
@@ -137,12 +141,35 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
             remote.check_scheme(url)
         except ValueError as e:
             raise FileListError(f"{file_list} names {url}: {e}") from None
-    _check_sample(local[:: max(1, len(local) // SHARDS_CHECKED)], len(local), file_list, os.path.exists)
-    _check_sample(urls[:: max(1, len(urls) // REMOTE_SHARDS_CHECKED)][:REMOTE_SHARDS_CHECKED], len(urls), file_list,
-                  remote.exists)
+    local_sample = local[:: max(1, len(local) // SHARDS_CHECKED)]
+    url_sample = urls[:: max(1, len(urls) // REMOTE_SHARDS_CHECKED)][:REMOTE_SHARDS_CHECKED]
+    _check_sample(local_sample, len(local), file_list, os.path.exists)
+    reachable = _check_sample(url_sample, len(urls), file_list, remote.exists)
+    _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if os.path.exists(p)]
+                 + reachable, file_list)
 
 
-def _check_sample(sample: list[str], total: int, file_list: str, exists) -> None:
+def _check_kinds(paths: list[str], file_list: str) -> None:
+    from ldm.data.readers import ShardFormatError, open_parquet, parquet_columns, shard_kind
+    from ldm.data.shard import ShardError
+
+    unreadable: list[str] = []
+    for path in paths:
+        try:
+            if shard_kind(path) == "parquet":
+                parquet_columns(open_parquet(path), path)  # a parquet of URLs or metadata holds no images
+        except ShardFormatError as e:
+            raise FileListError(f"{file_list} names a file that is no shard: {e}. Remove it from the list "
+                                "(python -m ldm.data stats --file_list ... names every such file)") from None
+        except ShardError as e:
+            unreadable.append(str(e))
+    if paths and len(unreadable) == len(paths):
+        raise FileListError(f"none of the {len(paths)} shard(s) of {file_list} whose first bytes were read can be "
+                            f"read (the first: {unreadable[0]})")
+
+
+def _check_sample(sample: list[str], total: int, file_list: str, exists) -> list[str]:
+    """The shards of `sample` that exist (those that could not be looked at left out)."""
     missing, failed = [], []
     for path in sample:
         try:
@@ -159,3 +186,4 @@ def _check_sample(sample: list[str], total: int, file_list: str, exists) -> None
     if missing:
         logger.warning("%d of the %d shards looked at (of %d named by %s) do not exist (the first: %s); missing "
                        "shards are counted as unreadable", len(missing), looked, total, file_list, missing[0])
+    return [path for path in sample if path not in missing and path not in failed]
