@@ -171,6 +171,7 @@ class Tracker(NullWriter):
             for variable in WANDB_TRAINER_ONLY:
                 if os.environ.pop(variable, None) is not None:
                     logger.warning("%s is for the Trainer path only (it needs a PaddleNLP Trainer): ignored", variable)
+        keep_wandb_run(report_to, output_dir)
         tracker = cls([], os.path.join(output_dir, "images"), owned=True, args={},
                       metrics=MetricsFile(output_dir, resume_step))
         for name in report_to:
@@ -245,6 +246,33 @@ class Tracker(NullWriter):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+WANDB_RUN_ID_FILE = os.path.join("wandb", "run_id")
+
+
+def keep_wandb_run(report_to, output_dir: str) -> None:
+    """A run resumed in its folder continues its wandb run instead of starting another: the run's id is made on
+    the first start, kept in `<output_dir>/wandb/run_id` (a folder emptied to start afresh loses it: a new run),
+    and handed to `wandb.init` through WANDB_RUN_ID with WANDB_RESUME=allow. A WANDB_RUN_ID the user set wins.
+    Rank 0, before the trackers start (both paths)."""
+    import uuid
+
+    if "wandb" not in resolve_report_to(report_to) or os.environ.get("WANDB_RUN_ID"):
+        return
+    path = os.path.join(output_dir, WANDB_RUN_ID_FILE)
+    try:
+        with open(path) as f:
+            run_id = f.read().strip()
+    except FileNotFoundError:
+        run_id = ""
+    if not run_id:
+        run_id = uuid.uuid4().hex[:8]  # wandb's own ids are 8 lowercase letters and digits
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(run_id + "\n")
+    os.environ["WANDB_RUN_ID"] = run_id
+    os.environ.setdefault("WANDB_RESUME", "allow")
 
 
 def make_writer(report_to: list[str], output_dir: str, config: dict, is_main: bool,

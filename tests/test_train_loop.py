@@ -553,6 +553,27 @@ def test_trackers_tensorboard_and_wandb_offline_or_none(corpus, tmp_path, monkey
     assert os.listdir(quiet / "images" / "validation" / "guidance_7.5") == ["00000002.png"]  # asked for by a flag
 
 
+@pytest.mark.parametrize("script", [SCRIPT, "train_txt2img_laion400m_trainer.py"])
+def test_a_resumed_run_continues_its_wandb_run(corpus, tmp_path, monkeypatch, script):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    out = tmp_path / "run"
+    common = corpus + ["--num_workers", "0", "--report_to", "wandb", "--output_dir", str(out)]
+    if script != SCRIPT:  # the Trainer path's names for the same settings
+        common = [{"--pretrained_model_name_or_path": "--model_name_or_path",
+                   "--train_batch_size": "--per_device_train_batch_size",
+                   "--num_workers": "--dataloader_num_workers"}.get(a, a) for a in common] + ["--do_train"]
+    steps = "--max_train_steps" if script == SCRIPT else "--max_steps"
+    for step, extra in ((1, []), (2, ["--resume_from_checkpoint", "latest"])):
+        result = run_entry(script, common + [steps, str(step), "--save_steps", "1", *extra])
+        assert result.returncode == 0, result.stderr[-3000:]
+    run_id = (out / "wandb" / "run_id").read_text().strip()
+    where = "wandb/wandb" if script == SCRIPT else "runs/*/wandb"  # the Trainer's: below its logging_dir
+    runs = sorted(p.name for p in out.glob(f"{where}/offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
+
+
 def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(corpus, tmp_path):
     """A real failed write: a file-size limit the optimizer state (6.6 MB) exceeds and the autoencoder
     (2.9 MB) does not, so the run starts and its first checkpoint cannot be written."""

@@ -27,7 +27,7 @@ from ldm.distributed import Distributed
 from ldm.flops import throughput_metrics
 from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.runtime import resolve_precision
-from ldm.tracking import MetricsFile, NullWriter, Tracker, tracker_name
+from ldm.tracking import MetricsFile, NullWriter, Tracker, keep_wandb_run, tracker_name
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
 from ldm.train.elastic import SampleClock
@@ -237,6 +237,10 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
                                      allow_config_change=run_args.allow_config_change, dist=dist)
         run_dir.create(checkpoint, record)  # the first write
         objective.start(run_dir)
+        if dist.is_main:
+            keep_wandb_run(training_args.report_to, run_dir.path())
+            # wandb writes below the Trainer's logging_dir only if it exists (else in the system's temp folder)
+            os.makedirs(training_args.logging_dir, exist_ok=True)
         trainer = LDMTrainer(objective=objective, args=training_args, dist=dist, run_dir=run_dir,
                              data_stream=data_stream, clock=clock, resume_checkpoint=checkpoint, record=record,
                              run_args=run_args, flops=flops)
