@@ -1,11 +1,13 @@
 """Resuming on another number of processes or loader workers: the data of the interrupted pass end to end
 (the hand-written loop under paddle.distributed.launch), and what the rest of the run does (ldm.train.elastic)."""
 
+import json
 import os
 import re
 from collections import Counter
 
 import pytest
+from conftest import ROOT
 from corpus import write_corpus
 from entry import launch_report, run_entry, run_python
 
@@ -202,3 +204,53 @@ def test_a_scaler_state_from_a_run_without_fp16_leaves_the_fresh_scaler():
     part.load({})  # what a disabled scaler saves (a run in fp32, bf16, or on a device without fp16)
     part.missing({"step": 3})  # a Trainer-path checkpoint, which has no scaler part then
     assert scaler._enable  # and nothing raised
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_two_nodes_on_one_machine_train_and_checkpoint_once_then_one_node_resumes_reading_the_pass_once(
+        tmp_path, vocab_dir, monkeypatch):
+    """Two launchers (`--nnodes 2 --master 127.0.0.1:PORT --rank 0` and `--rank 1`, one process each), as a
+    two-node job starts; one writer of the checkpoint; then one process resumes and reads the rest of pass 0."""
+    import subprocess
+    import sys
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=24, records_per_shard=6)
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    out = tmp_path / "run"
+    common = ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
+              "--train_batch_size", "2", "--output_dir", str(out), "--seed", "3", "--report_to", "none"]
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2", "--master",
+                               f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1", "--log_dir",
+                               str(tmp_path / f"node{node}"), str(ROOT / SCRIPT), *common, "--num_workers", "1",
+                               "--max_train_steps", "2", "--save_steps", "2"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    logs = [(tmp_path / f"node{node}" / "workerlog.0").read_text() for node in (0, 1)]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs + logs)
+    assert "saved" in logs[0] and "saved" not in logs[1]  # rank 0 (node 0) writes; node 1 writes nothing
+    record = json.loads((out / "run.json").read_text())
+    assert record["world"]["world_size"] == 2 and record["world"]["nodes"] == 2
+    saved = read_training_state(out / "checkpoint-2")
+    assert saved["world_size"] == 2 and len(saved["stream"]) == 2
+    first = len(log.read_text().splitlines())
+    assert first == 2 * 2 * 2  # nodes x updates x batch
+
+    resumed = run_entry(SCRIPT, common + ["--num_workers", "0", "--max_train_steps", "12", "--save_steps", "12",
+                                          "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "read the rest first: pass(es) [0]" in resumed.stderr
+    taken = [line.split() for line in log.read_text().splitlines()]
+    records = Counter((shard, line) for p, _, shard, line in taken if p == "0")
+    assert len(records) == 24 and set(records.values()) == {1}
