@@ -236,13 +236,15 @@ def test_remote_tars_and_parquets_over_http_with_a_broken_transfer(img2dataset_c
         (tmp_path / "remote.filelist").write_text("".join(f"{base}/{n}\n" for n in names))
         (tmp_path / "remote.list").write_text("remote.filelist\n")
         server.cuts["/wds/00001.tar"] = 1  # a GET from past byte 0 sends half and drops the connection
+        parquet = f"/parquet/{c['parquets'][0].name}"
+        server.cuts[parquet] = 2  # its footer, then a row group: ranged reads, each cut once
         from ldm.data import remote, shard
 
         monkeypatch.setattr(remote, "BLOCK_SIZE", 16 << 10)  # several ranged reads per tar: one of them is cut
         monkeypatch.setattr(shard, "CHUNK", 16 << 10)
         records = [(s.path, n, r.key) for s in read_file_list(str(tmp_path / "remote.list"))
                    for n, r in iter_records(s.path)]
-        assert server.cuts["/wds/00001.tar"] == 0  # the cut happened, and the read went on
+        assert server.cuts["/wds/00001.tar"] == 0 and server.cuts[parquet] == 0  # the cuts happened, reads went on
         got = stats(tmp_path / "remote.list")
     assert len(records) == 60 + 63
     assert got["ok"] == 120 and got["records"] == 123 and got["bad"] == {"status_not_success": 3}

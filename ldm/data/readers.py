@@ -313,14 +313,15 @@ def tar_records(f, path: str, want: Callable[[int], bool]) -> Iterator[tuple[int
 
 # -- parquet -------------------------------------------------------------------------------------
 def open_parquet(path: str):
-    """A `pyarrow.parquet.ParquetFile` of a local path or URL (fsspec file object: ranged reads of the footer
-    and of the row groups); ShardError when it cannot be read as a parquet."""
+    """A `pyarrow.parquet.ParquetFile` of a local path or URL (the retrying reader of `ldm.data.remote`: ranged
+    reads of the footer and of the row groups, each retried where it broke); ShardError when it cannot be read as
+    a parquet."""
     import pyarrow.parquet as pq
 
     try:
         if not remote.is_url(path):
             return pq.ParquetFile(path)
-        return pq.ParquetFile(remote._fsspec().open(path, "rb", block_size=remote.BLOCK_SIZE).open())
+        return pq.ParquetFile(remote.open_url(path))
     except FileNotFoundError:
         raise ShardError(f"shard not found: {path}") from None
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid and friends for a broken file

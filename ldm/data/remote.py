@@ -116,8 +116,9 @@ def _retrying(what: str, action, attempts: int | None = None):
 
 
 class RetryingReader(io.RawIOBase):
-    """A read-only stream of one URL that survives broken connections: each failed read reopens the URL
-    and continues at the byte where it stopped."""
+    """A read-only file of one URL that survives broken connections: each failed read reopens the URL
+    and continues at the byte where it stopped. Seekable where the store serves byte ranges (a parquet's
+    footer, then its row groups, is read this way); a seek only moves the position, the next read goes there."""
 
     def __init__(self, url: str):
         self.url = url
@@ -157,6 +158,8 @@ class RetryingReader(io.RawIOBase):
         if self._file is None:
             self._open()
         try:
+            if self._file.tell() != self.position and not self._seek(self._file):
+                self._open()  # a stream that cannot seek: reopened and read up to the position
             return self._file.read(size)
         except BaseException:
             self._close_file()  # the next attempt reopens at self.position
@@ -164,6 +167,32 @@ class RetryingReader(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            offset += self.size()
+        elif whence == io.SEEK_CUR:
+            offset += self.position
+        if offset < 0:
+            raise ValueError(f"negative seek position {offset} in {self.url}")
+        self.position = offset
+        return self.position
+
+    def size(self) -> int:
+        """The file's size in bytes (the store's answer, asked again on a failure like a read)."""
+        def ask() -> int:
+            if self._file is None:
+                self._open()
+            size = getattr(self._file, "size", None)
+            return int(size) if size is not None else _fsspec().filesystem(scheme(self.url)).size(self.url)
+
+        return _retrying(f"asking the size of {self.url}", ask)
 
     def read(self, size: int = -1) -> bytes:
         data = _retrying(f"reading {self.url} at byte {self.position}", lambda: self._read(size))
