@@ -47,7 +47,7 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
                        "--world_size", "1", "--num_workers", "0"])
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned = Counter((shard, line) for _, _, shard, line in (row.split() for row in plan.stdout.splitlines()))
-    assert len(planned) + len(taken()) == 48 and not planned & Counter((s, n) for _, _, s, n in taken())
+    assert len(planned) + len(taken()) == 48 and not planned & Counter((s, n) for _, _, s, n, *_ in taken())
 
     before = len(taken())
     second = run_entry(SCRIPT, common + ["--num_workers", "0", "--max_train_steps", "4", "--save_steps", "2",
@@ -60,14 +60,14 @@ def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_
     assert int(re.search(r"\((\d+) partly read", second.stderr).group(1)) >= 1  # slots stopped inside units
     second_taken = taken()[before:]
     assert len(second_taken) == 4 * 4
-    assert Counter((s, n) for _, _, s, n in second_taken) <= planned  # from the rest of the pass, as planned
+    assert Counter((s, n) for _, _, s, n, *_ in second_taken) <= planned  # from the rest of the pass, as planned
 
     third = run_entry(SCRIPT, common + ["--num_workers", "1", "--max_train_steps", "12", "--save_steps", "12",
                                         "--resume_from_checkpoint", "latest"], launch=True, cwd=tmp_path)
     assert third.returncode == 0, launch_report(third, tmp_path)
     final = read_training_state(out / "checkpoint-12")
     assert all(s["pass"] >= 1 for r in final["stream"] for s in r["slots"].values())  # every slot is past pass 0
-    records = Counter((shard, line) for p, _, shard, line in taken() if p == "0")
+    records = Counter((shard, line) for p, _, shard, line, *_ in taken() if p == "0")
     print(f"pass 0: {sum(records.values())} records taken over 2x2 -> 1x0 -> 2x1, {len(records)} distinct of 48")
     assert len(records) == 48 and set(records.values()) == {1}
     shards = {shard for shard, _ in records}
@@ -96,7 +96,7 @@ def test_the_trainer_entry_point_resumes_two_processes_on_one_reading_the_pass_o
     assert second.returncode == 0, second.stderr[-3000:]
     assert "read the rest first: pass(es) [0]" in second.stderr
     assert "max_steps 10 -> 18" in second.stderr  # 80 samples asked for, 16 seen: 16 updates of 4 left
-    records = Counter((shard, line) for p, _, shard, line in (row.split() for row in log.read_text().splitlines())
+    records = Counter((shard, line) for p, _, shard, line, *_ in (row.split() for row in log.read_text().splitlines())
                       if p == "0")
     assert len(records) == 48 and set(records.values()) == {1}
 
@@ -252,5 +252,5 @@ def test_two_nodes_on_one_machine_train_and_checkpoint_once_then_one_node_resume
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "read the rest first: pass(es) [0]" in resumed.stderr
     taken = [line.split() for line in log.read_text().splitlines()]
-    records = Counter((shard, line) for p, _, shard, line in taken if p == "0")
+    records = Counter((shard, line) for p, _, shard, line, *_ in taken if p == "0")
     assert len(records) == 24 and set(records.values()) == {1}

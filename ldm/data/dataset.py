@@ -11,8 +11,10 @@ plan of what is left of the interrupted pass(es) (`ldm.data.resume`), which the 
 first, each record exactly once, before the next pass starts. A state saved without a layout
 change stays the same state: same-layout resumes are bit-identical to an uninterrupted run.
 
-`LDM_DATA_CONSUMED_LOG=PATH` (tests, checks) appends "pass copy shard line" for every record of
-every batch the training loop takes to PATH.
+`LDM_DATA_CONSUMED_LOG=PATH` (tests, checks, `scripts/soak.py`) appends "pass copy shard line rank batch" for
+every record of every batch the training loop takes to PATH: `rank` the process's, `batch` how many batches this
+process took before that one (so the update a record was trained in is the resumed step + batch //
+accumulation + 1).
 """
 
 from __future__ import annotations
@@ -286,6 +288,7 @@ class StreamState:
     def __init__(self, num_workers: int, shards: dict | None = None):
         self.num_workers = max(1, num_workers)
         self.shards = shards  # `filelist.shard_set` of the shards read: what the position is a position in
+        self.taken = 0  # batches this process took (not saved: the consumed log's batch numbers)
         self.slots: dict[int, dict] = {}
         self.batches = 0
         self.schedule: dict | None = None  # the plan this run resumed with (ldm.data.resume), kept by one rank
@@ -299,11 +302,13 @@ class StreamState:
         self.batches += 1
         records = batch.pop("records", None)
         if records and os.environ.get(CONSUMED_LOG):
+            suffix = f" {os.environ.get('PADDLE_TRAINER_ID', '0')} {self.taken}\n"
             fd = os.open(os.environ[CONSUMED_LOG], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
-                os.write(fd, records.encode())
+                os.write(fd, records.replace("\n", suffix).encode())
             finally:
                 os.close(fd)
+        self.taken += 1
         return batch
 
     def counts(self) -> Counter:

@@ -222,7 +222,8 @@ class SlotStream:
             yield from self.pass_records()
             units = self._units_in_pass
             if units and not self.pass_ok:
-                found = (f"problems counted: {dict(self.counts)}" if self.counts else
+                problems = {reason: n for reason, n in self.counts.items() if reason != "ok"}
+                found = (f"problems counted: {problems}" if problems else
                          "they hold no record at all (empty shards?); use fewer loader workers or more data")
                 raise NoUsableData(
                     f"slot {self.slot} of {self.num_slots} read no usable record in pass {self.pass_index} "

@@ -1,0 +1,473 @@
+"""Random faults, then one invariant over the whole history: a chaos soak of the training entry points.
+
+    python scripts/soak.py --minutes 30 --seed 1 [--paths loop trainer] [--work_dir DIR]
+
+Run after run (a chain of segments toward one run's last update, in one output folder), it launches the
+hand-written loop or the PaddleNLP Trainer path with `--resume_from_checkpoint auto` on a synthetic corpus,
+on 1 or 2 processes with 0 to 3 loader workers (the layout changes from segment to segment), and at a random
+moment injects one fault:
+
+  sigterm        SIGTERM to the processes (a graceful stop: every rank saves the update it is in)
+  kill_all       SIGKILL to every process
+  kill_one       SIGKILL to one rank (the launcher ends the other)
+  kill_in_save   SIGKILL the moment a checkpoint is being written
+  damage         between two segments, bytes flipped in (or cut off) the newest checkpoint's weights, which
+                 the next start must skip (only when an older complete checkpoint is there to fall back on)
+
+(a segment gets one of the first four, with probability --clean none, and independently with probability --damage
+its start finds the newest checkpoint damaged). Afterwards it checks:
+
+- the consumption ledger (`LDM_DATA_CONSUMED_LOG`: each record of each batch a trainer took, with its rank and
+  batch number), cut at the checkpoints the final weights descend from (a segment's records past the
+  checkpoint the next segment resumed from are rolled back), holds every record of every completed pass
+  exactly once and no record of any pass twice;
+- no checkpoint holds non-finite weights; every segment ends within --segment_seconds (no hang); after each
+  segment no process of it is left and no shared-memory segment is added; the run's exported pipeline loads.
+
+Its last line: `soak: <segments> segments, <faults> faults, <records> records audited, <violations> violations`;
+it exits 1 when there is a violation. Faults it does not inject yet: a full disk, a shard damaged mid-run, a NaN
+loss, a stalled read (each is tested on its own in the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ldm.data.dataset import CONSUMED_LOG  # noqa: E402
+from ldm.run_folder import checkpoint_dirs, checkpoint_problem, checkpoint_step, latest_checkpoint  # noqa: E402
+
+KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save")
+FAULTS = (*KILLS, "damage")
+SCRIPTS = {"loop": "train_txt2img_laion400m_no_trainer.py", "trainer": "train_txt2img_laion400m_trainer.py"}
+
+
+@dataclass
+class Segment:
+    index: int
+    path: str
+    processes: int
+    workers: int
+    start_step: int
+    fault: str = "none"
+    seconds: float = 0.0
+    exit_code: int | None = None
+    ledger: str = ""
+    fault_time: float | None = None
+
+
+@dataclass
+class Report:
+    segments: int = 0
+    faults: Counter = field(default_factory=Counter)
+    records: int = 0
+    violations: list[str] = field(default_factory=list)
+    recoveries: list[float] = field(default_factory=list)
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+        print(f"VIOLATION: {text}", flush=True)
+
+
+# -- the corpus ---------------------------------------------------------------------------------------------
+def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, set[tuple[str, int]]]:
+    """(list of filelists, tokenizer folder, every record as (shard path, line)) of a captioned-shapes corpus."""
+    from ldm.data.filelist import read_file_list
+    from ldm.data.readers import count_records
+    from ldm.data.synth import synth_corpus
+
+    listing = synth_corpus(folder, records, resolution=32, seed=0, records_per_shard=per_shard)
+    everything = {(shard.path, n) for shard in read_file_list(listing)
+                  for n in range(1, count_records(shard.path) + 1)}
+    return listing, os.path.join(folder, "tokenizer"), everything
+
+
+def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
+            log_dir: str) -> list[str]:
+    common = ["--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", tokenizer,
+              "--model_max_length", "16", "--resolution", "32", "--seed", "11", "--report_to", "none",
+              "--output_dir", out, "--resume_from_checkpoint", "auto", "--shuffle_buffer", "4",
+              "--logging_steps", "1", "--progress", "none"]
+    if path == "loop":
+        args = ["--pretrained_model_name_or_path", "ldm-tiny", "--train_batch_size", "2", "--num_workers",
+                str(workers), "--max_train_steps", str(last_step), "--save_steps", "1",
+                "--checkpoints_total_limit", "4"]
+    else:
+        args = ["--do_train", "--model_name_or_path", "ldm-tiny", "--per_device_train_batch_size", "2",
+                "--dataloader_num_workers", str(workers), "--max_steps", str(last_step), "--save_steps", "1",
+                "--save_total_limit", "4"]
+    script = os.path.join(ROOT, SCRIPTS[path])
+    launch = [] if processes == 1 else ["-m", "paddle.distributed.launch", "--nproc_per_node", str(processes),
+                                        "--log_dir", log_dir]
+    return [sys.executable, *launch, script, *common, *args]
+
+
+# -- faults -------------------------------------------------------------------------------------------------
+def process_table() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, start time)} of every process (the start time tells a reused pid apart)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                table[int(entry)] = (int(fields[1]), fields[19])
+            except (OSError, IndexError, ValueError):
+                continue
+    return table
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: start time} of `root` and every process below it. `paddle.distributed.launch` starts each rank in a
+    session of its own, so a process group does not hold them: the tree does (while the launcher lives)."""
+    table = process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            found[pid] = table[pid][1]
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def alive(seen: dict[int, str]) -> list[int]:
+    """Those of `seen` (pid: start time) still running."""
+    table = process_table()
+    return [pid for pid, started in seen.items() if pid in table and table[pid][1] == started]
+
+
+def kill_all(seen: dict[int, str]) -> None:
+    for pid in alive(seen):
+        with _quiet():
+            os.kill(pid, signal.SIGKILL)
+
+
+def rank_pids(root: int) -> list[int]:
+    """The training processes below `root`: those running a training script, not the launcher, not loader
+    workers (children of a rank)."""
+    found = []
+    tree = descendants(root)
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b".py") and b"train_txt2img" in a for a in argv) and b"paddle.distributed.launch" not in argv:
+            found.append(pid)
+    parents = process_table()
+    return [pid for pid in found if parents.get(pid, (0, ""))[0] not in found]  # not a rank's loader worker
+
+
+def damage_newest(out: str, rng: random.Random) -> str | None:
+    """Flip or cut bytes of the newest checkpoint's UNet weights, if an older complete one remains to resume."""
+    complete = [c for c in checkpoint_dirs(out) if checkpoint_problem(c, checksums=False) is None]
+    if len(complete) < 2:
+        return None
+    target = os.path.join(complete[-1], "unet", "diffusion_paddle_model.safetensors")
+    if not os.path.isfile(target):
+        candidates = [os.path.join(r, n) for r, _, names in os.walk(complete[-1]) for n in names
+                      if n.endswith(".safetensors")]
+        target = candidates[0]
+    size = os.path.getsize(target)
+    with open(target, "r+b") as f:
+        if rng.random() < 0.5:
+            f.truncate(size // 2)
+        else:
+            f.seek(rng.randrange(size))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return complete[-1]
+
+
+def saved_since(out: str, since: float) -> int:
+    """The newest checkpoint written after the wall-clock time `since` (0: none)."""
+    steps = [0]
+    for folder in checkpoint_dirs(out):
+        with _quiet():
+            if os.path.getmtime(folder) > since:
+                steps.append(checkpoint_step(folder) or 0)
+    return max(steps)
+
+
+def wait_for_progress(out: str, since: float, process: subprocess.Popen, deadline: float,
+                      seen: dict[int, str]) -> bool:
+    """Until the segment has saved a checkpoint (or ended): True if it did. `seen` collects its processes."""
+    while time.monotonic() < deadline and process.poll() is None:
+        seen.update(descendants(process.pid))
+        if saved_since(out, since):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def inject(fault: str, out: str, process: subprocess.Popen, rng: random.Random, deadline: float, since: float,
+           seen: dict[int, str]) -> float | None:
+    """Carry out a fault on the running segment; the time it happened (None if the segment ended first). `seen`
+    collects every process of the segment."""
+    root = process.pid
+    if fault == "kill_in_save":
+        while time.monotonic() < deadline and process.poll() is None:
+            seen.update(descendants(root))
+            for name in os.listdir(out):
+                with _quiet():
+                    if name.startswith(".tmp-checkpoint-") and os.path.getmtime(os.path.join(out, name)) > since:
+                        kill_all({**seen, **descendants(root)})
+                        return time.monotonic()
+            time.sleep(0.002)
+        return None
+    time.sleep(rng.uniform(0, 1.5))
+    if process.poll() is not None:
+        return None
+    seen.update(descendants(root))
+    if fault == "sigterm":
+        for pid in rank_pids(root) or [root]:
+            with _quiet():
+                os.kill(pid, signal.SIGTERM)
+    elif fault == "kill_all":
+        kill_all(seen)
+    elif fault == "kill_one":
+        ranks = rank_pids(root)
+        with _quiet():
+            os.kill(rng.choice(ranks) if ranks else root, signal.SIGKILL)
+    return time.monotonic()
+
+
+class _quiet:
+    """Ignores a process or a file that went away meanwhile."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        return kind is not None and issubclass(kind, ProcessLookupError | FileNotFoundError)
+
+
+# -- checks -------------------------------------------------------------------------------------------------
+def shared_memory() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def check_finite(out: str, report: Report, checked: set[str]) -> None:
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    for folder in checkpoint_dirs(out):
+        if folder in checked or checkpoint_problem(folder, checksums=False) is not None:
+            continue
+        checked.add(folder)
+        for root, _, names in os.walk(folder):
+            for name in names:
+                if name.endswith(".safetensors"):
+                    try:
+                        arrays = load_file(os.path.join(root, name))
+                    except Exception:  # noqa: BLE001 - a damaged file: the damage fault's, skipped by resuming
+                        continue
+                    for key, value in arrays.items():
+                        if value.dtype.kind == "f" and not np.isfinite(value).all():
+                            report.violation(f"{folder}/{name}: {key} holds non-finite values")
+
+
+def audit(segments: list[Segment], final_step: int, out: str, everything: set[tuple[str, int]],
+          report: Report) -> None:
+    """The records the final weights were trained on: each segment's, cut where the next one resumed."""
+    kept: list[tuple[int, str, str, int]] = []  # (update, pass, shard, line)
+    for segment in segments:
+        kept = [entry for entry in kept if entry[0] <= segment.start_step]
+        if not os.path.exists(segment.ledger):
+            continue
+        with open(segment.ledger) as f:
+            for row in f:
+                pass_index, _, shard, line, _, batch = row.split()
+                kept.append((segment.start_step + int(batch) + 1, pass_index, shard, int(line)))
+    kept = [entry for entry in kept if entry[0] <= final_step]
+    report.records += len(kept)
+    final = latest_checkpoint(out)
+    with open(os.path.join(final, "training_state.json")) as f:
+        state = json.load(f)
+    slots = [slot for rank in find_streams(state) for slot in rank["slots"].values()]
+    complete_below = min(int(slot["pass"]) for slot in slots) if slots else 0
+    by_pass: dict[str, Counter] = {}
+    for _, pass_index, shard, line in kept:
+        by_pass.setdefault(pass_index, Counter())[(shard, line)] += 1
+    for pass_index, records in sorted(by_pass.items()):
+        twice = [r for r, n in records.items() if n > 1]
+        if twice:
+            report.violation(f"pass {pass_index}: {len(twice)} record(s) trained on more than once, e.g. {twice[0]}")
+        if int(pass_index) < complete_below and set(records) != everything:
+            missing = everything - set(records)
+            report.violation(f"pass {pass_index} is complete but {len(missing)} record(s) were never trained on, "
+                             f"e.g. {sorted(missing)[:1]}")
+    print(f"  audit: {len(kept)} records up to update {final_step}, passes {sorted(by_pass, key=int)}, "
+          f"complete below pass {complete_below}", flush=True)
+
+
+def find_streams(state) -> list[dict]:
+    """Every rank's stream state in a training_state.json (its arrays stored apart: only the JSON is read)."""
+    if isinstance(state, dict):
+        if "stream" in state and isinstance(state["stream"], list):
+            return state["stream"]
+        for value in state.values():
+            found = find_streams(value)
+            if found:
+                return found
+    return []
+
+
+def pipeline_loads(out: str, report: Report) -> None:
+    check = ("import sys\nfrom ppdiffusers import LDMTextToImagePipeline\n"
+             "LDMTextToImagePipeline.from_pretrained(sys.argv[1])\n")
+    result = subprocess.run([sys.executable, "-c", check, os.path.join(out, "pipeline")], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        report.violation(f"the exported pipeline of {out} does not load: {result.stderr.strip()[-300:]}")
+
+
+# -- the soak -----------------------------------------------------------------------------------------------
+def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random, report: Report,
+              stop_at: float) -> None:
+    listing, tokenizer, everything = corpus
+    out = os.path.join(work, f"run{chain}-{path}")
+    ledgers = os.path.join(work, f"ledger{chain}")
+    os.makedirs(ledgers, exist_ok=True)
+    last_step = rng.randint(*args.run_updates)
+    segments: list[Segment] = []
+    checked: set[str] = set()
+    recovery_from: float | None = None
+    print(f"run {chain}: {path}, {last_step} updates, in {out}", flush=True)
+    while True:
+        # out of time or of segments: the run is finished without faults
+        finishing = len(segments) >= args.max_segments_per_run or (time.monotonic() > stop_at and bool(segments))
+        if not finishing and os.path.isdir(out) and rng.random() < args.damage:
+            damaged = damage_newest(out, rng)
+            if damaged:
+                report.faults["damage"] += 1
+                print(f"  damaged {damaged}", flush=True)
+        newest = latest_checkpoint(out) if os.path.isdir(out) else None
+        start = checkpoint_step(newest) if newest else 0
+        processes, workers = rng.choice((1, 2)), rng.randint(0, 3)
+        fault = "none" if finishing or rng.random() < args.clean else rng.choice(KILLS)
+        segment = Segment(len(segments), path, processes, workers, start or 0, fault,
+                          ledger=os.path.join(ledgers, f"segment{len(segments)}.log"))
+        log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
+        env = {**os.environ, CONSUMED_LOG: segment.ledger, "PYTHONUNBUFFERED": "1"}
+        before_shm = shared_memory()
+        began, began_wall = time.monotonic(), time.time()
+        with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
+            process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir),
+                                       cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = began + args.segment_seconds
+            seen: dict[int, str] = {}
+            if fault != "none" and wait_for_progress(out, began_wall, process, deadline, seen):
+                segment.fault_time = inject(fault, out, process, rng, deadline, began_wall, seen)
+            while process.poll() is None and time.monotonic() < deadline:
+                seen.update(descendants(process.pid))
+                time.sleep(0.2)
+            if process.poll() is None:
+                report.violation(f"run {chain} segment {segment.index} ({fault}, {processes}x{workers}) did not end "
+                                 f"within {args.segment_seconds} s: killed")
+                kill_all({**seen, **descendants(process.pid)})
+            segment.exit_code = process.wait()
+        segment.seconds = time.monotonic() - began
+        segments.append(segment)
+        report.segments += 1
+        if segment.fault_time is not None:
+            report.faults[fault] += 1
+        left = alive(seen)
+        for _ in range(150):  # ranks the launcher ended, or a rank whose peer was killed, take a few seconds to go
+            if not left:
+                break
+            time.sleep(0.1)
+            left = alive(seen)
+        if left:
+            report.violation(f"run {chain} segment {segment.index}: {len(left)} process(es) left 15 s after it "
+                             "ended")
+            kill_all(seen)
+        added = {n for n in shared_memory() - before_shm if not n.startswith("sem.")}
+        if added:
+            report.violation(f"run {chain} segment {segment.index}: shared memory left in /dev/shm: {sorted(added)}")
+        reached = saved_since(out, began_wall)
+        if recovery_from is not None and reached > segment.start_step:
+            report.recoveries.append(time.monotonic() - recovery_from)
+            recovery_from = None
+        if segment.fault_time is not None:
+            recovery_from = segment.fault_time
+        print(f"  segment {segment.index}: {processes}x{workers} from update {segment.start_step}, fault {fault}, "
+              f"exit {segment.exit_code}, {segment.seconds:.1f} s, saved up to update {reached}", flush=True)
+        check_finite(out, report, checked)
+        # a SIGTERM before the handlers are set up ends a process as the default action does (-15; a launcher: 15);
+        # a killed process or launcher may end in any way but a hang
+        expected_exit = {"none": (0,), "sigterm": (0, 1, 15, 143, -15)}.get(fault)
+        if expected_exit is not None and segment.exit_code not in expected_exit:
+            report.violation(f"run {chain} segment {segment.index} ({fault}) exited {segment.exit_code}: see "
+                             f"{log.name}")
+            if fault == "none":
+                return
+        if segment.exit_code == 0:  # the run reached its end (its last update may differ from last_step when a
+            break                   # resume changed the global batch: the schedule is kept in samples)
+    pipeline_loads(out, report)
+    audit(segments, checkpoint_step(latest_checkpoint(out)), out, everything, report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python scripts/soak.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="start no new run after this long")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", nargs="+", choices=sorted(SCRIPTS), default=["loop", "trainer"])
+    parser.add_argument("--work_dir", default=None, help="kept afterwards (default: a temporary folder, removed)")
+    parser.add_argument("--records", type=int, default=48, help="records of the synthetic corpus")
+    parser.add_argument("--run_updates", type=int, nargs=2, default=(30, 60), metavar=("MIN", "MAX"),
+                        help="updates of one run (a pass is 12-24 updates of batch 2 per rank on 48 records)")
+    parser.add_argument("--max_segments_per_run", type=int, default=12)
+    parser.add_argument("--max_runs", type=int, default=1000)
+    parser.add_argument("--clean", type=float, default=0.15, help="probability of a segment with no fault")
+    parser.add_argument("--damage", type=float, default=0.25,
+                        help="probability that a segment starts with the newest checkpoint damaged")
+    parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = args.work_dir or tempfile.mkdtemp(prefix="soak-")
+    os.makedirs(work, exist_ok=True)
+    corpus = make_corpus(os.path.join(work, "corpus"), args.records, max(1, args.records // 8))
+    report = Report()
+    began = time.monotonic()
+    stop_at = began + args.minutes * 60
+    chain = 0
+    try:
+        while chain < args.max_runs and (chain == 0 or time.monotonic() < stop_at):
+            run_chain(chain, args.paths[chain % len(args.paths)], work, corpus, args, rng, report, stop_at)
+            chain += 1
+    finally:
+        if args.work_dir is None and not report.violations:
+            shutil.rmtree(work, ignore_errors=True)
+    faults = sum(report.faults.values())
+    print(f"runs {chain}, {time.monotonic() - began:.0f} s; faults by kind: "
+          f"{', '.join(f'{k} {report.faults[k]}' for k in FAULTS)}; longest recovery "
+          f"{max(report.recoveries, default=0):.1f} s")
+    print(f"soak: {report.segments} segments, {faults} faults, {report.records} records audited, "
+          f"{len(report.violations)} violations")
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
