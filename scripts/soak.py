@@ -24,9 +24,10 @@ its start finds the newest checkpoint damaged). Afterwards it checks:
 - no checkpoint holds non-finite weights; every segment ends within --segment_seconds (no hang); after each
   segment no process of it is left and no shared-memory segment is added; the run's exported pipeline loads.
 
-Its last line: `soak: <segments> segments, <faults> faults, <records> records audited, <violations> violations`;
-it exits 1 when there is a violation. Faults it does not inject yet: a full disk, a shard damaged mid-run, a NaN
-loss, a stalled read (each is tested on its own in the suite).
+First, a run stopped by SIGTERM only, on one layout, must end with the weights of the same run uninterrupted,
+to the bit. Its last line: `soak: <segments> segments, <faults> faults, <records> records audited,
+<violations> violations`; it exits 1 when there is a violation. Faults it does not inject yet: a full disk, a
+shard damaged mid-run, a NaN loss, a stalled read (each is tested on its own in the suite).
 """
 
 from __future__ import annotations
@@ -345,12 +346,15 @@ def pipeline_loads(out: str, report: Report) -> None:
 
 # -- the soak -----------------------------------------------------------------------------------------------
 def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random, report: Report,
-              stop_at: float) -> None:
+              stop_at: float, graceful: tuple[int, int] | None = None, last_step: int | None = None,
+              name: str | None = None) -> str:
+    """One run through segments until it ends; its folder. `graceful` (processes, workers): every segment on that
+    layout, and SIGTERM the only fault."""
     listing, tokenizer, everything = corpus
-    out = os.path.join(work, f"run{chain}-{path}")
-    ledgers = os.path.join(work, f"ledger{chain}")
+    out = os.path.join(work, name or f"run{chain}-{path}")
+    ledgers = os.path.join(work, f"ledger-{os.path.basename(out)}")
     os.makedirs(ledgers, exist_ok=True)
-    last_step = rng.randint(*args.run_updates)
+    last_step = last_step or rng.randint(*args.run_updates)
     segments: list[Segment] = []
     checked: set[str] = set()
     recovery_from: float | None = None
@@ -358,15 +362,15 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
     while True:
         # out of time or of segments: the run is finished without faults
         finishing = len(segments) >= args.max_segments_per_run or (time.monotonic() > stop_at and bool(segments))
-        if not finishing and os.path.isdir(out) and rng.random() < args.damage:
+        if not finishing and graceful is None and os.path.isdir(out) and rng.random() < args.damage:
             damaged = damage_newest(out, rng)
             if damaged:
                 report.faults["damage"] += 1
                 print(f"  damaged {damaged}", flush=True)
         newest = latest_checkpoint(out) if os.path.isdir(out) else None
         start = checkpoint_step(newest) if newest else 0
-        processes, workers = rng.choice((1, 2)), rng.randint(0, 3)
-        fault = "none" if finishing or rng.random() < args.clean else rng.choice(KILLS)
+        processes, workers = graceful or (rng.choice((1, 2)), rng.randint(0, 3))
+        fault = "none" if finishing or rng.random() < args.clean else "sigterm" if graceful else rng.choice(KILLS)
         segment = Segment(len(segments), path, processes, workers, start or 0, fault,
                           ledger=os.path.join(ledgers, f"segment{len(segments)}.log"))
         log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
@@ -415,18 +419,44 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         print(f"  segment {segment.index}: {processes}x{workers} from update {segment.start_step}, fault {fault}, "
               f"exit {segment.exit_code}, {segment.seconds:.1f} s, saved up to update {reached}", flush=True)
         check_finite(out, report, checked)
-        # a SIGTERM before the handlers are set up ends a process as the default action does (-15; a launcher: 15);
-        # a killed process or launcher may end in any way but a hang
-        expected_exit = {"none": (0,), "sigterm": (0, 1, 15, 143, -15)}.get(fault)
+        # a SIGTERM before the handlers are set up, or after the run's last write (its final barrier and exit), ends
+        # a process as the default action does (-15; a launcher: 15 or 241); a killed process may end in any way
+        # but a hang
+        expected_exit = {"none": (0,), "sigterm": (0, 1, 15, 143, 241, -15)}.get(fault)
         if expected_exit is not None and segment.exit_code not in expected_exit:
             report.violation(f"run {chain} segment {segment.index} ({fault}) exited {segment.exit_code}: see "
                              f"{log.name}")
             if fault == "none":
-                return
+                return out
         if segment.exit_code == 0:  # the run reached its end (its last update may differ from last_step when a
             break                   # resume changed the global batch: the schedule is kept in samples)
     pipeline_loads(out, report)
     audit(segments, checkpoint_step(latest_checkpoint(out)), out, everything, report)
+    return out
+
+
+def graceful_run(work: str, corpus, args, rng: random.Random, report: Report, stop_at: float) -> None:
+    """A run stopped only gracefully, on one layout, against the same run uninterrupted: bit-identical weights."""
+    layout, last_step = (rng.choice((1, 2)), rng.randint(0, 2)), rng.randint(*args.run_updates)
+    print(f"graceful: {layout[0]}x{layout[1]}, {last_step} updates, stopped by SIGTERM only, against one "
+          "uninterrupted run", flush=True)
+    stopped = run_chain(-1, "loop", work, corpus, argparse.Namespace(**{**vars(args), "clean": 0.0,
+                                                                         "max_segments_per_run": 4}),
+                        rng, report, stop_at, graceful=layout, last_step=last_step, name="graceful-stopped")
+    straight = run_chain(-1, "loop", work, corpus, argparse.Namespace(**{**vars(args), "clean": 1.0}), rng, report,
+                         stop_at, graceful=layout, last_step=last_step, name="graceful-straight")
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    for part in ("unet", "bert"):
+        a, b = (load_file(os.path.join(latest_checkpoint(run), part, name))
+                for run in (stopped, straight)
+                for name in [n for n in os.listdir(os.path.join(latest_checkpoint(run), part))
+                             if n.endswith(".safetensors")][:1])
+        differing = [k for k in a if not np.array_equal(a[k], b[k])]
+        if differing:
+            report.violation(f"graceful stops changed the final {part} weights ({len(differing)} tensors, e.g. "
+                             f"{differing[0]}): not bit-identical to the uninterrupted run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--damage", type=float, default=0.25,
                         help="probability that a segment starts with the newest checkpoint damaged")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
+    parser.add_argument("--no_graceful", dest="graceful", action="store_false",
+                        help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
+                             "must be bit-identical to the same run uninterrupted)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     work = args.work_dir or tempfile.mkdtemp(prefix="soak-")
@@ -454,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     stop_at = began + args.minutes * 60
     chain = 0
     try:
+        if args.graceful:
+            graceful_run(work, corpus, args, rng, report, stop_at)
         while chain < args.max_runs and (chain == 0 or time.monotonic() < stop_at):
             run_chain(chain, args.paths[chain % len(args.paths)], work, corpus, args, rng, report, stop_at)
             chain += 1

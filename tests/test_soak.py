@@ -1,0 +1,24 @@
+"""The chaos soak (`scripts/soak.py`), short: a run stopped gracefully against the same run uninterrupted, then a
+run through random faults on changing layouts, every guarantee checked over the whole history."""
+
+import re
+import sys
+
+import pytest
+from conftest import ROOT
+from entry import run_python
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_short_soak_finds_no_violation(tmp_path):
+    result = run_python([str(ROOT / "scripts" / "soak.py"), "--minutes", "0.5", "--seed", "5", "--max_runs", "1",
+                         "--paths", "loop", "--run_updates", "16", "24", "--max_segments_per_run", "6",
+                         "--work_dir", str(tmp_path / "soak")], timeout=900)
+    print(result.stdout[-4000:], file=sys.stderr)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"soak: (\d+) segments, (\d+) faults, (\d+) records audited, 0 violations", last)
+    assert match, last
+    segments, faults, records = map(int, match.groups())
+    assert segments >= 3 and faults >= 2 and records > 0
