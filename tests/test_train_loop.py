@@ -424,6 +424,39 @@ def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_
 
 
 @pytest.mark.distributed
+def test_ranks_whose_launcher_is_killed_save_the_update_they_are_in_and_exit(corpus, tmp_path):
+    """A scheduler that SIGKILLs the launcher alone: the ranks (each in a session of its own) would train on beside
+    the job started in its place; they get SIGTERM from the kernel instead (PR_SET_PDEATHSIG) and stop as after
+    any SIGTERM."""
+    import time
+
+    from entry import launched_rank_pid
+
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "100000", "--save_steps", "100000", "--logging_steps", "1",
+                     "--num_workers", "1", "--output_dir", str(out)]
+    ranks = []
+
+    def kill_the_launcher_only(proc):
+        ranks.extend(launched_rank_pid(proc.pid, rank) for rank in (0, 1))
+        proc.kill()
+
+    code, log = run_until(SCRIPT, args, "step 2 ", signal.SIGKILL, launch=True, cwd=tmp_path,
+                          act=kill_the_launcher_only)
+    assert code == -signal.SIGKILL and len(ranks) == 2
+    deadline = time.monotonic() + 120
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "ranks trained on after their launcher was killed"
+    stopped = re.search(r"SIGTERM: stopped after update (\d+) and saved (\S+checkpoint-\d+)",
+                        (tmp_path / "launch_logs" / "workerlog.0").read_text())
+    assert stopped and checkpoint_problem(stopped.group(2)) is None
+
+
+@pytest.mark.distributed
 def test_when_a_rank_dies_the_launcher_and_the_other_rank_exit_and_name_it(corpus, tmp_path):
     import time
 
