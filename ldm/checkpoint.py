@@ -38,7 +38,7 @@ from ldm.run_folder import (
     atomic_folder,
     write_manifest,
 )
-from ldm.serialization import has_state, load_state, save_state
+from ldm.serialization import has_state, load_state, save_state, writes_failing_as_os_errors
 
 logger = logging.getLogger("ldm.train")
 
@@ -82,8 +82,9 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
     the autoencoder is written relative to it.
     """
     os.makedirs(folder, exist_ok=True)
-    unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
-    text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # PaddleNLP: pickle by default
+    with writes_failing_as_os_errors(folder):
+        unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
+        text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # PaddleNLP: pickle else
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
     vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))
@@ -109,7 +110,7 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
                     f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
                     "autoencoder the run started with")
         else:
-            with atomic_folder(folder) as temp:
+            with atomic_folder(folder) as temp, writes_failing_as_os_errors(folder):
                 vae.save_pretrained(temp, safe_serialization=True)
 
     run_dir.dist.from_main(write)

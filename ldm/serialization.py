@@ -10,6 +10,7 @@ as its raw 16 bits and its dtype recorded beside the key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -82,6 +83,19 @@ def as_os_error(error: Exception, path: str) -> Exception:
     handle it as any other failed write."""
     found = re.search(r"(?:code: |os error )(\d+)", str(error))
     return OSError(int(found.group(1)), os.strerror(int(found.group(1))), path) if found else error
+
+
+@contextlib.contextmanager
+def writes_failing_as_os_errors(path: str):
+    """Around a library's writing of weights (`save_pretrained`): its failed write, raised as safetensors' own
+    exception, becomes the OSError it was (`as_os_error`), so that a full disk ends the run in one line there too."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless it carries an OS error code
+        converted = as_os_error(e, path)
+        if converted is e:
+            raise
+        raise converted from None
 
 
 def save_state(folder: str, name: str, tree: Any) -> None:

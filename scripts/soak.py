@@ -11,23 +11,29 @@ moment injects one fault:
   kill_all       SIGKILL to every process
   kill_one       SIGKILL to one rank (the launcher ends the other)
   kill_in_save   SIGKILL the moment a checkpoint is being written
+  disk_full      a file-size limit (RLIMIT_FSIZE) below a checkpoint's size: the save fails with one line
   damage         between two segments, bytes flipped in (or cut off) the newest checkpoint's weights, which
                  the next start must skip (only when an older complete checkpoint is there to fall back on)
+  nan            the loss of some of the segment's batches is NaN (the tests-only `LDM_TEST_NAN_BATCHES`
+                 hook of `ldm.train.objective`): the guard must skip those updates on every rank
+  bad_shard      between two segments, a shard of the corpus cut in half (once a run): its records past the
+                 break become unusable and are counted, the rest still read once
 
-(a segment gets one of the first four, with probability --clean none, and independently with probability --damage
-its start finds the newest checkpoint damaged). Afterwards it checks:
+(a segment gets one of the first five, with probability --clean none, and independently the others, each with
+its own probability). Afterwards it checks:
 
 - the consumption ledger (`LDM_DATA_CONSUMED_LOG`: each record of each batch a trainer took, with its rank and
   batch number), cut at the checkpoints the final weights descend from (a segment's records past the
-  checkpoint the next segment resumed from are rolled back), holds every record of every completed pass
-  exactly once and no record of any pass twice;
+  checkpoint the next segment resumed from are rolled back), holds every usable record of every completed
+  pass exactly once and no record of any pass twice;
 - no checkpoint holds non-finite weights; every segment ends within --segment_seconds (no hang); after each
   segment no process of it is left and no shared-memory segment is added; the run's exported pipeline loads.
 
 First, a run stopped by SIGTERM only, on one layout, must end with the weights of the same run uninterrupted,
 to the bit. Its last line: `soak: <segments> segments, <faults> faults, <records> records audited,
-<violations> violations`; it exits 1 when there is a violation. Faults it does not inject yet: a full disk, a
-shard damaged mid-run, a NaN loss, a stalled read (each is tested on its own in the suite).
+<violations> violations`; it exits 1 when there is a violation. A stalled read is not injected (a shard that
+never answers would hang the start's check of the shards, which has no timeout; `--data_timeout` is tested on its
+own in the suite).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -50,9 +57,11 @@ sys.path.insert(0, ROOT)
 
 from ldm.data.dataset import CONSUMED_LOG  # noqa: E402
 from ldm.run_folder import checkpoint_dirs, checkpoint_problem, checkpoint_step, latest_checkpoint  # noqa: E402
+from ldm.train.objective import NAN_FAULT  # noqa: E402
 
-KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save")
-FAULTS = (*KILLS, "damage")
+KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save", "disk_full")
+FAULTS = (*KILLS, "damage", "nan", "bad_shard")
+FILE_SIZE_LIMIT = 2 << 20  # bytes: below a checkpoint's largest file (the tiny UNet's weights are 3.2 MB)
 SCRIPTS = {"loop": "train_txt2img_laion400m_no_trainer.py", "trainer": "train_txt2img_laion400m_trainer.py"}
 
 
@@ -94,6 +103,25 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
     everything = {(shard.path, n) for shard in read_file_list(listing)
                   for n in range(1, count_records(shard.path) + 1)}
     return listing, os.path.join(folder, "tokenizer"), everything
+
+
+def own_corpus(corpus, out: str):
+    """A copy of the corpus for one run (a run may cut one of its shards): (listing, tokenizer, every record)."""
+    listing, tokenizer, everything = corpus
+    source = os.path.dirname(listing)
+    copy = out + "-corpus"
+    shutil.copytree(source, copy, dirs_exist_ok=True)
+    return (os.path.join(copy, os.path.basename(listing)), tokenizer,
+            {(os.path.join(copy, os.path.relpath(shard, source)), n) for shard, n in everything})
+
+
+def cut_a_shard(listing: str, rng: random.Random) -> str:
+    from ldm.data.filelist import read_file_list
+
+    path = rng.choice(read_file_list(listing)).path
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return path
 
 
 def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
@@ -311,16 +339,35 @@ def audit(segments: list[Segment], final_step: int, out: str, everything: set[tu
     by_pass: dict[str, Counter] = {}
     for _, pass_index, shard, line in kept:
         by_pass.setdefault(pass_index, Counter())[(shard, line)] += 1
+    usable = usable_records_of(everything)
     for pass_index, records in sorted(by_pass.items()):
         twice = [r for r, n in records.items() if n > 1]
         if twice:
             report.violation(f"pass {pass_index}: {len(twice)} record(s) trained on more than once, e.g. {twice[0]}")
-        if int(pass_index) < complete_below and set(records) != everything:
-            missing = everything - set(records)
-            report.violation(f"pass {pass_index} is complete but {len(missing)} record(s) were never trained on, "
-                             f"e.g. {sorted(missing)[:1]}")
+        strange = set(records) - everything
+        if strange:
+            report.violation(f"pass {pass_index}: {len(strange)} record(s) that are not in the corpus")
+        if int(pass_index) < complete_below and not usable <= set(records):
+            missing = usable - set(records)
+            report.violation(f"pass {pass_index} is complete but {len(missing)} usable record(s) were never trained "
+                             f"on, e.g. {sorted(missing)[:1]}")
     print(f"  audit: {len(kept)} records up to update {final_step}, passes {sorted(by_pass, key=int)}, "
           f"complete below pass {complete_below}", flush=True)
+
+
+def usable_records_of(everything: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """The records of the corpus that can still be read (all of them unless a shard was cut)."""
+    from ldm.data.readers import iter_records
+    from ldm.data.shard import ShardError
+
+    found = set()
+    for path in sorted({shard for shard, _ in everything}):
+        try:
+            for number, _ in iter_records(path):
+                found.add((path, number))
+        except ShardError:
+            continue
+    return found
 
 
 def find_streams(state) -> list[dict]:
@@ -350,14 +397,15 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
               name: str | None = None) -> str:
     """One run through segments until it ends; its folder. `graceful` (processes, workers): every segment on that
     layout, and SIGTERM the only fault."""
-    listing, tokenizer, everything = corpus
     out = os.path.join(work, name or f"run{chain}-{path}")
+    listing, tokenizer, everything = corpus if graceful else own_corpus(corpus, out)
     ledgers = os.path.join(work, f"ledger-{os.path.basename(out)}")
     os.makedirs(ledgers, exist_ok=True)
     last_step = last_step or rng.randint(*args.run_updates)
     segments: list[Segment] = []
     checked: set[str] = set()
     recovery_from: float | None = None
+    shard_cut = None
     print(f"run {chain}: {path}, {last_step} updates, in {out}", flush=True)
     while True:
         # out of time or of segments: the run is finished without faults
@@ -367,6 +415,11 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
             if damaged:
                 report.faults["damage"] += 1
                 print(f"  damaged {damaged}", flush=True)
+        if (not finishing and graceful is None and not shard_cut and os.path.isdir(out)
+                and rng.random() < args.bad_shard):
+            shard_cut = cut_a_shard(listing, rng)
+            report.faults["bad_shard"] += 1
+            print(f"  cut {shard_cut} in half", flush=True)
         newest = latest_checkpoint(out) if os.path.isdir(out) else None
         start = checkpoint_step(newest) if newest else 0
         processes, workers = graceful or (rng.choice((1, 2)), rng.randint(0, 3))
@@ -375,14 +428,22 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
                           ledger=os.path.join(ledgers, f"segment{len(segments)}.log"))
         log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
         env = {**os.environ, CONSUMED_LOG: segment.ledger, "PYTHONUNBUFFERED": "1"}
+        nan_batches = []
+        if not finishing and graceful is None and rng.random() < args.nan:
+            nan_batches = sorted(rng.sample(range(2, 9), 2))
+            env[NAN_FAULT] = ",".join(map(str, nan_batches))
+        limit = None
+        if fault == "disk_full":
+            def limit():
+                resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
         before_shm = shared_memory()
         began, began_wall = time.monotonic(), time.time()
         with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
             process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir),
-                                       cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                       cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
             deadline = began + args.segment_seconds
             seen: dict[int, str] = {}
-            if fault != "none" and wait_for_progress(out, began_wall, process, deadline, seen):
+            if fault not in ("none", "disk_full") and wait_for_progress(out, began_wall, process, deadline, seen):
                 segment.fault_time = inject(fault, out, process, rng, deadline, began_wall, seen)
             while process.poll() is None and time.monotonic() < deadline:
                 seen.update(descendants(process.pid))
@@ -395,8 +456,25 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         segment.seconds = time.monotonic() - began
         segments.append(segment)
         report.segments += 1
+        if fault == "disk_full":
+            segment.fault_time = began
         if segment.fault_time is not None:
             report.faults[fault] += 1
+        rank0_log = log.name if processes == 1 else os.path.join(log_dir, "workerlog.0")
+        if nan_batches:
+            report.faults["nan"] += 1
+            with open(rank0_log, errors="replace") as f:
+                text = f.read()
+            trained = saved_since(out, began_wall) - segment.start_step
+            if trained >= max(nan_batches) and "non-finite" not in text:
+                report.violation(f"run {chain} segment {segment.index}: NaN losses at batches {nan_batches} were not "
+                                 "skipped by the guard")
+        if fault == "disk_full" and segment.exit_code != 0:
+            with open(rank0_log, errors="replace") as f:
+                last = [line for line in f.read().splitlines() if line.startswith("error:")]
+            if not any("no space to write" in line or "File too large" in line for line in last):
+                report.violation(f"run {chain} segment {segment.index}: the full disk did not end the run with one "
+                                 f"'no space' line ({last[-1:] or 'no error line'})")
         left = alive(seen)
         for _ in range(150):  # ranks the launcher ended, or a rank whose peer was killed, take a few seconds to go
             if not left:
@@ -422,7 +500,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         # a SIGTERM before the handlers are set up, or after the run's last write (its final barrier and exit), ends
         # a process as the default action does (-15; a launcher: 15 or 241); a killed process may end in any way
         # but a hang
-        expected_exit = {"none": (0,), "sigterm": (0, 1, 15, 143, 241, -15)}.get(fault)
+        expected_exit = {"none": (0,), "sigterm": (0, 1, 15, 143, 241, -15), "disk_full": (1, 2)}.get(fault)
         if expected_exit is not None and segment.exit_code not in expected_exit:
             report.violation(f"run {chain} segment {segment.index} ({fault}) exited {segment.exit_code}: see "
                              f"{log.name}")
@@ -473,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", type=float, default=0.15, help="probability of a segment with no fault")
     parser.add_argument("--damage", type=float, default=0.25,
                         help="probability that a segment starts with the newest checkpoint damaged")
+    parser.add_argument("--nan", type=float, default=0.2, help="probability of NaN losses in a segment")
+    parser.add_argument("--bad_shard", type=float, default=0.1,
+                        help="probability that a segment starts with a shard cut in half (once a run)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "

@@ -29,6 +29,7 @@ from ldm.models.build import load_part, vae_folder
 from ldm.models.init import pytorch_default_init
 from ldm.run_folder import atomic_folder
 from ldm.sampling import image_grid
+from ldm.serialization import writes_failing_as_os_errors
 from ldm.train.loop import run
 from ldm.train.objective import Objective
 
@@ -71,7 +72,8 @@ class Autoencoder(Objective):
         return loss, {"reconstruction_l1": l1, "kl": kl}
 
     def save(self, folder, final_folder):
-        self.vae.save_pretrained(os.path.join(folder, "vqvae"), safe_serialization=True)
+        with writes_failing_as_os_errors(folder):
+            self.vae.save_pretrained(os.path.join(folder, "vqvae"), safe_serialization=True)
 
     def load(self, folder):
         refuse_pickles(folder)
