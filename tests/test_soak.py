@@ -1,5 +1,5 @@
-"""The chaos soak (`scripts/soak.py`), short: a run stopped gracefully against the same run uninterrupted, then a
-run through random faults on changing layouts, every guarantee checked over the whole history."""
+"""The chaos soak (`scripts/soak.py`), short: a run through random faults on changing layouts, every guarantee
+checked over the whole history."""
 
 import re
 import sys
@@ -12,8 +12,11 @@ from entry import run_python
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_short_soak_finds_no_violation(tmp_path):
-    result = run_python([str(ROOT / "scripts" / "soak.py"), "--minutes", "0.5", "--seed", "5", "--max_runs", "1",
-                         "--paths", "loop", "--run_updates", "16", "24", "--max_segments_per_run", "6",
+    # the graceful check (bit-identical weights after SIGTERMs) is left to the long soak: the SIGTERM resume
+    # tests check it in the suite
+    result = run_python([str(ROOT / "scripts" / "soak.py"), "--minutes", "1", "--seed", "5", "--max_runs", "1",
+                         "--paths", "loop", "--run_updates", "16", "24", "--max_segments_per_run", "5",
+                         "--no_graceful", "--clean", "0", "--damage", "0.5", "--nan", "0.5",
                          "--work_dir", str(tmp_path / "soak")], timeout=900)
     print(result.stdout[-4000:], file=sys.stderr)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
