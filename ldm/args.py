@@ -59,6 +59,10 @@ class ModelArguments:
     ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
     vae_dtype: str = arg("float32", "precision of the frozen autoencoder's encode: float32, or float16/bfloat16 under "
                                     "autocast on a GPU (its weights stay float32; float32 where unsupported)")
+    init_from_checkpoint: Optional[str] = arg(
+        None, "start a new stage (a resolution curriculum: 256 then 512) from a training checkpoint's or a "
+              "pipeline's weights (and EMA), with a fresh optimizer, schedule and data pass; the lineage goes to "
+              "run.json. Ignored when the run resumes a checkpoint of its own")
 
     def __post_init__(self):
         _check(self.prediction_type in (None, "epsilon", "v_prediction"),

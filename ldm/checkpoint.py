@@ -161,6 +161,63 @@ def load_ldm_weights(path: str, model) -> None:
     model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())
 
 
+def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
+    """A new stage's starting weights: the UNet's and LDMBert's of a training checkpoint or an exported pipeline
+    `path` into `model`, and its EMA (a checkpoint's, with its update counter; else the loaded weights) into
+    `ema`. Refused in one line when the architecture or the autoencoder differ. Returns the lineage for run.json:
+    where the weights came from, the parent run, the step and the sha256 of the checkpoint's manifest (a
+    pipeline's model_index.json)."""
+    import hashlib
+
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+    from ldm.models.autoencoder import autoencoder_identity
+    from ldm.run_folder import MANIFEST, checkpoint_problem, checkpoint_step
+
+    pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
+    if not (pipeline or is_checkpoint(path)):
+        raise CheckpointError(f"--init_from_checkpoint {path}: neither a training checkpoint ({MODEL_JSON}) nor an "
+                              "exported pipeline (model_index.json)")
+    refuse_pickles(path, "pipeline" if pipeline else "checkpoint")
+    if not pipeline:
+        problem = checkpoint_problem(path)
+        if problem:
+            raise CheckpointError(f"--init_from_checkpoint {path}: not a usable checkpoint: {problem}")
+        check_autoencoder(path, recorded_autoencoder(path), vae_identity, "this run's autoencoder")
+    elif autoencoder_identity(AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))) != vae_identity:
+        raise CheckpointError(f"--init_from_checkpoint {path} was trained with another autoencoder than this run's: "
+                              "the UNet learned that autoencoder's latents (pass its vqvae/ as --vae_name_or_path)")
+    for part, cls, target in (("unet", UNet2DConditionModel, model.unet), ("bert", LDMBertModel, model.text_encoder)):
+        state = cls.from_pretrained(os.path.join(path, part)).state_dict()
+        expected = {name: tuple(value.shape) for name, value in target.state_dict().items()}
+        got = {name: tuple(value.shape) for name, value in state.items()}
+        if got != expected:
+            differ = sorted(set(got) ^ set(expected)) or [n for n in expected if got[n] != expected[n]]
+            raise CheckpointError(f"--init_from_checkpoint {path}: its {part} is another architecture than this "
+                                  f"run's --model_name_or_path ({differ[0]}: {got.get(differ[0])} vs "
+                                  f"{expected.get(differ[0])}); start from the same model")
+        target.set_state_dict(state)
+    saved_ema = None if pipeline else read_ema(path)
+    if ema is not None:
+        if saved_ema is not None:
+            ema.load_state_dict(saved_ema)  # its counter too: the average goes on, not a fresh warm-up
+        else:
+            ema.reset_to(model)
+    identity_file = os.path.join(path, "model_index.json" if pipeline else MANIFEST)
+    with open(identity_file, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    parent = os.path.dirname(os.path.abspath(path))
+    parent_run = None
+    if os.path.isfile(os.path.join(parent, "run.json")):
+        with open(os.path.join(parent, "run.json")) as f:
+            parent_run = {"output_dir": parent, "created": json.load(f).get("created")}
+    return {"init_from": os.path.abspath(path), "kind": "pipeline" if pipeline else "checkpoint",
+            "step": None if pipeline else checkpoint_step(path), "parent_run": parent_run,
+            f"{os.path.basename(identity_file).replace('.json', '')}_sha256": digest,
+            "ema": "checkpoint" if saved_ema is not None and ema is not None else "loaded weights"}
+
+
 def read_ema(path: str) -> dict | None:
     """The EMA state of a checkpoint (arrays as numpy), None when it has none."""
     return load_state(path, EMA) if has_state(path, EMA) else None

@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance_scale", type=float, default=7.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--height", type=int, default=None,
+                        help="image height in pixels (default: the size the model was trained at)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="image width in pixels, a multiple of the autoencoder's downsampling")
     parser.add_argument("--no_ema", action="store_true", help="use raw weights of a checkpoint that has EMA ones")
     parser.add_argument("--grid_cell", type=int, default=128,
                         help="smallest side of an image in grid.png, in pixels (enlarged by a whole factor)")
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference import load_for_inference
     from ldm.run_folder import CheckpointError
-    from ldm.sampling import ddim_scheduler, generate, labeled_grid
+    from ldm.sampling import ddim_scheduler, generate, labeled_grid, latent_size
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
@@ -68,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {e}\n")
     tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
     repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]
+    try:
+        latent_size(unet, vae, args.height, args.width)
+    except ValueError as e:  # a size the autoencoder cannot make
+        parser.exit(2, f"error: {e}\n")
     images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
                       guidance_scale=args.guidance_scale, num_inference_steps=args.num_inference_steps,
-                      seed=args.seed, batch_size=args.batch_size)
+                      seed=args.seed, batch_size=args.batch_size, height=args.height, width=args.width)
     from PIL import Image
 
     os.makedirs(args.output_dir, exist_ok=True)

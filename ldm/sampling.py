@@ -50,16 +50,19 @@ def generate(
     seed: int = 0,
     batch_size: int = 8,
     first_index: int = 0,
+    height: int | None = None,
+    width: int | None = None,
 ) -> np.ndarray:
     """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored.
 
     Image i's noise is drawn from (seed, first_index + i): a slice of a longer list, generated elsewhere (another
-    rank), gets the noise it has in the whole list."""
+    rank), gets the noise it has in the whole list. `height` and `width` (pixels, multiples of the autoencoder's
+    downsampling) default to the size the UNet was trained at."""
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
     try:
-        size = unet.config.sample_size
+        rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
         scaling_factor = vae.config.scaling_factor
         uncond_ids = paddle.to_tensor(tokenize(""))[None]
@@ -74,7 +77,7 @@ def generate(
                 context = paddle.concat([uncond, cond])
             else:
                 context = cond
-            latents = paddle.to_tensor(np.stack([initial_noise([channels, size, size], seed, first_index + start + i)
+            latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
             latents = latents * scheduler.init_noise_sigma
             scheduler.set_timesteps(num_inference_steps)
@@ -91,6 +94,22 @@ def generate(
     finally:
         for model, training in modes:
             model.train() if training else model.eval()
+
+
+def latent_size(unet, vae, height: int | None, width: int | None) -> tuple[int, int]:
+    """(rows, columns) of the latents of a `height` x `width` image (None: the UNet's trained size); ValueError
+    for a side that is not a multiple of the autoencoder's downsampling."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    sides = []
+    for name, value in (("height", height), ("width", width)):
+        if value is None:
+            sides.append(unet.config.sample_size)
+        elif value < factor or value % factor:
+            raise ValueError(f"--{name} {value} must be a positive multiple of {factor} (the autoencoder's "
+                             "downsampling)")
+        else:
+            sides.append(value // factor)
+    return sides[0], sides[1]
 
 
 def labeled_grid(images: np.ndarray, prompts: list[str], min_cell: int = 128) -> Image.Image:

@@ -958,3 +958,53 @@ def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
     assert str(tmp_path / "run" / "checkpoint-2") in str(stopped.value)
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("checkpoint")) == ["checkpoint-1",
                                                                                             "checkpoint-2"]
+
+
+def test_a_32_then_64_curriculum_starts_from_the_checkpoint_records_its_lineage_and_samples_non_square(
+        corpus, tmp_path):
+    """Stage 1 at 32 px with EMA; stage 2 at 64 px from its checkpoint (`--init_from_checkpoint`): the weights and
+    the EMA carry over, the optimizer, schedule and data pass start afresh, run.json names the parent; the stage 2
+    pipeline samples 64x96 images. Another architecture, or a resume, do not load it."""
+    from entry import run_python
+
+    from ldm.run_folder import MANIFEST, sha256_file
+
+    stage1, stage2 = tmp_path / "s32", tmp_path / "s64"
+    common = corpus + ["--num_workers", "0", "--use_ema", "--report_to", "none"]
+    first = run(common + ["--max_train_steps", "2", "--output_dir", str(stage1)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    parent = stage1 / "checkpoint-2"
+    args = [a if a != "32" else "64" for a in common] + ["--init_from_checkpoint", str(parent)]
+    second = run(args + ["--max_train_steps", "2", "--output_dir", str(stage2)])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "a new stage from" in second.stderr
+    lineage = json.loads((stage2 / "run.json").read_text())["lineage"]
+    assert lineage["init_from"] == str(parent) and lineage["step"] == 2 and lineage["ema"] == "checkpoint"
+    assert lineage["manifest_sha256"] == sha256_file(str(parent / MANIFEST))
+    assert lineage["parent_run"]["output_dir"] == str(stage1)
+    state = read_training_state(stage2 / "checkpoint-2")
+    assert state["step"] == 2 and all(s["pass"] == 0 for r in state["stream"] for s in r["slots"].values())
+    assert load_state(str(stage2 / "checkpoint-2"), "ema")["num_updates"] == 4  # 2 of stage 1, then 2 more
+    assert load_state(str(stage2 / "checkpoint-2"), "optimizer")  # its own, of 2 updates
+    unet = json.loads((stage2 / "pipeline" / "unet" / "config.json").read_text())
+    assert unet["sample_size"] == 16  # 64 px: the size the stage trained at is the size it samples at
+
+    sampled = run_python(["-m", "ldm.generate", "--model", str(stage2 / "pipeline"), "--prompt", "a red circle",
+                          "--num_inference_steps", "2", "--height", "64", "--width", "96", "--output_dir",
+                          str(tmp_path / "samples")])
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    image = next(p for p in (tmp_path / "samples").iterdir() if p.name != "grid.png")
+    from PIL import Image
+
+    with Image.open(image) as im:
+        assert im.size == (96, 64)
+    odd = run_python(["-m", "ldm.generate", "--model", str(stage2 / "pipeline"), "--prompt", "x", "--height", "30",
+                      "--output_dir", str(tmp_path / "odd")])
+    assert odd.returncode == 2 and "must be a positive multiple of 4" in odd.stderr.strip().splitlines()[-1]
+
+    other = run([a if a != "ldm-tiny" else "ldm-demo" for a in args] + [  # the same autoencoder, another UNet
+        "--vae_name_or_path", str(stage1 / "vqvae"), "--max_train_steps", "1", "--output_dir", str(tmp_path / "other")])
+    assert other.returncode == 2 and "another architecture" in other.stderr.strip().splitlines()[-1], other.stderr
+    assert not (tmp_path / "other").exists()
+    resumed = run(args + ["--max_train_steps", "3", "--output_dir", str(stage2), "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0 and "is not loaded again" in resumed.stderr, resumed.stderr[-3000:]

@@ -20,6 +20,13 @@ class EMA:
         self.shadow = {n: p.detach().astype("float32").clone() for n, p in self.parameters.items()}
         self.num_updates = 0
 
+    @paddle.no_grad()
+    def reset_to(self, model: nn.Layer) -> None:
+        """Start over from `model`'s weights (a new stage from weights without an EMA of their own)."""
+        named = dict(model.named_parameters())
+        self.shadow = {n: named[n].detach().astype("float32").clone() for n in self.shadow}
+        self.num_updates = 0
+
     def decay(self) -> float:
         return min(self.max_decay, (1 + self.num_updates) / (10 + self.num_updates))
 

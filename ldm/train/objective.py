@@ -18,6 +18,7 @@ import paddle
 from ldm.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
 from ldm.checkpoint import (
     check_autoencoder,
+    load_initial_weights,
     load_ldm_weights,
     read_training_state,
     recorded_autoencoder,
@@ -62,6 +63,10 @@ class Objective:
         """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model. An extra
         value may be a (sum, count) pair: logged as the window's sum over its count (over ranks too)."""
         raise NotImplementedError
+
+    def start_from(self) -> dict | None:
+        """A fresh run (not a resume): load the starting weights it was asked for; their lineage, or None."""
+        return None
 
     def check_resume(self, checkpoint: str) -> None:
         """Refuse a checkpoint this objective cannot continue (called before anything is written)."""
@@ -112,6 +117,7 @@ class TextToImage(Objective):
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
                                                          seed=seed)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
+        self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.vae_folder = None
@@ -216,7 +222,16 @@ class TextToImage(Objective):
                 "prediction_type": self.model.prediction_type, "autoencoder_source": self.components.vae_source,
                 "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__}
 
+    def start_from(self):
+        if not self.init_source:
+            return None
+        lineage = load_initial_weights(self.init_source, self.model, self.ema, self.vae_identity)
+        logger.info("a new stage from %s (%s; EMA: %s)", lineage["init_from"], lineage["kind"], lineage["ema"])
+        return lineage
+
     def check_resume(self, checkpoint):
+        if self.init_source:
+            logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", checkpoint, self.init_source)
         check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
                           f"this run's autoencoder ({self.components.vae_source})")
 
@@ -326,6 +341,10 @@ def check_before_writing(objective: Objective, batches: TimedBatches, record: di
     """What both paths check once the batches have started and before the first write: the held-out data,
     the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
     stops the loader workers, which are running already, when this fails."""
+    if not resume:
+        lineage = objective.start_from()
+        if lineage:
+            record["lineage"] = lineage
     objective.start_validation(dist)
     flops = count_flops(objective, batches, record)
     if resume:

@@ -56,6 +56,12 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
             vae_dtype=resolve_vae_dtype(model_args.vae_dtype),
         )
+    latent = data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
+    if components.unet.config.sample_size != latent:
+        # the size the UNet is trained at is the size it samples at by default (an exported pipeline, evaluation)
+        logger.info("UNet sample_size %d -> %d (--resolution %d)", components.unet.config.sample_size, latent,
+                    data.resolution)
+        components.unet.register_to_config(sample_size=latent)
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     return model, components
