@@ -14,7 +14,7 @@ from ldm.evaluation.clip import ClipError
 from ldm.evaluation.fid import FIDError
 from ldm.evaluation.inception import WeightsError
 from ldm.models.build import ModelSourceError
-from ldm.run_folder import CheckpointError
+from ldm.run_folder import NO_SPACE, CheckpointError
 from ldm.serialization import StateFormatError
 from ldm.tracking import TrackerError
 from ldm.train.health import NonFiniteStop
@@ -27,4 +27,10 @@ def user_errors():
     except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
             TrackerError, StateFormatError, ConfigError, NonFiniteStop, FIDError, WeightsError, ClipError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in NO_SPACE:  # a checkpoint's own save says more (`RunFolder.no_space_ends_the_run`)
+            raise
+        print(f"error: no space to write {e.filename or 'the run folder'} ({e.strerror}): free space, then run the "
+              "same command again (a run with checkpoints: with --resume_from_checkpoint auto)", file=sys.stderr)
         sys.exit(2)
