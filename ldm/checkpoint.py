@@ -188,6 +188,14 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
     elif autoencoder_identity(AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))) != vae_identity:
         raise CheckpointError(f"--init_from_checkpoint {path} was trained with another autoencoder than this run's: "
                               "the UNet learned that autoencoder's latents (pass its vqvae/ as --vae_name_or_path)")
+    scheduler_config = os.path.join(path, "scheduler", "scheduler_config.json")
+    if os.path.isfile(scheduler_config):
+        with open(scheduler_config) as f:
+            prediction = json.load(f).get("prediction_type", "epsilon")
+        if prediction != model.prediction_type:
+            raise CheckpointError(f"--init_from_checkpoint {path} predicts {prediction} and this run "
+                                  f"{model.prediction_type}: pass --prediction_type {prediction} (another target needs "
+                                  "another model, not a new stage)")
     for part, cls, target in (("unet", UNet2DConditionModel, model.unet), ("bert", LDMBertModel, model.text_encoder)):
         state = cls.from_pretrained(os.path.join(path, part)).state_dict()
         expected = {name: tuple(value.shape) for name, value in target.state_dict().items()}
@@ -200,10 +208,9 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
         target.set_state_dict(state)
     saved_ema = None if pipeline else read_ema(path)
     if ema is not None:
-        if saved_ema is not None:
-            ema.load_state_dict(saved_ema)  # its counter too: the average goes on, not a fresh warm-up
-        else:
-            ema.reset_to(model)
+        ema.reset_to(model)
+        if saved_ema is not None:  # its counter too: the average goes on, not a fresh warm-up
+            ema.load_matching(saved_ema)  # weights it has no average of (a text encoder it froze) start afresh
     identity_file = os.path.join(path, "model_index.json" if pipeline else MANIFEST)
     with open(identity_file, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()

@@ -19,10 +19,11 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
 
     from ldm.run_folder import atomic_folder
     from ldm.sampling import ddim_scheduler
+    from ldm.serialization import writes_failing_as_os_errors
 
     pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                       scheduler=ddim_scheduler(scheduler_config))
-    with atomic_folder(output) as folder:
+    with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         pipeline.save_pretrained(folder)
     return output
 

@@ -95,7 +95,7 @@ def writes_failing_as_os_errors(path: str):
         converted = as_os_error(e, path)
         if converted is e:
             raise
-        raise converted from None
+        raise converted from e
 
 
 def save_state(folder: str, name: str, tree: Any) -> None:

@@ -249,6 +249,7 @@ class Tracker(NullWriter):
 
 
 WANDB_RUN_ID_FILE = os.path.join("wandb", "run_id")
+_WANDB_RUN_ID_SET: str | None = None
 
 
 def keep_wandb_run(report_to, output_dir: str) -> None:
@@ -258,7 +259,10 @@ def keep_wandb_run(report_to, output_dir: str) -> None:
     Rank 0, before the trackers start (both paths)."""
     import uuid
 
-    if "wandb" not in resolve_report_to(report_to) or os.environ.get("WANDB_RUN_ID"):
+    global _WANDB_RUN_ID_SET
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    given = os.environ.get("WANDB_RUN_ID")
+    if not ({"wandb", "all"} & set(names)) or (given and given != _WANDB_RUN_ID_SET):
         return
     path = os.path.join(output_dir, WANDB_RUN_ID_FILE)
     try:
@@ -271,7 +275,7 @@ def keep_wandb_run(report_to, output_dir: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(run_id + "\n")
-    os.environ["WANDB_RUN_ID"] = run_id
+    os.environ["WANDB_RUN_ID"] = _WANDB_RUN_ID_SET = run_id  # ours: another run in this process sets its own
     os.environ.setdefault("WANDB_RESUME", "allow")
 
 

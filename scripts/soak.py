@@ -334,13 +334,21 @@ def audit(segments: list[Segment], final_step: int, out: str, everything: set[tu
     final = latest_checkpoint(out)
     with open(os.path.join(final, "training_state.json")) as f:
         state = json.load(f)
-    slots = [slot for rank in find_streams(state) for slot in rank["slots"].values()]
+    streams = find_streams(state)
+    slots = [slot for rank in streams for slot in rank["slots"].values()]
     complete_below = min(int(slot["pass"]) for slot in slots) if slots else 0
+    if len(slots) < sum(max(1, int(rank["num_workers"])) for rank in streams):
+        # a slot that took no batch since a layout change is still at the start of the plan it resumed with
+        schedule = next((rank["schedule"] for rank in streams if rank.get("schedule")), None)
+        first = (schedule["plan"][0]["pass"] if schedule["plan"] else schedule["next_pass"]) if schedule else 0
+        complete_below = min(complete_below, int(first))
     by_pass: dict[str, Counter] = {}
     for _, pass_index, shard, line in kept:
         by_pass.setdefault(pass_index, Counter())[(shard, line)] += 1
     usable = usable_records_of(everything)
-    for pass_index, records in sorted(by_pass.items()):
+    for pass_index in map(str, range(complete_below)):  # a complete pass nothing was trained on is a violation too
+        by_pass.setdefault(pass_index, Counter())
+    for pass_index, records in sorted(by_pass.items(), key=lambda item: int(item[0])):
         twice = [r for r, n in records.items() if n > 1]
         if twice:
             report.violation(f"pass {pass_index}: {len(twice)} record(s) trained on more than once, e.g. {twice[0]}")

@@ -1011,3 +1011,8 @@ def test_a_32_then_64_curriculum_starts_from_the_checkpoint_records_its_lineage_
     assert not (tmp_path / "other").exists()
     resumed = run(args + ["--max_train_steps", "3", "--output_dir", str(stage2), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0 and "is not loaded again" in resumed.stderr, resumed.stderr[-3000:]
+    assert "resume changes lineage" not in resumed.stderr
+    assert json.loads((stage2 / "checkpoint-3" / "run_config.json").read_text())["lineage"] == lineage
+    target = run(args + ["--prediction_type", "v_prediction", "--max_train_steps", "1", "--output_dir",
+                         str(tmp_path / "v")])
+    assert target.returncode == 2 and "predicts epsilon" in target.stderr.strip().splitlines()[-1], target.stderr

@@ -27,6 +27,13 @@ class EMA:
         self.shadow = {n: named[n].detach().astype("float32").clone() for n in self.shadow}
         self.num_updates = 0
 
+    def load_matching(self, state: dict) -> None:
+        """The update counter and the averages `state` holds of this EMA's weights; the others stay as they are."""
+        self.num_updates = int(state["num_updates"])
+        for name in self.shadow:
+            if f"shadow.{name}" in state:
+                self.shadow[name] = paddle.to_tensor(state[f"shadow.{name}"], dtype="float32")
+
     def decay(self) -> float:
         return min(self.max_decay, (1 + self.num_updates) / (10 + self.num_updates))
 

@@ -100,7 +100,7 @@ class Autoencoder(Objective):
         self.vae.register_to_config(scaling_factor=factor)
         if dist.is_main:
             final = run_dir.path("vqvae")
-            with atomic_folder(final) as folder:
+            with atomic_folder(final) as folder, writes_failing_as_os_errors(folder):
                 self.vae.save_pretrained(folder, safe_serialization=True)
             logger.info("latent std %.4f over %d values: wrote %s with scaling_factor %.5f",
                         1 / factor, int(moments[2]), final, factor)

@@ -336,15 +336,27 @@ def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> in
     return flops["total"]
 
 
+def recorded_lineage(checkpoint: str) -> dict | None:
+    """Where the run of `checkpoint` began (`--init_from_checkpoint`), as its record says."""
+    import json
+
+    from ldm.config import RUN_CONFIG
+
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
+            return json.load(f).get("lineage")
+    except (OSError, ValueError):
+        return None
+
+
 def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
                          allow_config_change: bool, dist: Distributed) -> int | None:
     """What both paths check once the batches have started and before the first write: the held-out data,
     the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
     stops the loader workers, which are running already, when this fails."""
-    if not resume:
-        lineage = objective.start_from()
-        if lineage:
-            record["lineage"] = lineage
+    lineage = objective.start_from() if not resume else recorded_lineage(resume)
+    if lineage:
+        record["lineage"] = lineage  # a resumed stage's checkpoints keep naming where it began
     objective.start_validation(dist)
     flops = count_flops(objective, batches, record)
     if resume:
