@@ -145,28 +145,57 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
     url_sample = urls[:: max(1, len(urls) // REMOTE_SHARDS_CHECKED)][:REMOTE_SHARDS_CHECKED]
     _check_sample(local_sample, len(local), file_list, os.path.exists)
     reachable = _check_sample(url_sample, len(urls), file_list, remote.exists)
-    _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if os.path.exists(p)]
+    # regular files only: a named pipe or a device cannot be looked into without waiting on it
+    _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if os.path.isfile(p)]
                  + reachable, file_list)
 
 
+KIND_CHECK_SECONDS = 10.0
+
+
 def _check_kinds(paths: list[str], file_list: str) -> None:
-    from ldm.data.readers import ShardFormatError, open_parquet, parquet_columns, shard_kind
+    """The kinds of `paths`, read in a thread given `KIND_CHECK_SECONDS`: a read that never returns (a hung store
+    or mount, a named pipe) must not hang the start; it is left to the run's own reads and `--data_timeout`."""
+    import threading
+
+    outcomes: list[tuple[str, Exception | None]] = []
+    reader = threading.Thread(target=_read_kinds, args=(paths, outcomes), daemon=True, name="shard-kind-check")
+    reader.start()
+    reader.join(KIND_CHECK_SECONDS)
+    if reader.is_alive():
+        logger.warning("reading the first bytes of the shards of %s took more than %.0f s (at %s): not checked "
+                       "further; --data_timeout watches the run's own reads", file_list, KIND_CHECK_SECONDS,
+                       paths[len(outcomes)] if len(outcomes) < len(paths) else "the end")
+    _judge_kinds(list(outcomes), file_list)
+
+
+def _read_kinds(paths: list[str], outcomes: list) -> None:
+    from ldm.data.readers import open_parquet, parquet_columns, shard_kind
     from ldm.data.shard import ShardError
 
-    unreadable: list[str] = []
     for path in paths:
         try:
             if shard_kind(path) == "parquet":
                 parquet_columns(open_parquet(path), path)  # a parquet of URLs or metadata holds no images
-        except ShardFormatError as e:
-            raise FileListError(f"{file_list} names a file that is no shard: {e}. Remove it from the list "
-                                "(python -m ldm.data stats --file_list ... names every such file)") from None
+            outcomes.append((path, None))
         except ShardError as e:
+            outcomes.append((path, e))
+
+
+def _judge_kinds(outcomes: list[tuple[str, Exception | None]], file_list: str) -> None:
+    from ldm.data.readers import ShardFormatError
+
+    unreadable: list[str] = []
+    for path, error in outcomes:
+        if isinstance(error, ShardFormatError):
+            raise FileListError(f"{file_list} names a file that is no shard: {error}. Remove it from the list "
+                                "(python -m ldm.data stats --file_list ... names every such file)")
+        if error is not None:
             if remote.is_url(path):  # the store may be slow or failing for now: the run's reads retry, then count
-                logger.warning("cannot read the first bytes of %s: %s", path, e)
+                logger.warning("cannot read the first bytes of %s: %s", path, error)
             else:
-                unreadable.append(str(e))
-    paths = [p for p in paths if not remote.is_url(p)]
+                unreadable.append(str(error))
+    paths = [path for path, _ in outcomes if not remote.is_url(path)]
     if paths and len(unreadable) == len(paths):
         raise FileListError(f"none of the {len(paths)} shard(s) of {file_list} whose first bytes were read can be "
                             f"read (the first: {unreadable[0]})")
