@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 
 from ldm.data import remote
@@ -145,9 +146,17 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
     url_sample = urls[:: max(1, len(urls) // REMOTE_SHARDS_CHECKED)][:REMOTE_SHARDS_CHECKED]
     _check_sample(local_sample, len(local), file_list, os.path.exists)
     reachable = _check_sample(url_sample, len(urls), file_list, remote.exists)
-    # regular files only: a named pipe or a device cannot be looked into without waiting on it
-    _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if os.path.isfile(p)]
+    _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if _sniffable(p)]
                  + reachable, file_list)
+
+
+def _sniffable(path: str) -> bool:
+    """A file or folder whose first bytes can be asked for without waiting on it (not a named pipe or device)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
 
 
 KIND_CHECK_SECONDS = 10.0
