@@ -229,7 +229,8 @@ class RunFolder:
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise CheckpointError(f"output_dir {self.output_dir} is a file")
         entries = os.listdir(self.output_dir) if os.path.isdir(self.output_dir) else []
-        ours = RUN_MARKER in entries or bool(checkpoint_dirs(self.output_dir))
+        checkpoints = checkpoint_dirs(self.output_dir)
+        ours = RUN_MARKER in entries or bool(checkpoints)
         if not entries:
             return checkpoint
         if checkpoint is not None:
@@ -238,7 +239,7 @@ class RunFolder:
                                       "into an empty folder or into the run's own folder")
             return checkpoint
         if resume == "auto" and not overwrite:
-            damaged = checkpoint_dirs(self.output_dir)
+            damaged = checkpoints
             if damaged:  # saves are atomic: a checkpoint-<step> that fails verification was damaged, not interrupted
                 # (its checksums were read already, by `latest`: the quick look names what it can)
                 problem = checkpoint_problem(damaged[-1], checksums=False) or "a file does not match its checksum"
@@ -248,13 +249,13 @@ class RunFolder:
                     f"(one of an earlier version: python -m ldm.checkpoint upgrade {damaged[-1]}) or move it out of "
                     "the folder, or pass --overwrite_output_dir to start afresh")
             overwrite = True  # nothing to resume: start afresh
-        failed = failure_of(self.output_dir) if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir) else None
+        failed = failure_of(self.output_dir) if RUN_MARKER in entries and not checkpoints else None
         if failed and not overwrite and resume is None:
             logger.warning("%s holds a run that failed before its first checkpoint (%s): starting afresh in its place",
                            self.output_dir, failed)
             overwrite = True
         if not overwrite:
-            if RUN_MARKER in entries and not checkpoint_dirs(self.output_dir):
+            if RUN_MARKER in entries and not checkpoints:
                 raise CheckpointError(f"output_dir {self.output_dir} holds a run that saved no checkpoint (it failed "
                                       "early?): pass --overwrite_output_dir to start afresh")
             raise CheckpointError(

@@ -228,4 +228,5 @@ def _check_sample(sample: list[str], total: int, file_list: str, exists) -> list
     if missing:
         logger.warning("%d of the %d shards looked at (of %d named by %s) do not exist (the first: %s); missing "
                        "shards are counted as unreadable", len(missing), looked, total, file_list, missing[0])
-    return [path for path in sample if path not in missing and path not in failed]
+    absent = set(missing) | set(failed)
+    return [path for path in sample if path not in absent]

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ldm.evaluation.fid import Statistics, check_comparable, inception_features, small_sample_warning, statistics
+from ldm.evaluation.fid import (
+    Statistics,
+    check_comparable,
+    fid,
+    inception_features,
+    small_sample_warning,
+    statistics,
+)
 
 logger = logging.getLogger("ldm.evaluation")
 
@@ -101,7 +108,7 @@ class GeneratedMetrics:
             features = np.concatenate([f for rank_features, _, _ in gathered for f in rank_features])
             if self.reference is not None:
                 stats = statistics(features, self.mode, self.inception.fingerprint, self.resolution)
-                result.fid = dist.from_main(lambda stats=stats: fid_against(stats, self.reference))
+                result.fid = dist.from_main(lambda stats=stats: fid(stats, self.reference))
             if self.clip is not None:
                 from ldm.evaluation.clip import aggregate
 
@@ -110,12 +117,6 @@ class GeneratedMetrics:
             result.images = np.stack(kept) if kept else None
             results.append(result)
         return results
-
-
-def fid_against(stats: Statistics, reference: Statistics) -> float:
-    from ldm.evaluation.fid import frechet_distance
-
-    return frechet_distance(stats.mu, stats.sigma, reference.mu, reference.sigma)
 
 
 def pipeline_images(unet, text_encoder, vae, scheduler, tokenize, sampling: Sampling):
