@@ -173,12 +173,16 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
     from ldm.models.autoencoder import autoencoder_identity
-    from ldm.run_folder import MANIFEST, checkpoint_problem, checkpoint_step
+    from ldm.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--init_from_checkpoint {path}: no such folder")
     if not (pipeline or is_checkpoint(path)):
-        raise CheckpointError(f"--init_from_checkpoint {path}: neither a training checkpoint ({MODEL_JSON}) nor an "
-                              "exported pipeline (model_index.json)")
+        found = checkpoint_dirs(path)
+        raise CheckpointError(f"--init_from_checkpoint {path}: " + (
+            f"a run folder: name one of its checkpoints (the newest is {found[-1]}) or its pipeline/" if found else
+            f"neither a training checkpoint ({MODEL_JSON}) nor an exported pipeline (model_index.json)"))
     refuse_pickles(path, "pipeline" if pipeline else "checkpoint")
     if not pipeline:
         problem = checkpoint_problem(path)
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "and JSON; unpickles them once: only for checkpoints you wrote")
     up.add_argument("folders", nargs="+", help="checkpoint-<step> folders, or a run folder (all its checkpoints)")
     args = parser.parse_args(argv)
-    from ldm.run_folder import checkpoint_dirs
+    from ldm.run_folder import checkpoint_dirs, checkpoint_problem
 
     status = 0
     for folder in args.folders:
@@ -340,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - an old pickle can fail in any way; the checkpoint is left as it was
                 print(f"error: {target} cannot be converted ({type(e).__name__}: {' '.join(str(e).split())}); it is "
                       "left as it was", file=sys.stderr)
+                status = 2
+                continue
+            if not replaced and (problem := checkpoint_problem(target)) is not None:
+                print(f"error: {target} holds no pickles to convert, but it is not complete: {problem}; upgrade cannot "
+                      "repair it (restore it from a copy)", file=sys.stderr)
                 status = 2
                 continue
             print(f"{target}: " + (f"converted {len(replaced)} pickled file(s)" if replaced else "already current"))

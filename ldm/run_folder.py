@@ -64,6 +64,11 @@ VAE_FOLDER = "vqvae"
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+DAMAGED_WAYS_OUT = ("Restore the damaged files from a copy (a checkpoint of an earlier version, with pickles and no "
+                    "manifest: python -m ldm.checkpoint upgrade DIR), move the checkpoints out of the folder, or pass "
+                    "--overwrite_output_dir to start afresh")
+
+
 class CheckpointError(RuntimeError):
     """The output folder or a checkpoint cannot be used as asked."""
 
@@ -191,6 +196,11 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     if resume in ("latest", "auto"):
         found = latest_checkpoint(output_dir)
         if found is None and resume == "latest":
+            damaged = checkpoint_dirs(output_dir)
+            if damaged:
+                raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}: its "
+                                      f"{len(damaged)} checkpoint(s) fail verification (the newest: {damaged[-1]}); "
+                                      f"nothing was deleted. {DAMAGED_WAYS_OUT}")
             raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir} (use "
                                   "'auto' to start afresh when there is none)")
     else:
@@ -245,9 +255,7 @@ class RunFolder:
                 problem = checkpoint_problem(damaged[-1], checksums=False) or "a file does not match its checksum"
                 raise CheckpointError(
                     f"--resume_from_checkpoint auto: {self.output_dir} holds {len(damaged)} checkpoint(s) and none is "
-                    f"complete ({damaged[-1]}: {problem}); nothing was deleted. Repair it "
-                    f"(one of an earlier version: python -m ldm.checkpoint upgrade {damaged[-1]}) or move it out of "
-                    "the folder, or pass --overwrite_output_dir to start afresh")
+                    f"complete ({damaged[-1]}: {problem}); nothing was deleted. {DAMAGED_WAYS_OUT}")
             overwrite = True  # nothing to resume: start afresh
         failed = failure_of(self.output_dir) if RUN_MARKER in entries and not checkpoints else None
         if failed and not overwrite and resume is None:

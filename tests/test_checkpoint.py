@@ -182,3 +182,18 @@ def test_an_upgrade_that_fails_leaves_the_checkpoint_as_it_found_it(tmp_path, ca
     assert main(["upgrade", str(checkpoint)]) == 2
     assert "an earlier upgrade was interrupted" in capsys.readouterr().err
     assert files_of(checkpoint) == before
+
+
+def test_upgrade_of_a_current_but_damaged_checkpoint_says_it_cannot_repair_it(tmp_path, capsys):
+    from ldm.checkpoint import main
+
+    checkpoint = tmp_path / "checkpoint-3"
+    (checkpoint / "unet").mkdir(parents=True)
+    (checkpoint / "unet" / "weights.safetensors").write_bytes(b"w" * 64)
+    (checkpoint / "ldm_model.json").write_text("{}")
+    write_manifest(str(checkpoint))
+    with open(checkpoint / "unet" / "weights.safetensors", "ab") as f:
+        f.write(b"x")
+    assert main(["upgrade", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not complete" in err and err.count("\n") == 1

@@ -395,7 +395,7 @@ def test_a_resume_over_an_edited_file_list_is_refused_unless_asked_and_plan_says
     assert out.getvalue() == ""  # nothing of the interrupted pass is left to plan: pass 1 is a fresh one
 
 
-@pytest.mark.parametrize("what", ["run_folder", "pipeline", "missing", "pickle"])
+@pytest.mark.parametrize("what", ["run_folder", "pipeline", "missing", "pickle", "damaged"])
 def test_plan_from_something_that_is_no_checkpoint_is_one_line(tmp_path, what, capsys):
     from ldm.data import tools
 
@@ -410,6 +410,13 @@ def test_plan_from_something_that_is_no_checkpoint_is_one_line(tmp_path, what, c
     elif what == "pickle":
         target.mkdir()
         (target / "training_state.pkl").write_bytes(b"old")
+    elif what == "damaged":  # files that no longer match its manifest: a resume refuses it, plan too
+        from ldm.run_folder import write_manifest
+
+        target.mkdir()
+        (target / "training_state.json").write_text("{}")
+        write_manifest(str(target))
+        (target / "training_state.json").write_text("{} ")
     assert tools.main(["plan", "--file_list", listing, "--world_size", "1", "--num_workers", "0",
                        "--from_checkpoint", str(target)]) == 2
     err = capsys.readouterr().err

@@ -183,3 +183,10 @@ def test_auto_never_deletes_a_run_whose_only_checkpoint_fails_verification(tmp_p
     assert "\n" not in message
     assert (only / "unet" / "model.safetensors").is_file()
     assert folder.check("auto", overwrite=True) is None  # asked for explicitly: the folder is emptied
+
+
+def test_latest_with_only_damaged_checkpoints_names_a_way_out_that_works(tmp_path):
+    make_checkpoint(tmp_path, 3, complete=False)
+    with pytest.raises(CheckpointError) as error:
+        resolve_resume(str(tmp_path), "latest")
+    assert "nothing was deleted" in str(error.value) and "'auto'" not in str(error.value)  # auto refuses them too

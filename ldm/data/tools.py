@@ -138,7 +138,7 @@ def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: i
 def checkpoint_streams(path: str) -> list[dict]:
     """Every rank's stream state in the checkpoint `path`; UserError naming what `path` is when it is no checkpoint."""
     from ldm.checkpoint import read_training_state
-    from ldm.run_folder import checkpoint_dirs
+    from ldm.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem
 
     if not os.path.isdir(path):
         raise UserError(f"--from_checkpoint {path}: no such folder")
@@ -149,6 +149,9 @@ def checkpoint_streams(path: str) -> list[dict]:
     if found:
         raise UserError(f"--from_checkpoint {path} is a run folder: name one of its checkpoints (the newest is "
                         f"{found[-1]})")
+    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if problem is not None:  # a checkpoint whose files no longer match its manifest: a resume refuses it too
+        raise UserError(f"--from_checkpoint {path}: not a usable checkpoint: {problem}")
     return read_training_state(path)["stream"]
 
 
