@@ -327,7 +327,7 @@ def audit(segments: list[Segment], final_step: int, out: str, everything: set[tu
             continue
         with open(segment.ledger) as f:
             for row in f:
-                pass_index, _, shard, line, _, batch = row.split()
+                pass_index, _, shard, line, _, _, batch = row.split()
                 kept.append((segment.start_step + int(batch) + 1, pass_index, shard, int(line)))
     kept = [entry for entry in kept if entry[0] <= final_step]
     report.records += len(kept)

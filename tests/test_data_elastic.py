@@ -27,15 +27,18 @@ class KeyStream(CaptionImageStream):
     def make_sample(self, record):
         self.kind = True  # batched as latents: any array
         index = self.index[record.shard]
-        return np.array([record.pass_index, index, record.copy, record.line_number]), None
+        key = np.array([record.pass_index, index, record.copy, record.line_number])
+        # bucketed: one of three shapes, a function of the record as an image's bucket is
+        return (np.tile(key, (1 + (7 * record.line_number + index) % 3, 1)) if self.bucketed else key), None
 
 
-def start_run(shards, saved, world, workers, batch_size, buffer, seed):
+def start_run(shards, saved, world, workers, batch_size, buffer, seed, bucketed=False):
     ranks = []
     for rank in range(world):
         state = rank_stream_state(saved, rank, world) if saved else None
         stream = KeyStream(shards, tokenize=None, transform=None, batch_size=batch_size, seed=seed, rank=rank,
                            world_size=world, num_workers=workers, shuffle_buffer=buffer, state=state)
+        stream.bucketed = bucketed
         stream.index = {s.path: i for i, s in enumerate(shards)}
         tracker = StreamState(workers)
         if stream.resumes_exactly:
@@ -50,14 +53,15 @@ def take(rank):
     batch = next(rank["workers"][rank["taken"] % len(rank["workers"])])
     rank["taken"] += 1
     batch = rank["tracker"].update(batch)
-    return [tuple(int(v) for v in row) for row in batch["latent_moments"]]
+    keys = batch["latent_moments"]
+    return [tuple(int(v) for v in (row[0] if row.ndim == 2 else row)) for row in keys]
 
 
 def run(shards, saved, world, workers, *, steps=None, until_pass=None, batch_size=2, buffer=4, seed=0,
-        in_flight=2):
+        in_flight=2, bucketed=False):
     """One run (a layout) from `saved`: `steps` updates (every rank takes one batch each), or until every slot's
     last taken batch is past pass `until_pass`. Returns (records taken, in order; the checkpoint's states)."""
-    ranks = start_run(shards, saved, world, workers, batch_size, buffer, seed)
+    ranks = start_run(shards, saved, world, workers, batch_size, buffer, seed, bucketed)
     taken = []
     step = 0
     while True:
@@ -96,18 +100,18 @@ def check_exactly_once(shards, sizes, seed, taken, passes):
     return read, skipped, repeated
 
 
-def elastic_case(tmp_path, rng, layouts, sizes, weights, buffer, seed):
+def elastic_case(tmp_path, rng, layouts, sizes, weights, buffer, seed, bucketed=False):
     shards = [Shard(s.path, w) for s, w in zip(text_shards(tmp_path, sizes), weights, strict=True)]
     taken, saved = [], None
     for world, workers in layouts[:-1]:
         got, saved = run(shards, saved, world, workers, steps=rng.randrange(0, 12), batch_size=rng.randint(1, 3),
-                         buffer=buffer, seed=seed, in_flight=rng.randint(0, 3))
+                         buffer=buffer, seed=seed, in_flight=rng.randint(0, 3), bucketed=bucketed)
         taken += got
     # the last layout reads until every slot is past every pass the earlier ones touched
     last_pass = max([k[0] for k in taken], default=0)
     world, workers = layouts[-1]
     got, saved = run(shards, saved, world, workers, until_pass=last_pass, batch_size=rng.randint(1, 3),
-                     buffer=buffer, seed=seed)
+                     buffer=buffer, seed=seed, bucketed=bucketed)
     taken += got
     return shards, taken, last_pass
 
@@ -115,7 +119,7 @@ def elastic_case(tmp_path, rng, layouts, sizes, weights, buffer, seed):
 LAYOUTS = [(w, k) for w in (1, 2, 3) for k in (0, 1, 2, 3)]
 
 
-def random_case(tmp_path, case):
+def random_case(tmp_path, case, bucketed=False):
     rng = random.Random(case)
     num_shards = rng.choice([1, 2, 3, 5, 8])  # often fewer shards than slots
     # at least 9 lines a shard: every part of a shard cut for up to 9 slots has a record (a fresh pass's slot
@@ -124,7 +128,8 @@ def random_case(tmp_path, case):
     weights = [rng.choice([1.0, 1.0, 0.5, 2.0, 1.5]) for _ in range(num_shards)]
     layouts = [rng.choice(LAYOUTS) for _ in range(rng.choice([2, 3, 4]))]
     buffer = rng.choice([1, 3, 8])
-    shards, taken, last_pass = elastic_case(tmp_path, rng, layouts, sizes, weights, buffer, seed=case)
+    shards, taken, last_pass = elastic_case(tmp_path, rng, layouts, sizes, weights, buffer, seed=case,
+                                            bucketed=bucketed)
     return layouts, check_exactly_once(shards, sizes, case, taken, range(last_pass + 1))
 
 
@@ -270,3 +275,78 @@ def test_the_plan_command_reads_the_checkpoint_through_read_training_state(tmp_p
     printed = capsys.readouterr().out.splitlines()
     expected = [f"{r} {w} {s} {n}" for r, w, s, n in resumed_slot_plan(shards, saved, 3, 1, None, 1)]
     assert printed == expected and {line.split()[0] for line in printed} == {"0", "1", "2"}
+
+
+# -- aspect-ratio buckets: records wait in partly filled buckets, which are part of the data position --------
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_exact_once_over_random_layout_changes_with_buckets(tmp_path, case):
+    layouts, (read, skipped, repeated) = random_case(tmp_path, case, bucketed=True)
+    assert (skipped, repeated) == (0, 0), (layouts, read, skipped, repeated)
+
+
+def test_the_issues_chain_2x2_1x3_2x1_with_buckets(tmp_path):
+    rng = random.Random(1)
+    sizes, weights = [9, 14, 5], [1.0, 2.0, 0.5]
+    totals = Counter()
+    for seed in range(20):
+        folder = tmp_path / str(seed)
+        folder.mkdir()
+        shards, taken, last_pass = elastic_case(folder, rng, [(2, 2), (1, 3), (2, 1)], sizes, weights, 8, seed,
+                                                bucketed=True)
+        read, skipped, repeated = check_exactly_once(shards, sizes, seed, taken, range(last_pass + 1))
+        totals.update(read=read, skipped=skipped, repeated=repeated)
+    print(f"bucketed 2x2 -> 1x3 -> 2x1, 20 seeds: {dict(totals)}")
+    assert totals["skipped"] == totals["repeated"] == 0 and totals["read"] > 0
+
+
+@pytest.mark.parametrize("world, workers", [(1, 0), (2, 2), (3, 1)])
+def test_a_bucketed_same_layout_resume_takes_exactly_the_uninterrupted_batches(tmp_path, world, workers):
+    shards = text_shards(tmp_path, [9, 4, 13, 6, 1])
+    straight, _ = run(shards, None, world, workers, steps=40, batch_size=3, buffer=5, bucketed=True)
+    for cut in (5, 17, 26):
+        first, saved = run(shards, None, world, workers, steps=cut, batch_size=3, buffer=5, bucketed=True)
+        second, _ = run(shards, saved, world, workers, steps=40 - cut, batch_size=3, buffer=5, bucketed=True)
+        assert first + second == straight, cut
+    held = [s for _, saved in [run(shards, None, world, workers, steps=17, batch_size=3, buffer=5, bucketed=True)]
+            for rank in saved for s in rank["slots"].values() if s.get("held")]
+    assert held  # the cut fell where records waited in partly filled buckets
+
+
+def test_partly_filled_buckets_end_with_their_pass_as_counted_short_batches(tmp_path):
+    """A slot's pass ends with the buckets it left partly filled, sent as short batches (and counted): no record of
+    pass 0 is trained in a batch of pass 1, and every batch holds one shape."""
+    shards = text_shards(tmp_path, [9, 4, 13, 6, 1])
+    (rank,) = start_run(shards, None, 1, 0, 4, 5, 0, bucketed=True)
+    batches = [rank["tracker"].update(next(rank["workers"][0])) for _ in range(40)]
+    passes = [{int(p) for p in b["latent_moments"][:, 0, 0]} for b in batches]
+    assert all(len(p) == 1 for p in passes)  # a batch never mixes passes
+    sizes = [len(b["latent_moments"]) for b in batches]
+    short = [i for i, n in enumerate(sizes) if n < 4]
+    assert short and all(passes[i + 1] != passes[i] or sizes[i + 1] < 4 for i in short)  # only at a pass's end
+    assert 0 < len([i for i in short if passes[i] == {0}]) <= 3  # at most one per bucket
+    shapes = {b["latent_moments"].shape[1] for b in batches}
+    assert shapes == {1, 2, 3}
+    assert rank["tracker"].counts()["short_batch_records"] == sum(n for n in sizes if n < 4)
+
+
+@pytest.mark.parametrize("second", [(1, 3), (2, 2)])
+def test_the_plan_from_a_bucketed_checkpoint_lists_the_held_records(tmp_path, second):
+    from ldm.data.tools import resumed_slot_plan
+
+    sizes = [9, 14, 5, 11]
+    shards = text_shards(tmp_path, sizes)
+    first, saved = run(shards, None, 2, 2, steps=4, batch_size=3, buffer=4, seed=3, bucketed=True)
+    assert any(s.get("held") for rank in saved for s in rank["slots"].values())
+    interrupted = max(s["pass"] for rank in saved for s in rank["slots"].values())
+    world, workers = second
+    plan = list(resumed_slot_plan(shards, saved, world, workers, None, 1))
+    taken, _ = run(shards, saved, world, workers, until_pass=interrupted, batch_size=3, buffer=4, seed=3,
+                   bucketed=True)
+    path = {i: s.path for i, s in enumerate(shards)}
+    rest = Counter((path[index], line) for p, index, _, line in taken if p <= interrupted)
+    assert Counter((shard, line) for _, _, shard, line in plan) == rest
+    read, skipped, repeated = check_exactly_once(shards, sizes, 3, first + [k for k in taken if k[0] <= interrupted],
+                                                 range(interrupted + 1))
+    assert (skipped, repeated) == (0, 0)

@@ -11,10 +11,10 @@ plan of what is left of the interrupted pass(es) (`ldm.data.resume`), which the 
 first, each record exactly once, before the next pass starts. A state saved without a layout
 change stays the same state: same-layout resumes are bit-identical to an uninterrupted run.
 
-`LDM_DATA_CONSUMED_LOG=PATH` (tests, checks, `scripts/soak.py`) appends "pass copy shard line rank batch" for
-every record of every batch the training loop takes to PATH: `rank` the process's, `batch` how many batches this
-process took before that one (so the update a record was trained in is the resumed step + batch //
-accumulation + 1).
+`LDM_DATA_CONSUMED_LOG=PATH` (tests, checks, `scripts/soak.py`) appends "pass copy shard line shape rank batch"
+for every record of every batch the training loop takes to PATH: `shape` the batch's HxW (of pixels or latents),
+`rank` the process's, `batch` how many batches this process took before that one (so the update a record was
+trained in is the resumed step + batch // accumulation + 1).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from ldm.data.filelist import FileListError, Shard, shard_set_change
 from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.readers import count_records as shard_records
-from ldm.data.record import ImageTransform, sample_rng
+from ldm.data.record import ImageTransform, SkipRecord, sample_rng
 from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError
-from ldm.data.stream import Record, SlotStream
+from ldm.data.stream import PHASE_END, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 
 logger = logging.getLogger("ldm.data")
@@ -193,6 +193,7 @@ class CaptionImageStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.workers = max(1, num_workers)
         self.shuffle_buffer = shuffle_buffer
+        self.bucketed = transform is not None and transform.buckets is not None  # batches of several shapes
         self.kind: bool | None = None  # latent records? set by the first record this process reads
         check_enough_records(shards, world_size * self.workers)
         self.board = ReadingBoard(self.workers)
@@ -257,29 +258,81 @@ class CaptionImageStream(IterableDataset):
         return run_slot(self.batches)
 
     def batches(self, worker: int):
+        """This slot's batches: samples grouped by shape (one group without buckets), a group sent when it holds
+        `batch_size`. What waits in partly filled groups is saved with each batch's state (`held`) and read again
+        on restore; with buckets, the groups left at the end of a phase are sent as they are (short batches,
+        counted as `short_batch_records`), so that a pass ends before the next begins."""
         stream = self.slot_stream((worker + self.first_role) % self.workers)
         where = f"slot {stream.slot} of {stream.num_slots}"
         stream.on_open = lambda path: self.board.post(worker, f"{where}: opening {path}")
-        images, ids, keys = [], [], []
-        log = bool(os.environ.get(CONSUMED_LOG))
-        for (image, input_ids), key in stream.samples(
-                lambda r: (self.make_sample(r), (r.pass_index, r.copy, r.shard, r.line_number))):
-            images.append(image)
-            ids.append(input_ids)
-            keys.append(key)
-            if len(images) == self.batch_size:
-                batch = {"stream_state": json.dumps(stream.state_dict())}
-                if log:
-                    batch["records"] = "".join(f"{p} {c} {shard} {n}\n" for p, c, shard, n in keys)
-                if self.kind:
-                    batch["latent_moments"] = np.stack(images)
-                else:
-                    batch["pixel_values"] = to_uint8_batch(images)
-                if self.tokenize:
-                    batch["input_ids"] = np.stack(ids)
-                self.board.post(worker, f"{where}: {stream.reading()}")
-                yield batch
-                images, ids, keys = [], [], []
+        groups = ShapeGroups(self.batch_size)
+        for record in stream.held_records():
+            try:
+                groups.add((*self.make_sample(record), record))
+            except SkipRecord as e:
+                logger.warning("a record held at the checkpoint is no longer usable (its shard changed?): %s:%d %s",
+                               record.shard, record.line_number, e.reason)
+
+        def batch(taken: list[Held]) -> dict:
+            self.board.post(worker, f"{where}: {stream.reading()}")
+            return self.make_batch(taken, stream.state_dict(held=groups.pointers()))
+
+        for sample in stream.samples(lambda r: (*self.make_sample(r), r), phase_ends=self.bucketed):
+            if sample is PHASE_END:
+                while (taken := groups.take_oldest()) is not None:
+                    stream.counts["short_batch_records"] += len(taken)
+                    yield batch(taken)
+            elif (taken := groups.add(sample)) is not None:
+                yield batch(taken)
+
+    def make_batch(self, taken: list[Held], state: dict) -> dict:
+        samples = [sample for sample, _, _ in taken]
+        batch = {"stream_state": json.dumps(state)}
+        if os.environ.get(CONSUMED_LOG):
+            shape = "x".join(map(str, samples[0].shape[-2:] if self.kind else samples[0].shape[:2]))
+            batch["records"] = "".join(f"{r.pass_index} {r.copy} {r.shard} {r.line_number} {shape}\n"
+                                       for _, _, r in taken)
+        if self.kind:
+            batch["latent_moments"] = np.stack(samples)
+        else:
+            batch["pixel_values"] = to_uint8_batch(samples)
+        if self.tokenize:
+            batch["input_ids"] = np.stack([ids for _, ids, _ in taken])
+        return batch
+
+
+Held = tuple[np.ndarray, Any, Record]  # (sample, token ids, the record it was made of)
+
+
+class ShapeGroups:
+    """Samples taken from a slot's stream and not yet batched, grouped by shape (an aspect-ratio bucket)."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.groups: dict[tuple[int, ...], list[tuple[int, Held]]] = {}
+        self.arrivals = 0
+
+    def add(self, held: Held) -> list[Held] | None:
+        """Hold a sample; its group's samples when that makes `batch_size` of them."""
+        group = self.groups.setdefault(held[0].shape, [])
+        group.append((self.arrivals, held))
+        self.arrivals += 1
+        if len(group) < self.batch_size:
+            return None
+        del self.groups[held[0].shape]
+        return [h for _, h in group]
+
+    def take_oldest(self) -> list[Held] | None:
+        """The group holding the longest-waiting sample (None when nothing is held)."""
+        if not self.groups:
+            return None
+        shape = min(self.groups, key=lambda s: self.groups[s][0][0])
+        return [h for _, h in self.groups.pop(shape)]
+
+    def pointers(self) -> list[tuple[int, int]]:
+        """Where the held samples' records are in the stream (`Record.pointer`), in the order they arrived."""
+        waiting = sorted((n, held[2].pointer) for group in self.groups.values() for n, held in group)
+        return [pointer for _, pointer in waiting]
 
 
 class StreamState:

@@ -18,6 +18,8 @@ import numpy as np
 import pybase64
 from PIL import Image
 
+from ldm.data.buckets import cover_size, nearest_bucket
+
 REASONS = (
     "missing_columns",
     "bad_caption",
@@ -97,7 +99,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True)
 class ImageTransform:
-    """Shorter side to `resolution / resize_ratio`, crop `resolution` (random or center), optional flip.
+    """Shorter side to `resolution / resize_ratio`, crop `resolution` (random or center), optional flip. With
+    `buckets` (`ldm.data.buckets`): resized to cover the bucket nearest the image's aspect ratio (read from its
+    header, before decoding), then cropped to it; `resize_ratio` is not applied, so a crop loses only what the
+    bucket's shape does not hold.
 
     Returns uint8 HWC; the crop position and flip come from the record's own generator, so a
     record's sample depends only on (seed, pass, record), never on reading order.
@@ -109,11 +114,20 @@ class ImageTransform:
     random_flip: bool = False
     min_image_size: int = 0
     max_image_pixels: int = 89_478_485
+    buckets: tuple[tuple[int, int], ...] | None = None  # (height, width) each; None: square crops
 
     parse = staticmethod(parse_record)  # a shard line -> (caption, what `__call__` takes)
 
-    def __call__(self, image_bytes: bytes, rng: random.Random) -> np.ndarray:
+    def output_size(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(crop width, crop height, resized width, resized height) of an image of `width` x `height`."""
+        if self.buckets:
+            bucket = nearest_bucket(self.buckets, width, height)
+            return (bucket[1], bucket[0], *cover_size(width, height, bucket))
         size = self.resolution
+        scale = size / self.resize_ratio / min(width, height)
+        return size, size, max(size, round(width * scale)), max(size, round(height * scale))
+
+    def __call__(self, image_bytes: bytes, rng: random.Random) -> np.ndarray:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -125,15 +139,13 @@ class ImageTransform:
                 raise SkipRecord("too_small", f"{width}x{height}")
             if width < 1 or height < 1:
                 raise SkipRecord("bad_image", f"{width}x{height}")
-            scale = size / self.resize_ratio / min(width, height)
-            resized_w = max(size, round(width * scale))
-            resized_h = max(size, round(height * scale))
+            out_w, out_h, resized_w, resized_h = self.output_size(width, height)
             if self.center_crop:
-                left, top = (resized_w - size) // 2, (resized_h - size) // 2
+                left, top = (resized_w - out_w) // 2, (resized_h - out_h) // 2
             else:
-                left, top = rng.randint(0, resized_w - size), rng.randint(0, resized_h - size)
+                left, top = rng.randint(0, resized_w - out_w), rng.randint(0, resized_h - out_h)
             sx, sy = width / resized_w, height / resized_h
-            box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+            box = (left * sx, top * sy, (left + out_w) * sx, (top + out_h) * sy)
             if image.format == "JPEG":
                 # DCT-domain downscale by the largest power of two that keeps the crop >= size
                 image.draft("RGB", (resized_w, resized_h))
@@ -153,9 +165,9 @@ class ImageTransform:
         # full-size antialiased bicubic resize as area averaging (mean abs diff 0.98 vs 0.95 grey
         # levels on LAION-like JPEGs) at 1/5 of its cost. Larger factors (PNG, huge JPEGs) need
         # area averaging to avoid aliasing; upscaling uses bicubic.
-        factor = region.shape[0] / size
+        factor = region.shape[0] / out_h
         interpolation = cv2.INTER_AREA if factor >= 2 else cv2.INTER_LINEAR if factor >= 1 else cv2.INTER_CUBIC
-        array = cv2.resize(region, (size, size), interpolation=interpolation)
+        array = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
         if self.random_flip and rng.random() < 0.5:
             array = array[:, ::-1]
         return array

@@ -22,9 +22,10 @@ pace and shuffle locally, so the position is per slot, the unit of order a shard
                      units: [shard, copy, part, parts, after] = that line set, lines > after
                             (a unit cut short, or a canonical unit below f a slot never reached)
                      picked: explicit (shard, copy, line) records, stored as runs of one shard
-                            copy (what sat in shuffle buffers or was prefetched: consumed means
-                            "in a batch the trainer took", so everything else at the last
-                            consumed batch of a slot is unread)
+                            copy (what sat in shuffle buffers, in partly filled aspect-ratio
+                            buckets, or was prefetched: consumed means "in a batch the trainer
+                            took", so everything else at the last consumed batch of a slot is
+                            unread)
   resumes          how many layout changes produced it (its shuffle draws' seed namespace)
 
 A fresh pass is the segment (pass, parts from S, frontier 0, no extras). A segment read by S slots
@@ -201,7 +202,7 @@ def remainder(shards: list[Shard], seed: int, schedule: Schedule, num_slots: int
     for slot in range(num_slots):
         state = slots.get(slot)
         position[slot] = (0, 0, 0, []) if state is None else (
-            slot_phase(state), state["unit"], state["line"], state["buffer"])
+            slot_phase(state), state["unit"], state["line"], state["buffer"] + state.get("held", []))
     first = min(p[0] for p in position.values())
     last = max(p[0] for p in position.values())
     resumes = 1 + max((s.resumes for s in schedule.plan), default=0)

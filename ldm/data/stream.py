@@ -6,6 +6,10 @@ unit, number of shuffle draws, and the shuffle buffer as (unit, line) pointers. 
 buffered lines (a few shards at most), never replays the pass. Shuffle draws use a generator
 seeded by (seed, pass, slot, draw), and each record's augmentations one seeded by the record
 itself, so the stream after a restore is exactly the stream an uninterrupted run would read.
+
+A consumer that holds records back after taking them (the bucketed batches of `ldm.data.dataset`) saves
+them with the state as `held` pointers, like the buffer's; `held_records()` reads them again after a
+restore, and `ldm.data.resume` counts them as unread.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ logger = logging.getLogger("ldm.data")
 
 LOGGED_PER_REASON = 5
 MAX_EMPTY_PASSES = 1000
+NOT_PROBLEMS = ("ok", "short_batch_records")  # counts that are not skipped records
+PHASE_END = None  # what `records(phase_ends=True)` yields when a phase is read to its end
 
 
 class NoUsableData(RuntimeError):
@@ -40,6 +46,7 @@ class Record(NamedTuple):
     pass_index: int
     line: bytes | Sample  # a text shard's line, or a tar's / parquet's sample (`ldm.data.readers`)
     seed_key: str  # the shard's `Shard.seed_key`: what seeds this record's randomness
+    pointer: tuple[int, int] = (0, 0)  # (item of the phase, key in it): what a saved state points at it by
 
 
 def shard_error_reason(error: ShardError) -> str:
@@ -73,6 +80,7 @@ class SlotStream:
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._to_reload: list[tuple[int, int]] = []
+        self._held: list[tuple[int, int]] = []  # pointers a restored state says the consumer held
         self._units_in_pass = 0  # units of the fresh pass `pass_records` last finished
         self._phase_had_items = False
         self.on_open: Callable[[str], None] | None = None  # told each shard path before it is opened
@@ -90,8 +98,10 @@ class SlotStream:
         self.phase = self.schedule.phase_of(pass_index)
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
+    def state_dict(self, held: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+        """The position; `held`: pointers (`Record.pointer`) of records of this phase the consumer took but has not
+        used yet (they are read again after a restore)."""
+        state = {
             "slot": self.slot,
             "num_slots": self.num_slots,
             "pass": self.pass_index,
@@ -104,6 +114,9 @@ class SlotStream:
             "buffer": [[u, n] for u, n, _ in self.buffer] + [list(p) for p in self._to_reload],
             "counts": dict(self.counts),
         }
+        if held:
+            state["held"] = [list(p) for p in held]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["slot"], state["num_slots"]) != (self.slot, self.num_slots):
@@ -116,6 +129,7 @@ class SlotStream:
         self.counts = Counter(state["counts"])
         self.buffer = []
         self._to_reload = [(u, n) for u, n in state["buffer"]]
+        self._held = [(u, n) for u, n in state.get("held", [])]
 
     # -- reading ---------------------------------------------------------------------------
     def reading(self) -> str:
@@ -171,15 +185,34 @@ class SlotStream:
             else:
                 self._count("unreadable_record", f"{self.shards[shard].path}:{n}", "(a record left by a resume)")
 
-    def _reload_buffer(self, items: list[Item]) -> None:
-        pointers = [(u, n, item_record(items[u], n)) for u, n in self._to_reload]
-        found = self._read_records([(shard, line) for _, _, (shard, _, line) in pointers])
-        for u, n, (shard, _, line) in pointers:
+    def _reread(self, items: list[Item], pointers: list[tuple[int, int]]) -> list[tuple[int, int, bytes | Sample]]:
+        """(item, key, line) of the records saved as pointers, in their order; a line gone is warned about."""
+        records = [(u, n, item_record(items[u], n)) for u, n in pointers]
+        found = self._read_records([(shard, line) for _, _, (shard, _, line) in records])
+        lines = []
+        for u, n, (shard, _, line) in records:
             if (shard, line) in found:
-                self.buffer.append((u, n, found[(shard, line)]))
+                lines.append((u, n, found[(shard, line)]))
             else:
                 logger.warning("shard %s changed since the checkpoint: line %d is gone", self.shards[shard].path, line)
+        return lines
+
+    def _reload_buffer(self, items: list[Item]) -> None:
+        self.buffer.extend(self._reread(items, self._to_reload))
         self._to_reload = []
+
+    def held_records(self) -> list[Record]:
+        """The records a restored state says its consumer held, read again (once: the consumer holds them now)."""
+        if not self._held:
+            return []
+        items, _ = self._phase_items()
+        held, self._held = self._reread(items, self._held), []
+        return [self._record(items, u, n, line) for u, n, line in held]
+
+    def _record(self, items: list[Item], unit_pos: int, key: int, line: bytes | Sample) -> Record:
+        shard_index, copy, number = item_record(items[unit_pos], key)
+        shard = self.shards[shard_index]
+        return Record(shard.path, number, copy, self.pass_index, line, shard.seed_key, (unit_pos, key))
 
     def _pop(self, items: list[Item], shuffle_key: str) -> Record:
         draw = random.Random(f"{shuffle_key}/{self.slot}/{self.pops}")
@@ -187,16 +220,19 @@ class SlotStream:
         self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
         unit_pos, key, line = self.buffer.pop()
         self.pops += 1
-        shard_index, copy, number = item_record(items[unit_pos], key)
-        shard = self.shards[shard_index]
-        return Record(shard.path, number, copy, self.pass_index, line, shard.seed_key)
+        return self._record(items, unit_pos, key, line)
+
+    def _phase_items(self) -> tuple[list[Item], str]:
+        """(this slot's items of the current phase, the phase's shuffle key)."""
+        segment = self.schedule.segment(self.phase)
+        return segment.items(self.shards, self.seed, self.num_slots)[self.slot::self.num_slots], \
+            segment.shuffle_key(self.seed)
 
     def pass_records(self) -> Iterator[Record]:
         """The rest of the current phase (a pass, or what a resume left of one); the state after a yield is
         the state to resume from."""
         segment = self.schedule.segment(self.phase)
-        items = segment.items(self.shards, self.seed, self.num_slots)[self.slot::self.num_slots]
-        shuffle_key = segment.shuffle_key(self.seed)
+        items, shuffle_key = self._phase_items()
         if self._to_reload:
             self._reload_buffer(items)
         while self.unit_pos < len(items):
@@ -215,14 +251,15 @@ class SlotStream:
     def next_pass(self) -> None:
         self.phase, self.unit_pos, self.line_pos, self.pops, self.pass_ok = self.phase + 1, 0, 0, 0, 0
 
-    def records(self) -> Iterator[Record]:
-        """Records forever, pass after pass; stops with NoUsableData rather than spin on bad input."""
+    def records(self, phase_ends: bool = False) -> Iterator[Record | None]:
+        """Records forever, pass after pass; stops with NoUsableData rather than spin on bad input. With
+        `phase_ends`, `PHASE_END` after the last record of each phase (the state is then the phase's end)."""
         empty_passes = 0
         while True:
             yield from self.pass_records()
             units = self._units_in_pass
             if units and not self.pass_ok:
-                problems = {reason: n for reason, n in self.counts.items() if reason != "ok"}
+                problems = {reason: n for reason, n in self.counts.items() if reason not in NOT_PROBLEMS}
                 found = (f"problems counted: {problems}" if problems else
                          "they hold no record at all (empty shards?); use fewer loader workers or more data")
                 raise NoUsableData(
@@ -233,11 +270,17 @@ class SlotStream:
             empty_passes = 0 if units or self._phase_had_items else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:
                 raise NoUsableData(f"{MAX_EMPTY_PASSES} passes in a row drew no shard: weights too small?")
+            if phase_ends:
+                yield PHASE_END
             self.next_pass()
 
-    def samples(self, make_sample: Callable[[Record], Any]) -> Iterator[Any]:
-        """`make_sample(record)` for every record, skipping and counting those it rejects."""
-        for record in self.records():
+    def samples(self, make_sample: Callable[[Record], Any], phase_ends: bool = False) -> Iterator[Any]:
+        """`make_sample(record)` for every record, skipping and counting those it rejects (and `PHASE_END`s, see
+        `records`)."""
+        for record in self.records(phase_ends):
+            if record is PHASE_END:
+                yield PHASE_END
+                continue
             try:
                 sample = make_sample(record)
             except SkipRecord as e:

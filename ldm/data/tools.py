@@ -129,6 +129,8 @@ def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: i
             slot = rank * workers + (worker + first_role) % workers
             stream = SlotStream(shards, slot, world_size * workers, seed, shuffle_buffer, state=slots.get(slot),
                                 schedule=schedule)
+            for record in stream.held_records():  # waiting in partly filled aspect-ratio buckets
+                yield rank, worker, record.shard, record.line_number
             while stream.phase <= last:
                 for record in stream.pass_records():
                     yield rank, worker, record.shard, record.line_number

@@ -1,0 +1,94 @@
+"""Aspect-ratio buckets: the shapes a bucketed run trains at, and which one a record goes to.
+
+A bucket is (height, width) in pixels, both multiples of the model's size step (the autoencoder's
+downsampling times the UNet's, so that every UNet level gets whole latents), of area about
+`resolution` squared. A record goes to the bucket nearest its aspect ratio (in log ratio, so 2:1 and
+1:2 are as far from square), is resized to cover it and cropped (`ldm.data.record.ImageTransform`).
+
+`auto` is the usual construction (NovelAI's and kohya's sd-scripts' buckets, SDXL section 2.2): for
+each width in steps of `step`, the height whose area is nearest resolution squared, kept when the ratio
+is within `max_aspect_ratio`, with its transpose. Which batch a record lands in is the data stream's
+business (`ldm.data.dataset`): batches hold one bucket each.
+"""
+
+from __future__ import annotations
+
+import math
+
+Bucket = tuple[int, int]  # (height, width)
+
+
+class BucketError(ValueError):
+    """An --aspect_buckets value the run cannot use."""
+
+
+def bucket_name(bucket: Bucket) -> str:
+    return f"{bucket[0]}x{bucket[1]}"
+
+
+def size_step(vae_config, unet_config=None) -> int:
+    """The side every bucket is a multiple of: the autoencoder's downsampling (2 per block after the first), times
+    the UNet's (the same rule) when there is one."""
+    step = 2 ** (len(vae_config.block_out_channels) - 1)
+    if unet_config is not None:
+        step *= 2 ** (len(unet_config.block_out_channels) - 1)
+    return step
+
+
+def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
+    """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
+    last."""
+    if resolution % step:
+        raise BucketError(f"--aspect_buckets auto needs --resolution a multiple of {step} (the model's size step: "
+                          f"its autoencoder's downsampling times its UNet's), not {resolution}")
+    area = resolution * resolution
+    found: set[Bucket] = set()
+    width = step
+    while width <= resolution * math.sqrt(max_aspect_ratio) + step:
+        height = max(step, round(area / width / step) * step)
+        if max(width, height) / min(width, height) <= max_aspect_ratio + 1e-9:
+            found.update({(height, width), (width, height)})
+        width += step
+    return tuple(sorted(found, key=lambda b: (b[1] / b[0], b[1])))
+
+
+def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_ratio: float = 2.0
+                  ) -> tuple[Bucket, ...] | None:
+    """`none` -> None (square crops), `auto` -> `auto_buckets`, `HxW,HxW,...` (or space-separated) -> those."""
+    text = (value or "none").strip().lower()
+    if text == "none":
+        return None
+    if text == "auto":
+        return auto_buckets(resolution, step, max_aspect_ratio)
+    buckets: list[Bucket] = []
+    for part in text.replace(",", " ").split():
+        height, sep, width = part.partition("x")
+        if not sep or not height.isdigit() or not width.isdigit():
+            raise BucketError(f"--aspect_buckets: {part!r} is not HEIGHTxWIDTH (e.g. 256x256,192x320), auto or none")
+        bucket = (int(height), int(width))
+        if min(bucket) < step or bucket[0] % step or bucket[1] % step:
+            raise BucketError(f"--aspect_buckets: {part} has a side that is not a positive multiple of {step} (the "
+                              "model's size step: its autoencoder's downsampling times its UNet's)")
+        if bucket not in buckets:
+            buckets.append(bucket)
+    if not buckets:
+        raise BucketError("--aspect_buckets names no bucket")
+    return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
+
+
+def nearest_bucket(buckets: tuple[Bucket, ...], width: int, height: int) -> Bucket:
+    """The bucket nearest an image's aspect ratio (ties: the first, the taller)."""
+    ratio = math.log(width / height)
+    return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - ratio))
+
+
+def cover_size(width: int, height: int, bucket: Bucket) -> tuple[int, int]:
+    """(width, height) an image is resized to so that it covers `bucket` with its aspect ratio kept."""
+    scale = max(bucket[1] / width, bucket[0] / height)
+    return max(bucket[1], round(width * scale)), max(bucket[0], round(height * scale))
+
+
+def area_kept(width: int, height: int, bucket: Bucket) -> float:
+    """The fraction of an image's area a crop of `bucket` keeps after the image is resized to cover it."""
+    scale = max(bucket[1] / width, bucket[0] / height)
+    return bucket[0] * bucket[1] / (width * height * scale * scale)
