@@ -83,6 +83,10 @@ class DataArguments:
     model_max_length: int = arg(77, "caption length in tokens (padded/truncated)")
     resolution: int = arg(256, "training image size")
     center_crop: bool = arg(False, "center crop instead of random crop")
+    aspect_buckets: str = arg("none", "aspect-ratio buckets: none (square crops), auto (area about --resolution "
+                                      "squared, sides multiples of the model's size step, ratios within "
+                                      "--max_aspect_ratio) or a list HxW,HxW,... (e.g. 384x192,256x256,192x384)")
+    max_aspect_ratio: float = arg(2.0, "the widest ratio (long side / short side) of --aspect_buckets auto")
     random_flip: bool = arg(False, "random horizontal flip")
     caption_dropout_prob: float = arg(0.1, "probability of replacing a caption by '' (classifier-free guidance)")
     min_image_size: int = arg(0, "skip (and count) images whose shorter side is smaller")
@@ -102,6 +106,13 @@ class DataArguments:
         _check(0 <= self.caption_dropout_prob <= 1, "--caption_dropout_prob must be in [0, 1]")
         _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")
         _check(self.data_timeout >= 0, "--data_timeout must be >= 0")
+        _check(self.max_aspect_ratio >= 1, "--max_aspect_ratio must be >= 1")
+        from ldm.data.buckets import BucketError, parse_buckets
+
+        try:  # the form here; the sides against the model's size step when the model is built
+            parse_buckets(self.aspect_buckets, self.resolution, 1, self.max_aspect_ratio)
+        except BucketError as e:
+            raise ArgumentError(str(e)) from None
         if self.metadata_filter:
             from ldm.data.filters import MetadataFilters
 

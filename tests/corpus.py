@@ -86,6 +86,30 @@ def write_corpus(folder: str, num_records: int, records_per_shard: int, kinds=("
     return os.path.join(folder, f"{name}.filelist.list")
 
 
+def aspect_sizes(num_records: int, seed: int = 0, short_side: tuple[int, int] = (40, 90),
+                 ratio: tuple[float, float] = (0.4, 2.5)) -> list[tuple[int, int]]:
+    """(width, height) of `num_records` images of random aspect ratios (log-uniform in `ratio`, width / height)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(num_records):
+        r = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        short = rng.randint(*short_side)
+        sizes.append((round(short * r), short) if r >= 1 else (short, round(short / r)))
+    return sizes
+
+
+def write_aspect_corpus(folder: str, num_records: int, records_per_shard: int, seed: int = 0,
+                        kinds=("jpeg", "png"), name: str = "train") -> str:
+    """Shards of records whose images have random aspect ratios (captions 'photo N'), JPEG and PNG."""
+    with ShardWriter(folder, name, records_per_shard) as writer:
+        for i, size in enumerate(aspect_sizes(num_records, seed)):
+            writer.write(record_line(f"photo {i}", image_bytes(kinds[i % len(kinds)], seed=i, size=size)))
+    return os.path.join(folder, f"{name}.filelist.list")
+
+
 def gzip_lines(path: str, lines: list[bytes]) -> None:
     with gzip.open(path, "wb") as f:
         f.writelines(line + b"\n" for line in lines)

@@ -75,6 +75,13 @@ def batch_samples(batch: dict) -> int:
     return len(batch["pixel_values"] if "pixel_values" in batch else batch["latent_moments"])
 
 
+def batch_shape(batch: dict, latent_scale: int = 8) -> str:
+    """HxW of a training batch's images in pixels (of latents: times the autoencoder's downsampling)."""
+    if "pixel_values" in batch:
+        return "x".join(map(str, batch["pixel_values"].shape[-2:]))
+    return "x".join(str(n * latent_scale) for n in batch["latent_moments"].shape[-2:])
+
+
 def to_pixel_values(images: list[np.ndarray]) -> np.ndarray:
     """uint8 HWC crops -> float32 [B, 3, R, R] in [-1, 1]."""
     batch = np.stack(images).transpose(0, 3, 1, 2).astype(np.float32)

@@ -11,7 +11,9 @@ A latent shard is a gzip text shard like an image shard, one record per line:
   draws a fresh posterior sample at every step, as it does from images;
 - bytes are little-endian `float16`, `float32` or `bfloat16` (the upper half of each float32);
 - meta: `{"format": 1, "vae": <fingerprint of the autoencoder>, "dtype": ..., "shape": [...],
-  "resolution": R}`, and `"metadata": {...}`, the source record's metadata, when it had some (a tar sample's
+  "resolution": R}`, with `"bucket": [height, width]` (the crop's size in pixels) when the corpus was encoded
+  in aspect-ratio buckets (`--aspect_buckets`: the latent is then that bucket's shape, not R / f square), and
+  `"metadata": {...}`, the source record's metadata, when it had some (a tar sample's
   `.json`, a parquet row's columns, a text record's fourth column: what `--metadata_filter` reads).
 
 The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
@@ -78,26 +80,35 @@ class LatentMeta:
     dtype: str
     shape: tuple[int, ...]  # copies, 2 * latent channels, height, width
     resolution: int
+    bucket: tuple[int, int] | None = None  # (height, width) of the crop, encoded in aspect-ratio buckets
 
     @property
     def copies(self) -> int:
         return self.shape[0]
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT, "vae": self.vae, "dtype": self.dtype, "shape": list(self.shape),
-                           "resolution": self.resolution}, separators=(",", ":")).encode()
+        meta = {"format": FORMAT, "vae": self.vae, "dtype": self.dtype, "shape": list(self.shape),
+                "resolution": self.resolution}
+        if self.bucket:
+            meta["bucket"] = list(self.bucket)
+        return json.dumps(meta, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> LatentMeta:
         meta = json.loads(data)
         if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES:
             raise ValueError(f"unknown latent format {meta.get('format')!r} / dtype {meta.get('dtype')!r}")
-        return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]))
+        bucket = tuple(int(n) for n in meta["bucket"]) if meta.get("bucket") else None
+        return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]),
+                   bucket)
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape[1:]))
         mirrored = ", with mirror images" if self.copies == 2 else ""
-        return f"autoencoder {self.vae}, {self.resolution}px, {self.dtype} moments {shape}{mirrored}"
+        size = f"{self.resolution}px"
+        if self.bucket:
+            size += f" buckets (this one {self.bucket[0]}x{self.bucket[1]})"
+        return f"autoencoder {self.vae}, {size}, {self.dtype} moments {shape}{mirrored}"
 
 
 def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, source: dict | None = None) -> bytes:
@@ -140,6 +151,7 @@ class LatentTransform:
     vae_source: str = ""
     resolution: int | None = None
     random_flip: bool = False
+    buckets: tuple[tuple[int, int], ...] | None = None  # the run's aspect-ratio buckets; None: square crops
 
     parse = staticmethod(parse_latent_record)
 
@@ -153,9 +165,23 @@ class LatentTransform:
         if self.resolution is not None and meta.resolution != self.resolution:
             raise LatentMismatch(f"latents of {meta.resolution}px crops; this run asks for --resolution "
                                  f"{self.resolution}")
+        if self.resolution is not None:
+            self.check_bucket(meta)
         if self.random_flip and meta.copies < 2:
             raise LatentMismatch("latents without mirror images (encoded without --random_flip); this run asks for "
                                  "--random_flip: encode with --random_flip or train without it")
+
+    def check_bucket(self, meta: LatentMeta) -> None:
+        """Latents of a bucketed encode in a bucketed run of the same buckets; square ones in a square run."""
+        bucket = meta.bucket or (meta.resolution, meta.resolution)
+        if self.buckets is None and meta.bucket is not None and bucket[0] != bucket[1]:
+            raise LatentMismatch(f"latents encoded in aspect-ratio buckets (this one {bucket[0]}x{bucket[1]}); this "
+                                 "run crops squares: train with --aspect_buckets (the ones the corpus was encoded "
+                                 "with) or encode without them")
+        if self.buckets is not None and bucket not in self.buckets:
+            raise LatentMismatch(f"latents of a {bucket[0]}x{bucket[1]} crop, which is not one of this run's "
+                                 f"--aspect_buckets ({', '.join(f'{h}x{w}' for h, w in self.buckets)}): train with "
+                                 "the buckets the corpus was encoded with")
 
     def __call__(self, payload: tuple[bytes, LatentMeta], rng: random.Random) -> np.ndarray:
         data, meta = payload

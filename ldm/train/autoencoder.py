@@ -16,6 +16,7 @@ from ppdiffusers import AutoencoderKL
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
 from ldm.checkpoint import refuse_pickles
+from ldm.data.buckets import size_step
 from ldm.flops import forward_flops
 from ldm.models.autoencoder import (
     AutoencoderTraining,
@@ -51,6 +52,7 @@ class Autoencoder(Objective):
         self.args, self.resolution = args, resolution
         vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
         self.vae = vae
+        self.size_step = self.latent_scale = size_step(vae.config)
         self.model = AutoencoderTraining(vae, args.kl_weight)
         count = sum(int(p.numel()) for p in vae.parameters())
         logger.info("autoencoder from %s: %.2fM parameters (%s), downsampling x%d, %d latent channels",

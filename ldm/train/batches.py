@@ -9,7 +9,15 @@ import time
 from collections import Counter
 
 from ldm.args import DataArguments
-from ldm.data.dataset import CaptionImageStream, StreamState, batch_samples, build_dataloader, rank_stream_state
+from ldm.data.buckets import bucket_name, parse_buckets
+from ldm.data.dataset import (
+    CaptionImageStream,
+    StreamState,
+    batch_samples,
+    batch_shape,
+    build_dataloader,
+    rank_stream_state,
+)
 from ldm.data.filelist import check_shards, read_file_list, shard_set
 from ldm.data.filters import parse_filters
 from ldm.data.latents import LatentTransform
@@ -29,12 +37,15 @@ class TimedBatches:
     the process with stacks and the shards being read (`ldm.data.watchdog`).
     """
 
-    def __init__(self, loader, tracker, data_timeout: float = 0):
+    def __init__(self, loader, tracker, data_timeout: float = 0, buckets: list[str] = (), latent_scale: int = 8):
         self.loader, self.tracker, self.clock = loader, tracker, StepClock()
+        self.buckets = list(buckets)  # HxW of the aspect-ratio buckets, if any: their mix is logged
+        self.latent_scale = latent_scale
         self.data_timeout = data_timeout
         self._iterators: list = []
         self._first = None
         self.on_latents = False  # the batches carry precomputed latents (known once started)
+        self.shapes: Counter = Counter()  # samples per batch shape (an aspect-ratio bucket) since the last window
 
     def start(self) -> None:
         """Read the first batch now: a run calls this before it writes anything, so that data it cannot use
@@ -67,6 +78,7 @@ class TimedBatches:
         for batch in watched(self.loader, self.data_timeout):
             batch = self.tracker.update(batch)
             self.clock.waited(time.perf_counter() - start, batch_samples(batch))
+            self.shapes[batch_shape(batch, self.latent_scale)] += batch_samples(batch)
             yield batch
             start = time.perf_counter()
 
@@ -74,27 +86,36 @@ class TimedBatches:
         """Leave `seconds` spent on something else (an evaluation) out of the window's speed."""
         self.clock.start += seconds
 
-    def window(self, dist: Distributed) -> tuple[float, float, Counter]:
-        """(global samples/s, mean data-wait fraction, skipped-record counts over ranks) since the last call."""
+    def window(self, dist: Distributed) -> tuple[float, float, Counter, Counter]:
+        """(global samples/s, mean data-wait fraction, skipped-record counts over ranks, samples per batch shape
+        over ranks) since the last call."""
         elapsed, wait_fraction, samples = self.clock.read()
         self.clock.reset()
-        # ranks meet different skip reasons: gather the dicts (one collective) rather than all-reducing
+        # ranks meet different skip reasons and shapes: gather the dicts (one collective) rather than all-reducing
         # key by key, which would pair different keys across ranks and deadlock
         counts: Counter = Counter()
-        for rank_counts in dist.gather(dict(self.tracker.counts())):
+        shapes: Counter = Counter()
+        for rank_counts, rank_shapes in dist.gather((dict(self.tracker.counts()), dict(self.shapes))):
             counts.update(rank_counts)
-        return dist.sum(samples) / elapsed, dist.mean(wait_fraction), counts
+            shapes.update(rank_shapes)
+        self.shapes = Counter()
+        return dist.sum(samples) / elapsed, dist.mean(wait_fraction), counts, shapes
 
 
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
-                  autoencoder_source: str = "") -> TimedBatches:
+                  autoencoder_source: str = "", size_step: int = 8, latent_scale: int = 8) -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
     records (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
-    (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`.
+    (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. With
+    `--aspect_buckets`, the buckets' sides are multiples of `size_step` (`ldm.data.buckets.size_step`);
+    `latent_scale`, the autoencoder's downsampling, names a latent batch's bucket in pixels.
     """
+    buckets = parse_buckets(data.aspect_buckets, data.resolution, size_step, data.max_aspect_ratio)
+    if buckets and dist.is_main:
+        logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
     dist.from_main(lambda: check_shards(shards, data.file_list))
@@ -102,8 +123,8 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
-                                 min_image_size=data.min_image_size),
-        latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip)
+                                 min_image_size=data.min_image_size, buckets=buckets),
+        latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip, buckets)
         if autoencoder is not None else None,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
@@ -119,4 +140,5 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     tracker = StreamState(num_workers, shard_set(shards))
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
-    return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout)
+    return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout,
+                        buckets=[bucket_name(b) for b in buckets or ()], latent_scale=latent_scale)

@@ -6,6 +6,7 @@ import contextlib
 import sys
 
 from ldm.config import ConfigError
+from ldm.data.buckets import BucketError
 from ldm.data.filelist import FileListError
 from ldm.data.latents import LatentMismatch
 from ldm.data.stream import NoUsableData
@@ -24,7 +25,7 @@ from ldm.train.health import NonFiniteStop
 def user_errors():
     try:
         yield
-    except (CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
+    except (BucketError, CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
             TrackerError, StateFormatError, ConfigError, NonFiniteStop, FIDError, WeightsError, ClipError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

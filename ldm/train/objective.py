@@ -27,6 +27,7 @@ from ldm.checkpoint import (
 )
 from ldm.compat import scale_in_place, squared_l2_norm
 from ldm.config import check_resume
+from ldm.data.buckets import size_step
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
@@ -57,6 +58,8 @@ class Objective:
     tokenizer = None  # batches carry `input_ids` when set
     ema: EMA | None = None
     latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
+    size_step = 8  # the sides of its aspect-ratio buckets are multiples of this (`ldm.data.buckets.size_step`)
+    latent_scale = 8  # the autoencoder's downsampling
     autoencoder_source = ""
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
@@ -120,6 +123,8 @@ class TextToImage(Objective):
         self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
+        self.size_step = size_step(self.components.vae.config, self.components.unet.config)
+        self.latent_scale = size_step(self.components.vae.config)
         self.vae_folder = None
         self.nan_batches = nan_fault_batches()
         self.batches_seen = 0
@@ -295,7 +300,8 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
         objective.check_resume(resume)
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
                             num_workers=num_workers, saved_streams=saved,
-                            autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source)
+                            autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
+                            size_step=objective.size_step, latent_scale=objective.latent_scale)
     batches.start()
     return batches
 
@@ -448,7 +454,7 @@ class MetricsWindow:
         """The window's means over updates and ranks, and the data path's figures; then a new window.
         `with_loss=False`: the loss is logged by someone else (PaddleNLP's Trainer)."""
         updates = max(1, self.updates)
-        samples_per_second, wait_fraction, counts = batches.window(dist)
+        samples_per_second, wait_fraction, counts, shapes = batches.window(dist)
         nothing = float("nan") if self.updates == 0 else 0.0  # every update of the window was skipped
         metrics = {"loss": dist.mean(float(self.loss) / updates + nothing)} if with_loss else {}
         metrics.update({
@@ -461,5 +467,8 @@ class MetricsWindow:
             total, count = dist.sum(float(total)), dist.sum(float(count))
             metrics[name] = total / count if count else float("nan")
         metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
+        if batches.buckets:  # the bucket mix: each bucket's share of the window's samples
+            total = sum(shapes.values()) or 1
+            metrics.update({f"data_bucket_{name}": shapes.get(name, 0) / total for name in batches.buckets})
         self.reset()
         return metrics
