@@ -18,6 +18,7 @@ from test_data_plan import text_shards
 from ldm.data.dataset import CaptionImageStream, StreamState, rank_stream_state
 from ldm.data.filelist import Shard
 from ldm.data.plan import pass_copies
+from ldm.data.record import ImageTransform
 from ldm.data.resume import slot_phase
 
 
@@ -32,13 +33,34 @@ class KeyStream(CaptionImageStream):
         return (np.tile(key, (1 + (7 * record.line_number + index) % 3, 1)) if self.bucketed else key), None
 
 
+class ImageKeyStream(KeyStream):
+    """The real stream with real images cropped to their aspect-ratio buckets: a sample is its record's identity
+    spread over the crop's shape, so batches group by the real buckets."""
+
+    def make_sample(self, record):
+        self.kind = False  # the record is an image; its sample is batched as an array of keys
+        image, _ = CaptionImageStream.make_sample(self, record)
+        self.kind = True
+        key = np.array([record.pass_index, self.index[record.shard], record.copy, record.line_number])
+        CROPS[(key[1], key[3])] = image.shape[:2]
+        return np.broadcast_to(key, (*image.shape[:2], 4)).copy(), None
+
+
+CROPS = {}  # (shard index, line) -> (height, width) of the record's crop
+
+
 def start_run(shards, saved, world, workers, batch_size, buffer, seed, bucketed=False):
     ranks = []
     for rank in range(world):
         state = rank_stream_state(saved, rank, world) if saved else None
-        stream = KeyStream(shards, tokenize=None, transform=None, batch_size=batch_size, seed=seed, rank=rank,
-                           world_size=world, num_workers=workers, shuffle_buffer=buffer, state=state)
-        stream.bucketed = bucketed
+        if isinstance(bucketed, ImageTransform):
+            stream = ImageKeyStream(shards, tokenize=None, transform=bucketed, batch_size=batch_size, seed=seed,
+                                    rank=rank, world_size=world, num_workers=workers, shuffle_buffer=buffer,
+                                    state=state)
+        else:
+            stream = KeyStream(shards, tokenize=None, transform=None, batch_size=batch_size, seed=seed, rank=rank,
+                               world_size=world, num_workers=workers, shuffle_buffer=buffer, state=state)
+            stream.bucketed = bucketed
         stream.index = {s.path: i for i, s in enumerate(shards)}
         tracker = StreamState(workers)
         if stream.resumes_exactly:
@@ -53,8 +75,7 @@ def take(rank):
     batch = next(rank["workers"][rank["taken"] % len(rank["workers"])])
     rank["taken"] += 1
     batch = rank["tracker"].update(batch)
-    keys = batch["latent_moments"]
-    return [tuple(int(v) for v in (row[0] if row.ndim == 2 else row)) for row in keys]
+    return [tuple(int(v) for v in row.reshape(-1, 4)[0]) for row in batch["latent_moments"]]
 
 
 def run(shards, saved, world, workers, *, steps=None, until_pass=None, batch_size=2, buffer=4, seed=0,
@@ -350,3 +371,36 @@ def test_the_plan_from_a_bucketed_checkpoint_lists_the_held_records(tmp_path, se
     read, skipped, repeated = check_exactly_once(shards, sizes, 3, first + [k for k in taken if k[0] <= interrupted],
                                                  range(interrupted + 1))
     assert (skipped, repeated) == (0, 0)
+
+
+def test_the_chain_2x2_1x3_2x1_on_real_images_of_random_aspect_ratios(tmp_path):
+    """The real bucketed transform on real JPEG and PNG records of random aspect ratios: every batch holds one
+    bucket, several buckets are trained, and every record of the interrupted passes is read exactly once."""
+    from corpus import aspect_sizes, write_aspect_corpus
+
+    from ldm.data.buckets import auto_buckets, nearest_bucket
+    from ldm.data.filelist import read_file_list
+
+    listing = write_aspect_corpus(str(tmp_path / "corpus"), 40, 8, seed=3)
+    shards = read_file_list(listing)
+    sizes = [8] * 5
+    buckets = auto_buckets(32, 8)
+    transform = ImageTransform(32, buckets=buckets)
+    rng = random.Random(4)
+    taken, saved, shapes = [], None, Counter()
+    for world, workers in [(2, 2), (1, 3)]:
+        got, saved = run(shards, saved, world, workers, steps=rng.randrange(2, 6), batch_size=3, buffer=4, seed=2,
+                         in_flight=2, bucketed=transform)
+        taken += got
+    last_pass = max(k[0] for k in taken)
+    got, _ = run(shards, saved, 2, 1, until_pass=last_pass, batch_size=3, buffer=4, seed=2, bucketed=transform)
+    taken += got
+    read, skipped, repeated = check_exactly_once(shards, sizes, 2, taken, range(last_pass + 1))
+    assert (skipped, repeated) == (0, 0) and read >= 40
+    # each record went to the bucket of its image's aspect ratio
+    size_of = aspect_sizes(40, seed=3)
+    for _, shard, _, line in taken:
+        bucket = nearest_bucket(buckets, *size_of[shard * 8 + line - 1])
+        assert CROPS[(shard, line)] == bucket
+        shapes[bucket] += 1
+    assert len(shapes) >= 4, shapes

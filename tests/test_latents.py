@@ -1,5 +1,6 @@
 """Precomputed latents: the encode tool, run as users run it, and training on its output."""
 
+import io
 import json
 import os
 import shutil
@@ -9,10 +10,11 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
-from corpus import write_corpus
+from corpus import write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
+from ldm.data.buckets import nearest_bucket
 from ldm.data.encode import encode_moments, load_autoencoder
 from ldm.data.filelist import read_file_list
 from ldm.data.latents import from_bytes, parse_latent_record, to_bytes
@@ -385,3 +387,94 @@ def test_img2dataset_tars_and_parquets_encode_filtered_keeping_their_metadata(im
     stats = run_python(["-m", "ldm.data", "stats", "--file_list", str(out / "latents.filelist.list"), "--json",
                         "--metadata_filter", "AESTHETIC_SCORE >= 5"])
     assert json.loads(stats.stdout)["ok"] == sum(m["AESTHETIC_SCORE"] >= 5 for m in metas) > 0
+
+
+# -- aspect-ratio buckets ------------------------------------------------------------------------------------
+BUCKETS = ((48, 24), (40, 24), (32, 32), (24, 40), (24, 48))  # auto at 32px for ldm-tiny (size step 4 x 2)
+BUCKETED = ("--aspect_buckets", "auto", "--model_name_or_path", "ldm-tiny")
+
+
+@pytest.fixture(scope="module")
+def aspect_corpus(tmp_path_factory):
+    return write_aspect_corpus(str(tmp_path_factory.mktemp("aspect_corpus")), num_records=30, records_per_shard=8,
+                               seed=0)
+
+
+@pytest.fixture(scope="module")
+def bucket_encoded(aspect_corpus, vae, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bucket_encoded") / "latents"
+    result = run_python(encode_args(aspect_corpus, vae, out, *BUCKETED))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "aspect-ratio buckets 48x24, 40x24, 32x32, 24x40, 24x48" in result.stdout, result.stdout
+    return str(out / "latents.filelist.list")
+
+
+def test_a_bucketed_encode_writes_each_latent_at_its_buckets_shape(aspect_corpus, vae, bucket_encoded):
+    from PIL import Image
+
+    folder = os.path.dirname(aspect_corpus)
+    inputs = listed(os.path.join(folder, "train.filelist"))
+    seed_keys = {shard.path: shard.seed_key for shard in read_file_list(aspect_corpus)}
+    shards = records_of(bucket_encoded)
+    assert len(shards) == len(inputs) == 4
+    autoencoder = load_autoencoder(vae, False)
+    encoded, used = [], set()
+    for name, lines in shards.items():
+        source = os.path.join(folder, inputs[int(name[len("latents-"):-3])])
+        images = {caption: (number, image) for number, (caption, image)
+                  in enumerate(map(parse_record, iter_lines(source)), 1)}
+        seen: dict = {}
+        for line in lines:
+            caption, (data, meta) = parse_latent_record(line)
+            number, image = images[caption]
+            bucket = nearest_bucket(BUCKETS, *Image.open(io.BytesIO(image)).size)
+            assert meta.bucket == bucket, caption
+            assert meta.shape == (1, 8, bucket[0] // 4, bucket[1] // 4) and meta.resolution == RESOLUTION
+            assert from_bytes(data, meta.dtype, list(meta.shape)).shape == meta.shape
+            seen.setdefault(bucket, []).append(number)
+            encoded.append(caption)
+            if bucket not in used:  # the moments of one crop of each bucket: the autoencoder's of that crop
+                used.add(bucket)
+                crop = ImageTransform(RESOLUTION, buckets=BUCKETS)(image, sample_rng(0, 0, seed_keys[source], number))
+                assert crop.shape == (*bucket, 3)
+                expected = encode_moments(autoencoder, crop.transpose(2, 0, 1)[None], flips=False)[0]
+                np.testing.assert_allclose(from_bytes(data, meta.dtype, list(meta.shape)), expected, rtol=2e-3,
+                                           atol=2e-3)
+        assert all(numbers == sorted(numbers) for numbers in seen.values())  # a bucket's records in shard order
+    assert sorted(encoded) == sorted(f"photo {i}" for i in range(30))  # every record, once
+    assert used == set(BUCKETS)
+
+
+def test_a_bucketed_encode_refuses_other_buckets_on_resume_and_unusable_ones_at_start(aspect_corpus, vae,
+                                                                                     bucket_encoded, tmp_path):
+    out = tmp_path / "latents"
+    shutil.copytree(os.path.dirname(bucket_encoded), out)
+    other = run_python(encode_args(aspect_corpus, vae, out, "--aspect_buckets", "32x32,24x40",
+                                   "--model_name_or_path", "ldm-tiny"))
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "other settings (aspect_buckets: ['48x24', '40x24', '32x32', '24x40', '24x48'] there" in other.stderr
+    square = run_python(encode_args(aspect_corpus, vae, out))
+    assert square.returncode == 2 and "other settings (aspect_buckets:" in square.stderr, square.stderr[-3000:]
+
+    for flags in (("--aspect_buckets", "30x30"), ("--aspect_buckets", "auto", "--resolution", "36")):
+        bad = run_python(encode_args(aspect_corpus, vae, tmp_path / "bad", "--model_name_or_path", "ldm-tiny", *flags))
+        assert bad.returncode == 2, bad.stderr[-3000:]
+        last = bad.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "multiple of 8" in last and "Traceback" not in bad.stderr, last
+        assert not os.path.exists(tmp_path / "bad")
+
+
+def test_bucketed_latents_train_in_their_buckets_and_a_square_run_refuses_them(bucket_encoded, vae, vocab_dir,
+                                                                               tmp_path):
+    common = ["--pretrained_model_name_or_path", "ldm-tiny", "--vae_name_or_path", vae, "--file_list", bucket_encoded,
+              "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", str(RESOLUTION),
+              "--train_batch_size", "4", "--max_train_steps", "3", "--logging_steps", "1", "--num_workers", "2"]
+    script = "train_txt2img_laion400m_no_trainer.py"
+    ok = run_entry(script, common + ["--aspect_buckets", "auto", "--output_dir", str(tmp_path / "a")])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "training on precomputed latents" in ok.stderr and "data_bucket_" in ok.stderr, ok.stderr[-3000:]
+
+    square = run_entry(script, common + ["--output_dir", str(tmp_path / "b")])
+    assert square.returncode == 2, square.stderr[-3000:]
+    last = square.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "aspect-ratio buckets" in last, last

@@ -7,8 +7,12 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
   do not depend on how many processes made it). Every record is encoded exactly once over the ranks.
 - **Resume:** an output shard is written under a temporary name and renamed when complete; a run skips
   the shards whose output exists, so an interrupted encode goes on where it stopped, with any number of
-  ranks. `.encode/settings.json` pins what the folder holds (autoencoder, crop, dtype, the input shard
-  list): a resume with other settings is refused.
+  ranks. `.encode/settings.json` pins what the folder holds (autoencoder, crop, buckets, dtype, the input
+  shard list): a resume with other settings is refused.
+- **Buckets:** with `--aspect_buckets`, each record is cropped to the bucket nearest its aspect ratio
+  (`ldm.data.buckets`) and its latent has that bucket's shape (its meta names the bucket); a batch holds
+  one shape. The buckets' size step is the autoencoder's downsampling times the UNet's of
+  `--model_name_or_path`, as the training run computes it, so that both name the same buckets.
 - **Bad input:** a record that cannot be used is skipped and counted by reason, as training counts it; a
   truncated shard gives the records before the break. A shard that cannot be read (missing, or a store
   that kept failing) is not written: the run ends with exit status 1 and names it, and running the same
@@ -20,6 +24,7 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -34,6 +39,7 @@ from tqdm import tqdm
 
 from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
+from ldm.data.buckets import Bucket, bucket_name
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
@@ -91,8 +97,11 @@ class ShardBatches(IterableDataset):
             yield from self.shard_batches(index, worker)
 
     def shard_batches(self, index: int, worker: int):
+        """A shard's batches; with buckets a batch holds crops of one shape, and the groups left partly filled are
+        flushed at the shard's end (in the order their shapes first came: the output order is the shard's alone)."""
         path, seed_key = self.shards[index].path, self.shards[index].seed_key
-        crops, records, counts = [], [], Counter()
+        groups: dict[tuple, tuple[list, list]] = {}  # crop shape -> (crops, records)
+        counts = Counter()
         unreadable = missing = ""
         self.board.post(worker, f"slot {self.first_slot + worker}: opening {path}")
         number = 0
@@ -100,25 +109,30 @@ class ShardBatches(IterableDataset):
             for number, line in iter_records(path):  # a text shard's lines, a tar's or parquet's samples
                 try:
                     latent, caption, image = record_parts(line, parse_record, parse_record, self.filters)
-                    crops.append(self.transform(image, sample_rng(self.seed, 0, seed_key, number)))
+                    crop = self.transform(image, sample_rng(self.seed, 0, seed_key, number))
                 except SkipRecord as e:
                     counts[e.reason] += 1
                     continue
                 key, source = record_key_meta(line)
+                crops, records = groups.setdefault(crop.shape, ([], []))
+                crops.append(crop)
                 records.append((caption, key or f"{os.path.basename(path)}:{number}", source))
                 if len(crops) == self.batch_size:
                     self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
                     yield self.batch(index, crops, records)
                     counts["ok"] += len(crops)
-                    crops, records = [], []
+                    del groups[crop.shape]
         except (ShardTruncated, LineTooLong) as e:  # the records before the break are kept, as training keeps them
             counts[shard_error_reason(e)] += 1
         except ShardMissing as e:
             missing = str(e)
         except ShardError as e:
             unreadable = str(e)
-        counts["ok"] += len(crops)
-        yield self.batch(index, crops, records, done={"counts": counts, "unreadable": unreadable, "missing": missing})
+        rest = list(groups.values()) or [([], [])]
+        counts["ok"] += sum(len(crops) for crops, _ in rest)
+        for crops, records in rest[:-1]:
+            yield self.batch(index, crops, records)
+        yield self.batch(index, *rest[-1], done={"counts": counts, "unreadable": unreadable, "missing": missing})
 
     @staticmethod
     def batch(index: int, crops, records, done: dict | None = None) -> dict:
@@ -201,13 +215,14 @@ class ShardWriters:
         self.open = {}
 
 
-def settings_of(args, shards: list[Shard], meta: LatentMeta) -> dict:
+def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Bucket, ...] | None = None) -> dict:
     # the shards' order and names make the output's (weights only shape the file lists, written anew each run)
     listed = hashlib.sha256("\n".join(s.path for s in shards).encode()).hexdigest()
     return {"file_list": args.file_list, "input_shards": len(shards), "input_shards_sha256": listed,
             "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
             "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype,
+            "aspect_buckets": [bucket_name(b) for b in buckets] if buckets else None,
             **({"metadata_filter": list(args.metadata_filter)} if getattr(args, "metadata_filter", None) else {})}
 
 
@@ -299,11 +314,17 @@ def encode_corpus(args) -> int:
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
     meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
                       args.resolution)
-    existing = dist.from_main(lambda: claim(args.output_dir, settings_of(args, shards, meta)))
+    from ldm.data.tools import tool_buckets  # the data tools' flags; the tools import this module lazily too
+
+    buckets = tool_buckets(args, vae.config)  # this autoencoder and the UNet the latents are for, as training has it
+    described = meta.describe() + (f"; in aspect-ratio buckets {', '.join(map(bucket_name, buckets))}, each "
+                                   "record's moments at its bucket's size" if buckets else "")
+    existing = dist.from_main(lambda: claim(args.output_dir, settings_of(args, shards, meta, buckets)))
     if dist.is_main:
         logger.info("encoding %d shards into %s (%s); %d done already", len(shards), args.output_dir,
-                    meta.describe(), existing)
-    transform = ImageTransform(args.resolution, center_crop=args.center_crop, min_image_size=args.min_image_size)
+                    described, existing)
+    transform = ImageTransform(args.resolution, center_crop=args.center_crop, min_image_size=args.min_image_size,
+                               buckets=buckets)
     reader = ShardBatches(shards, args.output_dir, transform, batch_size=args.batch_size, seed=args.seed,
                           rank=dist.rank, world_size=dist.world_size, num_workers=args.num_workers,
                           metadata_filter=parse_filters(getattr(args, "metadata_filter", None)))
@@ -319,8 +340,11 @@ def encode_corpus(args) -> int:
             index = int(np.asarray(batch["shard"])[0])
             records = json.loads(batch["records"])
             if records:
-                writers.write(index, records, encode_moments(vae, np.asarray(batch["pixel_values"]), args.random_flip,
-                                                             args.vae_dtype), meta)
+                pixels = np.asarray(batch["pixel_values"])
+                moments = encode_moments(vae, pixels, args.random_flip, args.vae_dtype)
+                shaped = dataclasses.replace(meta, shape=tuple(moments.shape[1:]),
+                                             bucket=tuple(pixels.shape[2:])) if buckets else meta
+                writers.write(index, records, moments, shaped)
             if "done" in batch:
                 writers.finish(index, json.loads(batch["done"]), meta)
                 progress.update(1)
@@ -345,7 +369,7 @@ def encode_corpus(args) -> int:
             totals.update(counts)
         skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(totals.items()) if reason != "ok") or "none"
         print(f"encoded {totals['ok']} records of {len(done)} of {len(shards)} shards into {args.output_dir} "
-              f"({meta.describe()}); skipped: {skipped}")
+              f"({described}); skipped: {skipped}")
         if missing:
             first = missing[min(missing)]
             print(f"warning: {len(missing)} shard(s) do not exist (the first: {first}): left out of the file list, as "

@@ -174,7 +174,7 @@ class LatentTransform:
     def check_bucket(self, meta: LatentMeta) -> None:
         """Latents of a bucketed encode in a bucketed run of the same buckets; square ones in a square run."""
         bucket = meta.bucket or (meta.resolution, meta.resolution)
-        if self.buckets is None and meta.bucket is not None and bucket[0] != bucket[1]:
+        if self.buckets is None and meta.bucket is not None:  # square or not: the corpus is bucketed, refused at once
             raise LatentMismatch(f"latents encoded in aspect-ratio buckets (this one {bucket[0]}x{bucket[1]}); this "
                                  "run crops squares: train with --aspect_buckets (the ones the corpus was encoded "
                                  "with) or encode without them")

@@ -28,15 +28,50 @@ class UserError(Exception):
     pass
 
 
+def add_bucket_flags(parser) -> None:
+    parser.add_argument("--aspect_buckets", default="none",
+                        help="aspect-ratio buckets, as training takes them: none (square crops), auto (area about "
+                             "--resolution squared, ratios within --max_aspect_ratio) or HxW,HxW,...")
+    parser.add_argument("--max_aspect_ratio", type=float, default=2.0,
+                        help="the widest ratio (long side / short side) of --aspect_buckets auto")
+    parser.add_argument("--model_name_or_path", default="ldm-32layer",
+                        help="the model the buckets are for (a preset or a folder): their sides are multiples of its "
+                             "autoencoder's downsampling times its UNet's")
+
+
+def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:
+    """The buckets `--aspect_buckets` names for `--model_name_or_path` at `--resolution` (with `vae_config`, for that
+    autoencoder instead of the model's); None: square crops."""
+    from ldm.data.buckets import parse_buckets
+
+    if str(args.aspect_buckets).strip().lower() == "none":
+        return None
+    if args.max_aspect_ratio < 1:
+        raise UserError("--max_aspect_ratio must be >= 1")
+    from ldm.models.build import ModelSourceError, model_size_step
+
+    try:
+        step = model_size_step(args.model_name_or_path, vae_config)
+    except ModelSourceError as e:
+        raise UserError(str(e)) from None
+    return parse_buckets(args.aspect_buckets, args.resolution, step, args.max_aspect_ratio)
+
+
 # -- stats ---------------------------------------------------------------------------------------
 def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progress: bool = True,
-                 metadata_filter: list[str] | None = None) -> dict:
+                 metadata_filter: list[str] | None = None, buckets=None) -> dict:
+    """Records, usable ones by kind, unusable ones by reason; with `buckets`, how many records each bucket gets and
+    the mean fraction of an image's area its bucket's crop keeps, beside a square crop of its short side."""
+    from ldm.data.buckets import area_kept, bucket_name
     from ldm.data.latents import LatentTransform
 
     filters = parse_filters(metadata_filter)
     shards = read_file_list(file_list)
-    transforms = {False: ImageTransform(resolution, center_crop=True, min_image_size=min_image_size),
+    transforms = {False: ImageTransform(resolution, center_crop=True, min_image_size=min_image_size,
+                                        buckets=buckets),
                   True: LatentTransform()}  # each record's kind from its content, as training reads it
+    histogram: Counter = Counter()
+    kept = {"buckets": 0.0, "center_crop": 0.0, "images": 0}
     kinds: Counter = Counter()
     bad: Counter = Counter()
     shard_errors: Counter = Counter()
@@ -47,9 +82,18 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
                 records += 1
                 try:
                     latent, _, payload = record_parts(record, transforms[False].parse, transforms[True].parse, filters)
-                    transforms[latent](payload, sample_rng(0, 0, shard.seed_key, number))
+                    sample = transforms[latent](payload, sample_rng(0, 0, shard.seed_key, number))
                     ok += 1
                     kinds["latents" if latent else "images"] += 1
+                    if buckets and not latent:
+                        bucket = sample.shape[:2]
+                        histogram[bucket_name(bucket)] += 1
+                        width, height = image_size(payload)
+                        kept["buckets"] += area_kept(width, height, bucket)
+                        kept["center_crop"] += min(width, height) / max(width, height)
+                        kept["images"] += 1
+                    elif buckets:
+                        histogram[bucket_name(payload[1].bucket or (payload[1].resolution,) * 2)] += 1
                 except SkipRecord as e:
                     bad[e.reason] += 1
         except ShardMissing:
@@ -57,7 +101,13 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
         except ShardError as e:
             shard_errors[shard_error_reason(e)] += 1
             problems.append(str(e))
+    bucketed = {}
+    if buckets:
+        images = max(1, kept["images"])
+        bucketed = {"buckets": {bucket_name(b): histogram[bucket_name(b)] for b in buckets},
+                    "area_kept": {"buckets": kept["buckets"] / images, "center_crop": kept["center_crop"] / images}}
     return {
+        **bucketed,
         "kinds": dict(sorted(kinds.items())),
         "shards": len(shards),
         "missing_shards": len(missing),
@@ -70,9 +120,19 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
     }
 
 
+def image_size(image_bytes: bytes) -> tuple[int, int]:
+    """(width, height) from an image's header (it decoded once already, so it opens)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(image_bytes)) as image:
+        return image.size
+
+
 def cmd_stats(args) -> None:
     stats = corpus_stats(args.file_list, args.resolution, args.min_image_size, progress=not args.json,
-                         metadata_filter=args.metadata_filter)
+                         metadata_filter=args.metadata_filter, buckets=tool_buckets(args))
     if args.json:
         print(json.dumps(stats))
         return
@@ -88,6 +148,14 @@ def cmd_stats(args) -> None:
         print(f"  missing {path}")
     for problem in stats["shard_problems"]:
         print(f"  shard problem: {problem}")
+    if "buckets" in stats:
+        total = max(1, sum(stats["buckets"].values()))
+        print("buckets (height x width: records)")
+        for name, count in stats["buckets"].items():
+            print(f"  {name:<13} {count:>9} {count / total:6.1%}  {'#' * round(40 * count / total)}")
+        kept = stats["area_kept"]
+        print(f"area kept       {kept['buckets']:.1%} in buckets, {kept['center_crop']:.1%} by a square crop of "
+              "the short side (mean per image)")
 
 
 # -- plan ----------------------------------------------------------------------------------------
@@ -197,35 +265,41 @@ def _cycled(make):
 
 
 def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, against: str | None = None,
-          metadata_filter: list[str] | None = None) -> tuple[float, float | None]:
+          metadata_filter: list[str] | None = None, buckets=None) -> tuple[float, float | None]:
     """Median samples/s of the real data path and of a reference, interleaved, one core. The reference: the data
-    path itself on `against` (another file list: the same images in another format), else the naive image reader
-    (text image shards only: None for latent, tar or parquet shards, which it cannot read)."""
+    path itself on `against` (another file list: the same images in another format); with `buckets`, the data path
+    on the same file list with square crops (the real path then crops to buckets and batches by shape); else the
+    naive image reader (text image shards only: None for latent, tar or parquet shards, which it cannot read)."""
     import numpy as np
 
-    from ldm.data.dataset import CaptionImageStream, to_pixel_values
+    from ldm.data.dataset import CaptionImageStream, batch_samples, to_pixel_values
     from ldm.data.latents import LatentTransform, probe
 
     filters = parse_filters(metadata_filter)
 
-    def real_path(listing: str):
+    def real_path(listing: str, buckets=None, batched: bool = False):
         shards = read_file_list(listing)
         meta = probe([s.path for s in shards])
         # the training sample path itself, without tokenization (the naive reference has none either)
-        dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution),
-                                     latents=LatentTransform(), batch_size=1, metadata_filter=filters)
+        dataset = CaptionImageStream(shards, tokenize=str, transform=ImageTransform(resolution, buckets=buckets),
+                                     latents=LatentTransform(buckets=buckets), batch_size=BENCH_BATCH,
+                                     shuffle_buffer=1, metadata_filter=filters)
         finish = (lambda sample: np.stack([sample])) if meta else (lambda sample: to_pixel_values([sample]))
 
         def samples():
+            if batched:  # the loader slot's batches (grouped by shape when bucketed), a yield per sample
+                return (None for batch in dataset.batches(0) for _ in range(batch_samples(batch)))
             stream = SlotStream(shards, 0, 1, seed=0, shuffle_buffer=1)
             return stream.samples(lambda record: finish(dataset.make_sample(record)[0]))
 
         return shards, meta, samples
 
-    shards, meta, real = real_path(file_list)
+    shards, meta, real = real_path(file_list, buckets, batched=bool(buckets))
     reference = None
     if against:
-        reference = real_path(against)[2]
+        reference = real_path(against, buckets, batched=bool(buckets))[2]
+    elif buckets:
+        reference = real_path(file_list, None, batched=True)[2]
     elif meta is None and all(_is_text(s.path) for s in shards[:4]):
         from ldm.data.naive import naive_samples
 
@@ -241,6 +315,9 @@ def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, ag
     return float(np.median(fast)), float(np.median(slow)) if slow else None
 
 
+BENCH_BATCH = 8
+
+
 def _is_text(path: str) -> bool:
     try:
         return shard_kind(path) == "text"
@@ -249,14 +326,15 @@ def _is_text(path: str) -> bool:
 
 
 def cmd_bench(args) -> None:
+    buckets = tool_buckets(args)
     fast, slow = bench(args.file_list, args.num_samples, args.resolution, args.rounds, args.against,
-                       args.metadata_filter)
+                       args.metadata_filter, buckets)
     if slow is None:
         print(f"ldm data path    {fast:8.1f} samples/s (one core; the naive reference reads text image shards only)")
         return
-    name = f"data path on {args.against}" if args.against else "naive reference"
+    name = f"data path on {args.against}" if args.against else "square crops" if buckets else "naive reference"
     print(f"{name:<16} {slow:8.1f} images/s (one core)")
-    print(f"ldm data path    {fast:8.1f} images/s (one core)")
+    print(f"{'buckets' if buckets and not args.against else 'ldm data path':<16} {fast:8.1f} images/s (one core)")
     print(f"ratio            {fast / slow:8.2f}x")
 
 
@@ -437,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=256)
     p.add_argument("--min_image_size", type=int, default=0)
     add_filter_flag(p)
+    add_bucket_flags(p)
     p.set_defaults(run=cmd_stats)
 
     p = sub.add_parser("plan", help="print 'rank worker shard line' for every record each slot reads in a pass, or "
@@ -465,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against", help="another file list (the same images in another format) read by the same data "
                                      "path as the reference, instead of the naive reader")
     add_filter_flag(p)
+    add_bucket_flags(p)
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("convert", help="build text shards (metadata kept as a fourth column) from WebDataset tars, "
@@ -486,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--center_crop", action="store_true", help="center crop (default: one random crop per record)")
     p.add_argument("--random_flip", action="store_true",
                    help="also encode each crop's mirror image, so that training can flip at random")
+    add_bucket_flags(p)  # each record's latent at its bucket's shape; train with the same flags
     p.add_argument("--dtype", choices=LATENT_DTYPES, default="float16",
                    help="stored precision of the posterior moments")
     p.add_argument("--vae_dtype", choices=VAE_DTYPES, default="float32",

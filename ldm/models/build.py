@@ -143,6 +143,24 @@ def download_autoencoder(name: str) -> str:
     raise ModelSourceError(f"{repo!r} on the model hub has no {wanted}: not an autoencoder")
 
 
+def model_size_step(name_or_path: str, vae_config=None) -> int:
+    """The size step of a model's aspect-ratio buckets (`ldm.data.buckets.size_step`), from its configs alone (with
+    `vae_config`: that autoencoder's, with the model's UNet)."""
+    from types import SimpleNamespace
+
+    from ldm.data.buckets import size_step
+
+    folder = resolve_source(name_or_path)
+    configs = {"vqvae": vae_config} if vae_config is not None else {}
+    for part in ("vqvae", "unet"):
+        try:
+            configs[part] = configs.get(part) or SimpleNamespace(**read_config(os.path.join(folder, part)))
+        except (OSError, ValueError, TypeError) as e:
+            raise ModelSourceError(f"{name_or_path}: cannot read its {part}/config.json ({e}), which sets the "
+                                   "aspect-ratio buckets' size step: name the model they are for") from None
+    return size_step(configs["vqvae"], configs["unet"])
+
+
 def model_resolution(unet, vae) -> int:
     """The image size a UNet and autoencoder were made for: the UNet's latent size times the autoencoder's
     downsampling (2 per block after the first)."""

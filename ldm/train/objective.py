@@ -27,7 +27,7 @@ from ldm.checkpoint import (
 )
 from ldm.compat import scale_in_place, squared_l2_norm
 from ldm.config import check_resume
-from ldm.data.buckets import size_step
+from ldm.data.buckets import parse_buckets, size_step
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
@@ -125,6 +125,7 @@ class TextToImage(Objective):
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.size_step = size_step(self.components.vae.config, self.components.unet.config)
         self.latent_scale = size_step(self.components.vae.config)
+        self.buckets = parse_buckets(data.aspect_buckets, data.resolution, self.size_step, data.max_aspect_ratio)
         self.vae_folder = None
         self.nan_batches = nan_fault_batches()
         self.batches_seen = 0
@@ -269,7 +270,7 @@ class TextToImage(Objective):
 
     def log_images(self, writer, step, batch):
         samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length, self.sampling,
-                               ema=self.ema)
+                               ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
     def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
