@@ -1,7 +1,7 @@
 """Benchmark the data path against the naive reference on LAION-like images made here.
 
     .venv/bin/python scripts/bench_data.py [--corpus synthetic|photos|photos-jpeg] [--num_images 300] [--folder F]
-                                           [--formats]
+                                           [--formats] [--aspect_buckets auto]
 
 `synthetic` (default): photo-like JPEGs (512x384 ... 1024x768, quality 90, smooth content with texture
 so that they compress like photographs, ~60-120 kB). `photos`: real photographs shipped inside
@@ -13,6 +13,9 @@ photographs as img2dataset writes them for 256 px training (`--image_size 256 --
 side 256, JPEG quality 95, its defaults). Either is written
 into one gzipped shard, then `python -m ldm.data bench` runs on it: both loaders on one pinned core,
 interleaved rounds, medians.
+
+`--aspect_buckets auto`: the data path cropping to aspect-ratio buckets (`ldm-32layer`'s at 256 px) against the same
+path cropping squares, both batching as a loader slot does, on the same shard (the cost of bucketing).
 
 `--formats`: the same images also as a WebDataset tar and an img2dataset parquet (img2dataset's layouts: KEY.jpg,
 KEY.txt, KEY.json; a `jpg` column beside the metadata), and `bench --against` the text shard for each: the data
@@ -114,6 +117,7 @@ def main() -> int:
     parser.add_argument("--formats", action="store_true",
                         help="also bench a WebDataset tar and an img2dataset parquet of the same images against the "
                              "text shard")
+    parser.add_argument("--aspect_buckets", default="none", help="auto or HxW,...: bench bucketed against square crops")
     args = parser.parse_args()
     folder = args.folder or f"/tmp/ldm-bench-{args.corpus}"
     listing = os.path.join(folder, "bench.filelist.list")
@@ -142,7 +146,8 @@ def main() -> int:
                 f.write(f"{name}.filelist\n")
         sizes = [len(s[2]) for s in samples]
         print(f"wrote {args.num_images} {args.corpus} images, mean {np.mean(sizes) / 1000:.0f} kB, to {folder}")
-    code = data_main(["bench", "--file_list", listing, "--num_samples", str(args.num_images)])
+    code = data_main(["bench", "--file_list", listing, "--num_samples", str(args.num_images),
+                      "--aspect_buckets", args.aspect_buckets])
     if args.formats:
         for name in ("tar", "parquet"):
             print(f"-- {name} (reference: the data path on the same images as a base64 text shard)")

@@ -48,12 +48,18 @@ def write_images(folder: Path) -> None:
         if FAILING.get(i) == "not an image":
             (folder / f"p{i}.jpg").write_text("<html><body>hotlinking is not allowed</body></html>")
             continue
-        width, height = 180 + (i * 37) % 400, 150 + (i * 23) % 300  # shorter sides 150..449, some wide, some tall
-        photo(width, height, seed=i).save(folder / f"p{i}.jpg", quality=90)
+        photo(*original_size(i), seed=i).save(folder / f"p{i}.jpg", quality=90)
 
 
-def build(folder: Path) -> dict:
-    """Download the corpus into `folder` with img2dataset; returns the paths (and writes the file lists)."""
+def original_size(i: int) -> tuple[int, int]:
+    """(width, height) of photograph i as the server has it: shorter sides 150..449, some wide, some tall."""
+    return 180 + (i * 37) % 400, 150 + (i * 23) % 300
+
+
+def build(folder: Path, resize_mode: str = "center_crop", formats=(("webdataset", "wds"), ("parquet", "parquet"))
+          ) -> dict:
+    """Download the corpus into `folder` with img2dataset (`resize_mode` as its flag, e.g. keep_ratio as the README
+    recommends: the photographs keep their aspect ratios); returns the paths (and writes the file lists)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -65,21 +71,21 @@ def build(folder: Path) -> dict:
         server.failures[f"/p{[i for i, why in FAILING.items() if why == '503'][0]}.jpg"] = 10 ** 6
         urls = [{**r, "url": f"{base}/{r['url']}"} for r in rows]
         pq.write_table(pa.Table.from_pylist(urls), folder / "urls.parquet")
-        for fmt, name in (("webdataset", "wds"), ("parquet", "parquet")):
+        for fmt, name in formats:
             args = {"url_list": str(folder / "urls.parquet"), "input_format": "parquet", "url_col": "url",
                     "caption_col": "caption", "output_format": fmt, "output_folder": str(folder / name),
-                    "processes_count": 1, "thread_count": 4, "image_size": IMAGE_SIZE, "resize_mode": "center_crop",
+                    "processes_count": 1, "thread_count": 4, "image_size": IMAGE_SIZE, "resize_mode": resize_mode,
                     "save_additional_columns": COLUMNS, "number_sample_per_shard": PER_SHARD,
                     "distributor": "multiprocessing", "enable_wandb": False, "retries": 0, "timeout": 10}
             done = subprocess.run([sys.executable, "-c", DOWNLOAD, json.dumps(args)], env=env, cwd=folder,
                                   capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr[-3000:]
     paths = {"folder": folder, "wds": folder / "wds", "parquet": folder / "parquet", "urls": rows}
-    paths["tars"] = sorted((folder / "wds").glob("*.tar"))
-    paths["parquets"] = sorted((folder / "parquet").glob("*.parquet"))
-    assert len(paths["tars"]) == len(paths["parquets"]) == 3, os.listdir(folder / "wds")
-    paths["tar_list"] = write_list(folder, "tars", paths["tars"])
-    paths["parquet_list"] = write_list(folder, "parquets", paths["parquets"])
+    for name, kind, ext in (("wds", "tars", "tar"), ("parquet", "parquets", "parquet")):
+        if any(made == name for _, made in formats):
+            paths[kind] = sorted((folder / name).glob(f"*.{ext}"))
+            assert len(paths[kind]) == 3, os.listdir(folder / name)
+            paths[f"{kind[:-1]}_list"] = write_list(folder, kind, paths[kind])
     return paths
 
 

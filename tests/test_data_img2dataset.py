@@ -486,3 +486,32 @@ def test_two_adjacent_samples_under_one_key_are_two_records(tmp_path):
     got, error = read_until_break(path)
     assert error is None and got == ["caption 0", "caption 1", "caption 2", "caption 3"]
     assert count_records(str(path)) == 4
+
+
+@pytest.mark.slow
+def test_buckets_keep_more_of_img2dataset_keep_ratio_output_than_a_square_crop(tmp_path):
+    """img2dataset run as the README recommends (--resize_mode keep_ratio): `ldm.data stats --aspect_buckets auto`
+    reads its tars, sends each photograph to the bucket of its original aspect ratio and reports the area kept."""
+    from img2dataset_corpus import FAILING, NUM_URLS, build, original_size
+
+    from ldm.data.buckets import area_kept, auto_buckets, bucket_name, nearest_bucket
+
+    corpus = build(tmp_path, resize_mode="keep_ratio", formats=(("webdataset", "wds"),))
+    out = subprocess.run([sys.executable, "-m", "ldm.data", "stats", "--file_list", corpus["tar_list"], "--json",
+                          "--resolution", str(IMAGE_SIZE), "--aspect_buckets", "auto", "--model_name_or_path",
+                          "ldm-tiny"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = json.loads(out.stdout)
+    buckets = auto_buckets(IMAGE_SIZE, 8)
+    sizes = [original_size(i) for i in range(NUM_URLS) if i not in FAILING]
+    assert stats["ok"] == len(sizes)
+    want = Counter(bucket_name(nearest_bucket(buckets, w, h)) for w, h in sizes)
+    got = Counter(stats["buckets"])
+    assert sum((want - got).values()) <= 2, (want, got)  # keep_ratio rounds sides: a ratio at a boundary may flip
+    kept = stats["area_kept"]
+    assert kept["buckets"] == pytest.approx(np.mean([area_kept(w, h, nearest_bucket(buckets, w, h))
+                                                     for w, h in sizes]), abs=0.01)
+    assert kept["center_crop"] == pytest.approx(np.mean([min(w, h) / max(w, h) for w, h in sizes]), abs=0.01)
+    print(f"img2dataset keep_ratio, {len(sizes)} photographs: area kept {kept['buckets']:.1%} in buckets, "
+          f"{kept['center_crop']:.1%} by a square crop")
+    assert kept["buckets"] > kept["center_crop"] + 0.15

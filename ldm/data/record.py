@@ -167,7 +167,10 @@ class ImageTransform:
         # area averaging to avoid aliasing; upscaling uses bicubic.
         factor = region.shape[0] / out_h
         interpolation = cv2.INTER_AREA if factor >= 2 else cv2.INTER_LINEAR if factor >= 1 else cv2.INTER_CUBIC
-        array = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
+        if region.shape[:2] == (out_h, out_w):  # an image already of its bucket's size (img2dataset's square ones)
+            array = region
+        else:
+            array = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
         if self.random_flip and rng.random() < 0.5:
             array = array[:, ::-1]
         return array
