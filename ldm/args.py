@@ -222,6 +222,8 @@ class ValidationArguments:
     validation_timesteps: int = arg(8, "timesteps per record: the centres of this many equal bins of the schedule")
     validation_batch_size: int = arg(8, "records per forward pass of the evaluation (and images per generation "
                                         "batch of --fid_steps)")
+    validation_aspect_buckets: bool = arg(False, "the held-out loss on crops in the run's --aspect_buckets (default: "
+                                                 "square crops, which compare across runs with and without buckets)")
     fid_steps: int = arg(0, "every N updates, and at the end, generate --fid_samples images (EMA weights where there "
                             "are some) and log eval/fid against --fid_reference (and eval/clip_score with --clip); "
                             "0: off (docs/evaluation.md)")

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 from corpus import aspect_sizes, write_aspect_corpus
-from entry import launch_report, run_entry, weights
+from entry import launch_report, run_entry, run_python, weights
 
 from ldm.checkpoint import read_training_state
 from ldm.data.buckets import auto_buckets, bucket_name, nearest_bucket
@@ -43,7 +43,10 @@ def test_two_ranks_train_different_buckets_in_one_update_and_read_the_pass_once(
     result = run_entry(SCRIPT, corpus + ["--train_batch_size", "2", "--num_workers", "1", "--max_train_steps", "16",
                                          "--save_steps", "16", "--logging_steps", "4", "--output_dir", str(out),
                                          "--image_logging_steps", "16", "--num_inference_steps", "1",
-                                         "--validation_guidance_scales", "2", "--report_to", "visualdl"],
+                                         "--validation_guidance_scales", "2", "--report_to", "visualdl",
+                                         "--validation_file_list", corpus[corpus.index("--file_list") + 1],
+                                         "--validation_samples", "8", "--validation_steps", "16",
+                                         "--validation_aspect_buckets"],
                        launch=True, cwd=tmp_path)
     assert result.returncode == 0, launch_report(result, tmp_path)
     rows = [line.split() for line in log.read_text().splitlines()]
@@ -61,8 +64,11 @@ def test_two_ranks_train_different_buckets_in_one_update_and_read_the_pass_once(
     assert len(pass0) == RECORDS  # the pass ended: all of it, partly filled buckets included
     assert len({shape for s in shapes.values() for shape in s}) >= 4
 
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [line for line in lines if "train/loss" in line][-1]
     mix = {name: value for name, value in last.items() if name.startswith("train/data_bucket_")}
+    held_out = [line["eval/loss"] for line in lines if "eval/loss" in line]
+    assert held_out and np.isfinite(held_out).all()  # the held-out loss, in buckets
     assert set(mix) == {f"train/data_bucket_{bucket_name(b)}" for b in auto_buckets(32, 8)}
     assert sum(mix.values()) == pytest.approx(1.0)
 
@@ -97,6 +103,20 @@ def test_a_bucketed_resume_is_bit_identical_to_the_uninterrupted_run(corpus, tmp
     resumed, _ = weights(tmp_path / "resumed" / "checkpoint-9")
     for name in straight:
         np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
+
+    # the held-out loss of that checkpoint in its buckets: records of one shape evaluated together, the same
+    # number whatever the batch; square crops (the default) give another
+    listing = corpus[corpus.index("--file_list") + 1]
+    losses = {}
+    for name, extra in (("buckets", ["--aspect_buckets", "auto", "--validation_batch_size", "8"]),
+                        ("one_by_one", ["--aspect_buckets", "auto", "--validation_batch_size", "1"]),
+                        ("square", [])):
+        result = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "straight" / "checkpoint-9"),
+                             "--file_list", listing, "--validation_samples", "12", "--json", *extra])
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = json.loads(result.stdout.strip().splitlines()[-1])["loss"]
+    assert losses["buckets"] == pytest.approx(losses["one_by_one"], rel=1e-5)
+    assert losses["buckets"] != pytest.approx(losses["square"], rel=1e-3)
 
 
 def test_buckets_the_model_cannot_use_are_refused_before_anything_is_written(corpus, tmp_path):

@@ -38,6 +38,8 @@ def size_step(vae_config, unet_config=None) -> int:
 def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
     """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
     last."""
+    if max_aspect_ratio < 1:
+        raise BucketError(f"--max_aspect_ratio must be >= 1 (long side / short side), not {max_aspect_ratio:g}")
     if resolution % step:
         raise BucketError(f"--aspect_buckets auto needs --resolution a multiple of {step} (the model's size step: "
                           f"its autoencoder's downsampling times its UNet's), not {resolution}")

@@ -46,8 +46,6 @@ def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:
 
     if str(args.aspect_buckets).strip().lower() == "none":
         return None
-    if args.max_aspect_ratio < 1:
-        raise UserError("--max_aspect_ratio must be >= 1")
     from ldm.models.build import ModelSourceError, model_size_step
 
     try:

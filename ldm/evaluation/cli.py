@@ -294,6 +294,7 @@ def cmd_loss(args) -> int:
     """The held-out loss of a pipeline or checkpoint, as training logs it (`ldm.evaluation.heldout`)."""
     from ppdiffusers import DDPMScheduler
 
+    from ldm.data.buckets import parse_buckets, size_step
     from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import fingerprint
     from ldm.distributed import Distributed
@@ -314,9 +315,12 @@ def cmd_loss(args) -> int:
             raise EvalError(str(e)) from None
         model = LatentDiffusion(unet, text_encoder, vae, DDPMScheduler.from_config(scheduler_config))
         resolution = args.resolution or model_resolution(unet, vae)
+        buckets = parse_buckets(args.aspect_buckets, resolution, size_step(vae.config, unet.config),
+                                args.max_aspect_ratio)
         records = read_records(args.file_list, args.validation_samples, resolution=resolution, tokenizer=tokenizer,
                                model_max_length=tokenizer.model_max_length,
-                               autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model)
+                               autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model,
+                               buckets=buckets)
         timesteps = fixed_timesteps(args.validation_timesteps, model.noise_scheduler.config.num_train_timesteps)
         metrics = HeldOut(records, timesteps, dist, args.validation_batch_size).evaluate(model)
     if dist.is_main:
@@ -413,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=None,
                    help="image size (default: the model's, from its UNet and autoencoder)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core this process may use)")
+    p.add_argument("--aspect_buckets", default="none",
+                   help="crops in aspect-ratio buckets, as training takes them (none: square crops; auto; HxW,...)")
+    p.add_argument("--max_aspect_ratio", type=float, default=2.0, help="the widest ratio of --aspect_buckets auto")
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(run=cmd_loss)
 

@@ -7,7 +7,8 @@ evaluated at K evenly spaced timesteps (the centres of K equal bins of the sched
 text-to-image benchmark does at 8) with noise drawn from a generator seeded by the record's place in
 that list: the number depends on the weights alone, not on the run's random state, its data position,
 the number of ranks or loader workers. Images are encoded to the posterior mean (latent records: their
-mean), captions are not dropped, crops are centred, nothing is flipped.
+mean), captions are not dropped, crops are centred, nothing is flipped. Crops are square unless asked for in the
+run's aspect-ratio buckets (`--validation_aspect_buckets`); records of one shape are evaluated together.
 
 Ranks split the records (record i on rank i mod world size) and add up their sums; the model runs in
 eval mode without gradients, and the training's random state is not touched (numpy generators of
@@ -34,7 +35,7 @@ def fixed_timesteps(count: int, num_train_timesteps: int) -> list[int]:
 
 
 def read_records(file_list: str, samples: int, *, resolution: int, tokenizer, model_max_length: int,
-                 autoencoder: str | None = None, autoencoder_source: str = "") -> list[dict]:
+                 autoencoder: str | None = None, autoencoder_source: str = "", buckets=None) -> list[dict]:
     """The first `samples` usable records of `file_list` in order (one pass; fewer when it holds fewer), each
     {"pixel_values" or "latent_moments", "input_ids"} without a batch axis."""
     from ldm.data.dataset import CaptionImageStream
@@ -47,8 +48,8 @@ def read_records(file_list: str, samples: int, *, resolution: int, tokenizer, mo
     check_shards(shards, file_list)
     stream = CaptionImageStream(
         shards, tokenize=CaptionTokenizer(tokenizer, model_max_length),
-        transform=ImageTransform(resolution, center_crop=True, random_flip=False),
-        latents=LatentTransform(autoencoder, autoencoder_source, resolution, False) if autoencoder else None,
+        transform=ImageTransform(resolution, center_crop=True, random_flip=False, buckets=buckets),
+        latents=LatentTransform(autoencoder, autoencoder_source, resolution, False, buckets) if autoencoder else None,
         batch_size=1, caption_dropout_prob=0.0, seed=0, rank=0, world_size=1, num_workers=0, shuffle_buffer=1)
     records = []
     for batch in stream.batches(0):
@@ -66,21 +67,28 @@ class HeldOut:
         self.indices = list(range(dist.rank, len(records), dist.world_size))
         self.records = [records[i] for i in self.indices]
         self.latents: list[np.ndarray] | None = None
+        by_shape: dict[tuple, list[int]] = {}  # a forward pass takes one shape (aspect-ratio buckets)
+        for position, record in enumerate(self.records):
+            sample = record["pixel_values"] if "pixel_values" in record else record["latent_moments"]
+            by_shape.setdefault(sample.shape, []).append(position)
+        self.chunks = [positions[start:start + batch_size] for positions in by_shape.values()
+                       for start in range(0, len(positions), batch_size)]
 
     @paddle.no_grad()
     def _encode(self, model) -> list[np.ndarray]:
         from ldm.models.autoencoder import posterior
 
-        latents = []
-        for start in range(0, len(self.records), self.batch_size):
-            chunk = self.records[start:start + self.batch_size]
-            if "latent_moments" in chunk[0]:
-                moments = paddle.to_tensor(np.stack([r["latent_moments"] for r in chunk])).astype("float32")
+        latents: list[np.ndarray | None] = [None] * len(self.records)
+        for chunk in self.chunks:
+            records = [self.records[p] for p in chunk]
+            if "latent_moments" in records[0]:
+                moments = paddle.to_tensor(np.stack([r["latent_moments"] for r in records])).astype("float32")
                 mean = paddle.chunk(moments, 2, axis=1)[0]
             else:
-                pixels = paddle.to_tensor(np.stack([r["pixel_values"] for r in chunk]))
+                pixels = paddle.to_tensor(np.stack([r["pixel_values"] for r in records]))
                 mean = posterior(model.vae, pixels, model.vae_dtype).mean.astype("float32")
-            latents.extend(list((mean * model.scaling_factor).numpy()))
+            for position, latent in zip(chunk, (mean * model.scaling_factor).numpy(), strict=True):
+                latents[position] = latent
         return latents
 
     @paddle.no_grad()
@@ -93,8 +101,8 @@ class HeldOut:
             if self.latents is None:
                 self.latents = self._encode(model)
             sums = np.zeros(len(self.timesteps))
-            for start in range(0, len(self.records), self.batch_size):
-                sums += self._batch_sums(model, start)
+            for chunk in self.chunks:
+                sums += self._batch_sums(model, chunk)
         finally:
             if was_training:
                 model.train()
@@ -103,13 +111,13 @@ class HeldOut:
         metrics.update({f"loss_t{t}": float(v) for t, v in zip(self.timesteps, sums, strict=True)})
         return metrics
 
-    def _batch_sums(self, model, start: int) -> np.ndarray:
-        indices = self.indices[start:start + self.batch_size]
-        latents = paddle.to_tensor(np.stack(self.latents[start:start + self.batch_size]))
+    def _batch_sums(self, model, chunk: list[int]) -> np.ndarray:
+        indices = [self.indices[p] for p in chunk]
+        latents = paddle.to_tensor(np.stack([self.latents[p] for p in chunk]))
         noise = paddle.to_tensor(np.stack([
             np.random.default_rng([NOISE_SEED, i]).standard_normal(latents.shape[1:]).astype("float32")
             for i in indices]))
-        ids = paddle.to_tensor(np.stack([r["input_ids"] for r in self.records[start:start + self.batch_size]]))
+        ids = paddle.to_tensor(np.stack([self.records[p]["input_ids"] for p in chunk]))
         states = model.text_encoder(ids)[0]
         sums = []
         for t in self.timesteps:

@@ -143,7 +143,8 @@ class TextToImage(Objective):
             return
         records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
                                tokenizer=self.tokenizer, model_max_length=self.data.model_max_length,
-                               autoencoder=self.latents_of, autoencoder_source=self.autoencoder_source)
+                               autoencoder=self.latents_of, autoencoder_source=self.autoencoder_source,
+                               buckets=self.buckets if v.validation_aspect_buckets else None)
         timesteps = fixed_timesteps(v.validation_timesteps, self.model.noise_scheduler.config.num_train_timesteps)
         self.held_out = HeldOut(records, timesteps, dist, v.validation_batch_size)
         logger.info("validation: %d held-out records at timesteps %s, every %d updates", len(records), timesteps,
