@@ -77,6 +77,7 @@ class Segment:
     exit_code: int | None = None
     ledger: str = ""
     fault_time: float | None = None
+    buckets: bool = False  # trained in aspect-ratio buckets (`--aspect_buckets auto`)
 
 
 @dataclass
@@ -99,7 +100,8 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
     from ldm.data.readers import count_records
     from ldm.data.synth import synth_corpus
 
-    listing = synth_corpus(folder, records, resolution=32, seed=0, records_per_shard=per_shard)
+    # shapes on canvases of random aspect ratios: segments in aspect-ratio buckets have several to fill
+    listing = synth_corpus(folder, records, resolution=32, seed=0, records_per_shard=per_shard, max_aspect_ratio=2.0)
     everything = {(shard.path, n) for shard in read_file_list(listing)
                   for n in range(1, count_records(shard.path) + 1)}
     return listing, os.path.join(folder, "tokenizer"), everything
@@ -125,11 +127,11 @@ def cut_a_shard(listing: str, rng: random.Random) -> str:
 
 
 def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
-            log_dir: str) -> list[str]:
+            log_dir: str, buckets: bool = False) -> list[str]:
     common = ["--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", tokenizer,
               "--model_max_length", "16", "--resolution", "32", "--seed", "11", "--report_to", "none",
               "--output_dir", out, "--resume_from_checkpoint", "auto", "--shuffle_buffer", "4",
-              "--logging_steps", "1", "--progress", "none"]
+              "--logging_steps", "1", "--progress", "none"] + (["--aspect_buckets", "auto"] if buckets else [])
     if path == "loop":
         args = ["--pretrained_model_name_or_path", "ldm-tiny", "--train_batch_size", "2", "--num_workers",
                 str(workers), "--max_train_steps", str(last_step), "--save_steps", "1",
@@ -433,7 +435,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         processes, workers = graceful or (rng.choice((1, 2)), rng.randint(0, 3))
         fault = "none" if finishing or rng.random() < args.clean else "sigterm" if graceful else rng.choice(KILLS)
         segment = Segment(len(segments), path, processes, workers, start or 0, fault,
-                          ledger=os.path.join(ledgers, f"segment{len(segments)}.log"))
+                          ledger=os.path.join(ledgers, f"segment{len(segments)}.log"),
+                          buckets=True if graceful else rng.random() < args.buckets)
         log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
         env = {**os.environ, CONSUMED_LOG: segment.ledger, "PYTHONUNBUFFERED": "1"}
         nan_batches = []
@@ -447,7 +450,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         before_shm = shared_memory()
         began, began_wall = time.monotonic(), time.time()
         with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
-            process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir),
+            process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir,
+                                               segment.buckets),
                                        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
             deadline = began + args.segment_seconds
             seen: dict[int, str] = {}
@@ -502,7 +506,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
             recovery_from = None
         if segment.fault_time is not None:
             recovery_from = segment.fault_time
-        print(f"  segment {segment.index}: {processes}x{workers} from update {segment.start_step}, fault {fault}, "
+        print(f"  segment {segment.index}: {processes}x{workers}{' in buckets' if segment.buckets else ''} from update "
+              f"{segment.start_step}, fault {fault}, "
               f"exit {segment.exit_code}, {segment.seconds:.1f} s, saved up to update {reached}", flush=True)
         check_finite(out, report, checked)
         # a SIGTERM before the handlers are set up, or after the run's last write (its final barrier and exit), ends
@@ -562,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nan", type=float, default=0.2, help="probability of NaN losses in a segment")
     parser.add_argument("--bad_shard", type=float, default=0.1,
                         help="probability that a segment starts with a shard cut in half (once a run)")
+    parser.add_argument("--buckets", type=float, default=0.5,
+                        help="probability of a segment in aspect-ratio buckets (the graceful pair always is)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "

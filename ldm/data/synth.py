@@ -2,7 +2,8 @@
 
 Each image: one shape (circle, square, triangle) in one colour, on a plain background of another
 colour, random size (45-80% of the side) and position; caption `a {colour} {shape} on a {background} background`.
-Deterministic for a seed: record i depends only on (seed, i).
+Deterministic for a seed: record i depends only on (seed, i). Images are square unless `max_aspect_ratio` > 1: then
+each has a random aspect ratio within it (area about the resolution squared), for runs in aspect-ratio buckets.
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ def caption(colour: str, shape: str, background: str) -> str:
     return f"{article(colour)} {colour} {shape} on {article(background)} {background} background"
 
 
-def render(shape: str, colour: str, background: str, resolution: int, rng: np.random.Generator) -> Image.Image:
-    image = Image.new("RGB", (resolution, resolution), COLOURS[background])
+def render(shape: str, colour: str, background: str, resolution: int, rng: np.random.Generator,
+           canvas: tuple[int, int] | None = None) -> Image.Image:
+    """The shape on a `resolution` square, or on a `canvas` (width, height), sized by its shorter side."""
+    width, height = canvas or (resolution, resolution)
+    side = min(width, height)
+    image = Image.new("RGB", (width, height), COLOURS[background])
     draw = ImageDraw.Draw(image)
-    size = int(rng.integers(int(resolution * SIZE_RANGE[0]), int(resolution * SIZE_RANGE[1]) + 1))
-    x0 = int(rng.integers(0, resolution - size + 1))
-    y0 = int(rng.integers(0, resolution - size + 1))
+    size = int(rng.integers(int(side * SIZE_RANGE[0]), int(side * SIZE_RANGE[1]) + 1))
+    x0 = int(rng.integers(0, width - size + 1))
+    y0 = int(rng.integers(0, height - size + 1))
     box = (x0, y0, x0 + size - 1, y0 + size - 1)
     fill = COLOURS[colour]
     if shape == "circle":
@@ -54,15 +59,19 @@ def render(shape: str, colour: str, background: str, resolution: int, rng: np.ra
     return image
 
 
-def record(index: int, seed: int, resolution: int) -> tuple[str, Image.Image]:
+def record(index: int, seed: int, resolution: int, max_aspect_ratio: float = 1.0) -> tuple[str, Image.Image]:
     rng = np.random.default_rng([seed, index])
+    canvas = None
+    if max_aspect_ratio > 1:  # drawn apart, so that a square corpus stays what it was
+        ratio = float(np.exp(np.random.default_rng([seed, index, 1]).uniform(-1, 1) * np.log(max_aspect_ratio)))
+        canvas = (max(1, round(resolution * ratio ** 0.5)), max(1, round(resolution / ratio ** 0.5)))
     names = list(COLOURS)
     colour = names[int(rng.integers(len(names)))]
     background = names[int(rng.integers(len(names) - 1))]
     if background == colour:  # a different colour from the same set, uniformly
         background = names[-1]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
-    return caption(colour, shape, background), render(shape, colour, background, resolution, rng)
+    return caption(colour, shape, background), render(shape, colour, background, resolution, rng, canvas)
 
 
 def vocabulary() -> list[str]:
@@ -70,12 +79,13 @@ def vocabulary() -> list[str]:
 
 
 def synth_corpus(output_dir: str, num_records: int, resolution: int = 64, seed: int = 0,
-                 records_per_shard: int = 1000, image_format: str = "PNG", progress=None) -> str:
+                 records_per_shard: int = 1000, image_format: str = "PNG", progress=None,
+                 max_aspect_ratio: float = 1.0) -> str:
     """Write the shards, their filelist and list of filelists, and a WordPiece vocab in `tokenizer/`."""
     indices = range(num_records) if progress is None else progress(range(num_records))
     with ShardWriter(output_dir, "shapes", records_per_shard) as writer:
         for i in indices:
-            text, image = record(i, seed, resolution)
+            text, image = record(i, seed, resolution, max_aspect_ratio)
             data = encode_image(image, image_format, **({"quality": 95} if image_format == "JPEG" else {}))
             writer.write(record_line(text, data, key=f"{seed}-{i}"))
     write_vocab(vocabulary(), os.path.join(output_dir, "tokenizer"))

@@ -489,7 +489,8 @@ def cmd_synth(args) -> None:
     from ldm.data.synth import synth_corpus
 
     listing = synth_corpus(args.output_dir, args.num_records, args.resolution, args.seed, args.records_per_shard,
-                           args.format.upper(), progress=lambda it: tqdm(it, desc="synth", unit="rec"))
+                           args.format.upper(), progress=lambda it: tqdm(it, desc="synth", unit="rec"),
+                           max_aspect_ratio=args.max_aspect_ratio)
     print(f"wrote {args.num_records} records; use --file_list {listing} "
           f"--tokenizer_name {os.path.join(args.output_dir, 'tokenizer')}")
 
@@ -588,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--records_per_shard", type=int, default=1000)
     p.add_argument("--format", choices=("png", "jpeg"), default="png")
+    p.add_argument("--max_aspect_ratio", type=float, default=1.0,
+                   help="images of random aspect ratios within this (long side / short side; 1: square)")
     p.set_defaults(run=cmd_synth)
     return parser
 
