@@ -76,3 +76,23 @@ def test_the_encoder_in_half_precision_stays_close_to_float32(dtype):
     half = encode_moments(vae, pixels, flips=True, dtype=dtype)
     assert half.dtype == np.float32 and not np.array_equal(half, full)  # it really ran in half precision
     np.testing.assert_allclose(half, full, rtol=5e-2, atol=5e-2)
+
+
+def test_buckets_train_in_fp16_with_shapes_changing_between_updates(tmp_path, vocab_dir):
+    """Batches of several shapes under autocast and dynamic loss scaling: every update finite, weights fp32."""
+    from corpus import write_aspect_corpus
+
+    listing = write_aspect_corpus(str(tmp_path / "corpus"), 40, 8, seed=1)
+    out = tmp_path / "run"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+        "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32", "--aspect_buckets", "auto",
+        "--train_batch_size", "2", "--max_train_steps", "8", "--save_steps", "8", "--logging_steps", "1",
+        "--mixed_precision", "fp16", "--num_workers", "1", "--output_dir", str(out), "--use_ema"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, losses = read_scalars(str(out / "visualdl"), "train/loss")
+    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses)
+    _, mix = read_scalars(str(out / "visualdl"), "train/data_bucket_32x32")
+    assert len(mix) == 8
+    after, _ = weights(out / "checkpoint-8")
+    assert all(after[name].dtype == np.float32 for name in after)

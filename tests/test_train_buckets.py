@@ -129,3 +129,19 @@ def test_buckets_the_model_cannot_use_are_refused_before_anything_is_written(cor
         "error: --aspect_buckets: 30x36 has a side that is not a positive multiple of 8 (the model's size step: its "
         "autoencoder's downsampling times its UNet's)")
     assert not out.exists()
+
+
+def test_the_trainer_path_trains_in_buckets_too(corpus, tmp_path, monkeypatch):
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    args = ["--do_train", "--model_name_or_path", "ldm-tiny"] + corpus[2:] + [
+        "--per_device_train_batch_size", "3", "--dataloader_num_workers", "2", "--max_steps", "6", "--save_steps", "6",
+        "--logging_steps", "3", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
+    result = run_entry("train_txt2img_laion400m_trainer.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert len(rows) == 18 and all(shape == expected_bucket(shard, int(line)) for _, _, shard, line, shape, *_ in rows)
+    assert len({shape for *_, shape, _, _ in rows}) >= 2
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mix = [{k: v for k, v in line.items() if k.startswith("train/data_bucket_")} for line in lines]
+    assert any(m for m in mix) and all(sum(m.values()) == pytest.approx(1.0) for m in mix if m)

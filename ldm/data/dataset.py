@@ -276,9 +276,10 @@ class CaptionImageStream(IterableDataset):
         for record in stream.held_records():
             try:
                 groups.add((*self.make_sample(record), record))
-            except SkipRecord as e:
-                logger.warning("a record held at the checkpoint is no longer usable (its shard changed?): %s:%d %s",
-                               record.shard, record.line_number, e.reason)
+            except SkipRecord as e:  # usable when it was taken: its shard or the run's settings changed since
+                stream.counts[e.reason] += 1
+                logger.warning("skipped %s:%d, which waited in a bucket at the checkpoint: %s %s", record.shard,
+                               record.line_number, e.reason, e.detail)
 
         def batch(taken: list[Held]) -> dict:
             self.board.post(worker, f"{where}: {stream.reading()}")
