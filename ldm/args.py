@@ -109,8 +109,8 @@ class DataArguments:
         _check(self.max_aspect_ratio >= 1, "--max_aspect_ratio must be >= 1")
         from ldm.data.buckets import BucketError, parse_buckets
 
-        try:  # the form here; the sides against the model's size step when the model is built
-            parse_buckets(self.aspect_buckets, self.resolution, 1, self.max_aspect_ratio)
+        try:  # the form here (8: every model's size step divides by it); the model's own step when it is built
+            parse_buckets(self.aspect_buckets, self.resolution, 8, self.max_aspect_ratio)
         except BucketError as e:
             raise ArgumentError(str(e)) from None
         if self.metadata_filter:

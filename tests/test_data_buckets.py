@@ -71,8 +71,8 @@ def test_a_record_goes_to_the_bucket_nearest_its_aspect_ratio():
 @pytest.mark.parametrize("kind", ["JPEG", "PNG"])
 def test_the_bucketed_crop_has_its_buckets_shape_and_keeps_what_it_covers(kind):
     buckets = auto_buckets(64, 8)
-    rng = random.Random(0)
-    for width, height in [(300, 150), (150, 300), (200, 200), (333, 250), (90, 40)]:
+    rng, matched = random.Random(0), []
+    for width, height in [(300, 150), (150, 300), (200, 200), (333, 250), (90, 40), (352, 192), (192, 352), (240, 400)]:
         data = encode_image(photo(width, height, seed=width), kind, **({"quality": 95} if kind == "JPEG" else {}))
         bucket = nearest_bucket(buckets, width, height)
         random_crop = ImageTransform(64, buckets=buckets)(data, rng)
@@ -82,6 +82,8 @@ def test_the_bucketed_crop_has_its_buckets_shape_and_keeps_what_it_covers(kind):
             # the bucket holds the whole image: the centre crop is the image resized
             whole = np.asarray(photo(width, height, seed=width).resize(bucket[::-1]))
             assert np.abs(centre.astype(int) - whole.astype(int)).mean() < 8
+            matched.append(bucket)
+    assert {(48, 88), (88, 48), (64, 64), (80, 48)} <= set(matched)  # wide, tall and square buckets held whole
     square = ImageTransform(64)(encode_image(photo(300, 150), "PNG"), rng)
     assert square.shape == (64, 64, 3)
 

@@ -404,3 +404,20 @@ def test_the_chain_2x2_1x3_2x1_on_real_images_of_random_aspect_ratios(tmp_path):
         assert CROPS[(shard, line)] == bucket
         shapes[bucket] += 1
     assert len(shapes) >= 4, shapes
+
+
+@pytest.mark.parametrize("change", ["buckets_off", "smaller_batch", "buckets_on"])
+def test_a_same_layout_resume_with_other_bucket_settings_trains_every_waiting_record(tmp_path, change):
+    """Records waiting in buckets at the checkpoint, resumed on the same layout with buckets turned off (one group,
+    fuller than a batch), a smaller batch, or from square batches into buckets: every record of the pass once."""
+    sizes = [9, 4, 13, 6, 1]
+    shards = text_shards(tmp_path, sizes)
+    first_bucketed = change != "buckets_on"
+    first, saved = run(shards, None, 2, 2, steps=7, batch_size=4, buffer=5, bucketed=first_bucketed)
+    if first_bucketed:
+        assert sum(len(s.get("held", [])) for r in saved for s in r["slots"].values()) >= 4
+    last_pass = max(k[0] for k in first)
+    rest, _ = run(shards, saved, 2, 2, until_pass=last_pass, batch_size=1 if change == "smaller_batch" else 4,
+                  buffer=5, bucketed=change != "buckets_off")
+    read, skipped, repeated = check_exactly_once(shards, sizes, 0, first + rest, range(last_pass + 1))
+    assert (skipped, repeated) == (0, 0) and read > len(first)

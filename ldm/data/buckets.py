@@ -38,34 +38,39 @@ def size_step(vae_config, unet_config=None) -> int:
 def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
     """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
     last."""
-    if max_aspect_ratio < 1:
-        raise BucketError(f"--max_aspect_ratio must be >= 1 (long side / short side), not {max_aspect_ratio:g}")
+    if not (math.isfinite(max_aspect_ratio) and max_aspect_ratio >= 1):
+        raise BucketError(f"--max_aspect_ratio must be a number >= 1 (long side / short side), not "
+                          f"{max_aspect_ratio:g}")
     if resolution % step:
         raise BucketError(f"--aspect_buckets auto needs --resolution a multiple of {step} (the model's size step: "
                           f"its autoencoder's downsampling times its UNet's), not {resolution}")
     area = resolution * resolution
     found: set[Bucket] = set()
     width = step
-    while width <= resolution * math.sqrt(max_aspect_ratio) + step:
-        height = max(step, round(area / width / step) * step)
+    while (height := round(area / width / step) * step) >= step:  # wider ones would have no height left
         if max(width, height) / min(width, height) <= max_aspect_ratio + 1e-9:
             found.update({(height, width), (width, height)})
         width += step
     return tuple(sorted(found, key=lambda b: (b[1] / b[0], b[1])))
 
 
+def buckets_off(value: str | None) -> bool:
+    """Does an --aspect_buckets value ask for square crops?"""
+    return (value or "none").strip().lower() in ("none", "")
+
+
 def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_ratio: float = 2.0
                   ) -> tuple[Bucket, ...] | None:
     """`none` -> None (square crops), `auto` -> `auto_buckets`, `HxW,HxW,...` (or space-separated) -> those."""
-    text = (value or "none").strip().lower()
-    if text == "none":
+    if buckets_off(value):
         return None
+    text = value.strip().lower()
     if text == "auto":
         return auto_buckets(resolution, step, max_aspect_ratio)
     buckets: list[Bucket] = []
     for part in text.replace(",", " ").split():
         height, sep, width = part.partition("x")
-        if not sep or not height.isdigit() or not width.isdigit():
+        if not sep or not height.isdecimal() or not width.isdecimal():
             raise BucketError(f"--aspect_buckets: {part!r} is not HEIGHTxWIDTH (e.g. 256x256,192x320), auto or none")
         bucket = (int(height), int(width))
         if min(bucket) < step or bucket[0] % step or bucket[1] % step:
@@ -76,6 +81,17 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
     if not buckets:
         raise BucketError("--aspect_buckets names no bucket")
     return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
+
+
+def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, model_name_or_path: str,
+                  vae_config=None) -> tuple[Bucket, ...] | None:
+    """The buckets `value` names for a model known by name or folder (its configs read, nothing built; with
+    `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
+    if buckets_off(value):
+        return None
+    from ldm.models.build import model_size_step
+
+    return parse_buckets(value, resolution, model_size_step(model_name_or_path, vae_config), max_aspect_ratio)
 
 
 def nearest_bucket(buckets: tuple[Bucket, ...], width: int, height: int) -> Bucket:

@@ -275,16 +275,19 @@ class CaptionImageStream(IterableDataset):
         groups = ShapeGroups(self.batch_size)
         for record in stream.held_records():
             try:
-                groups.add((*self.make_sample(record), record))
+                groups.restore((*self.make_sample(record), record))
             except SkipRecord as e:  # usable when it was taken: its shard or the run's settings changed since
-                stream.counts[e.reason] += 1
-                logger.warning("skipped %s:%d, which waited in a bucket at the checkpoint: %s %s", record.shard,
-                               record.line_number, e.reason, e.detail)
+                stream.counts["ok"] -= 1
+                stream.count_skip(e.reason, f"{record.shard}:{record.line_number}", f"{e.detail} (it waited in a "
+                                  "bucket at the checkpoint)")
 
         def batch(taken: list[Held]) -> dict:
             self.board.post(worker, f"{where}: {stream.reading()}")
             return self.make_batch(taken, stream.state_dict(held=groups.pointers()))
 
+        # restored groups may be full now (buckets turned off or changed, a smaller batch): sent before reading on
+        while (taken := groups.take_full()) is not None:
+            yield batch(taken)
         for sample in stream.samples(lambda r: (*self.make_sample(r), r), phase_ends=self.bucketed):
             if sample is PHASE_END:
                 while (taken := groups.take_oldest()) is not None:
@@ -320,15 +323,31 @@ class ShapeGroups:
         self.groups: dict[tuple[int, ...], list[tuple[int, Held]]] = {}
         self.arrivals = 0
 
+    def restore(self, held: Held) -> None:
+        """Hold a sample, whatever its group's size (`take_full` then sends the full groups)."""
+        self.groups.setdefault(held[0].shape, []).append((self.arrivals, held))
+        self.arrivals += 1
+
     def add(self, held: Held) -> list[Held] | None:
         """Hold a sample; its group's samples when that makes `batch_size` of them."""
-        group = self.groups.setdefault(held[0].shape, [])
-        group.append((self.arrivals, held))
-        self.arrivals += 1
+        self.restore(held)
+        group = self.groups[held[0].shape]
         if len(group) < self.batch_size:
             return None
         del self.groups[held[0].shape]
         return [h for _, h in group]
+
+    def take_full(self) -> list[Held] | None:
+        """`batch_size` samples of the group holding at least that many whose oldest waited longest (None: no such
+        group)."""
+        full = [shape for shape, group in self.groups.items() if len(group) >= self.batch_size]
+        if not full:
+            return None
+        shape = min(full, key=lambda s: self.groups[s][0][0])
+        taken, self.groups[shape] = self.groups[shape][:self.batch_size], self.groups[shape][self.batch_size:]
+        if not self.groups[shape]:
+            del self.groups[shape]
+        return [h for _, h in taken]
 
     def take_oldest(self) -> list[Held] | None:
         """The group holding the longest-waiting sample (None when nothing is held)."""

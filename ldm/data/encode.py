@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
-from ldm.data.buckets import Bucket, bucket_name
+from ldm.data.buckets import Bucket, bucket_name, model_buckets
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
@@ -98,7 +98,7 @@ class ShardBatches(IterableDataset):
 
     def shard_batches(self, index: int, worker: int):
         """A shard's batches; with buckets a batch holds crops of one shape, and the groups left partly filled are
-        flushed at the shard's end (in the order their shapes first came: the output order is the shard's alone)."""
+        flushed at the shard's end (in the order of their groups: the output order is the shard's alone)."""
         path, seed_key = self.shards[index].path, self.shards[index].seed_key
         groups: dict[tuple, tuple[list, list]] = {}  # crop shape -> (crops, records)
         counts = Counter()
@@ -314,9 +314,9 @@ def encode_corpus(args) -> int:
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
     meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
                       args.resolution)
-    from ldm.data.tools import tool_buckets  # the data tools' flags; the tools import this module lazily too
-
-    buckets = tool_buckets(args, vae.config)  # this autoencoder and the UNet the latents are for, as training has it
+    # this autoencoder with the UNet the latents are for, as the training run has them
+    buckets = model_buckets(args.aspect_buckets, args.resolution, args.max_aspect_ratio, args.model_name_or_path,
+                            vae.config)
     described = meta.describe() + (f"; in aspect-ratio buckets {', '.join(map(bucket_name, buckets))}, each "
                                    "record's moments at its bucket's size" if buckets else "")
     existing = dist.from_main(lambda: claim(args.output_dir, settings_of(args, shards, meta, buckets)))

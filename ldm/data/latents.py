@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pybase64
 
+from ldm.data.buckets import bucket_name
 from ldm.data.record import LATENT_PREFIX as PREFIX
 from ldm.data.record import SkipRecord, decode_base64, decode_caption
 
@@ -180,7 +181,7 @@ class LatentTransform:
                                  "with) or encode without them")
         if self.buckets is not None and bucket not in self.buckets:
             raise LatentMismatch(f"latents of a {bucket[0]}x{bucket[1]} crop, which is not one of this run's "
-                                 f"--aspect_buckets ({', '.join(f'{h}x{w}' for h, w in self.buckets)}): train with "
+                                 f"--aspect_buckets ({', '.join(map(bucket_name, self.buckets))}): train with "
                                  "the buckets the corpus was encoded with")
 
     def __call__(self, payload: tuple[bytes, LatentMeta], rng: random.Random) -> np.ndarray:

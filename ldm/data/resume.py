@@ -251,7 +251,9 @@ def remainder(shards: list[Shard], seed: int, schedule: Schedule, num_slots: int
 
 
 def counts_of(slots: dict[int, dict[str, Any]]) -> Counter:
+    """The slots' record counts; a record waiting in a bucket is not counted `ok` yet (a resume reads it again)."""
     total: Counter = Counter()
     for state in slots.values():
         total.update(state["counts"])
+        total["ok"] -= len(state.get("held", []))
     return total

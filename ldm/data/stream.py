@@ -46,7 +46,7 @@ class Record(NamedTuple):
     pass_index: int
     line: bytes | Sample  # a text shard's line, or a tar's / parquet's sample (`ldm.data.readers`)
     seed_key: str  # the shard's `Shard.seed_key`: what seeds this record's randomness
-    pointer: tuple[int, int] = (0, 0)  # (item of the phase, key in it): what a saved state points at it by
+    pointer: tuple[int, int]  # (item of the phase, key in it): what a saved state points at it by
 
 
 def shard_error_reason(error: ShardError) -> str:
@@ -136,7 +136,8 @@ class SlotStream:
         """Where the stream reads now, for messages: the shard and the last line taken from it."""
         return f"reading {self._reading} (line {self.line_pos}, pass {self.pass_index})" if self._reading else "idle"
 
-    def _count(self, reason: str, where: str, detail: str = "") -> None:
+    def count_skip(self, reason: str, where: str, detail: str = "") -> None:
+        """Count a skipped record (or shard) by reason; the first few of each reason are logged."""
         self.counts[reason] += 1
         if self._logged[reason] < LOGGED_PER_REASON:
             self._logged[reason] += 1
@@ -157,7 +158,7 @@ class SlotStream:
                     return
                 yield number, line
         except ShardError as e:
-            self._count(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
+            self.count_skip(shard_error_reason(e), f"{path}:{number + 1}" if number else path, str(e))
 
     def _read_records(self, records: list[tuple[int, int]]) -> dict[tuple[int, int], bytes | Sample]:
         """The lines of (shard, line) records, each shard read once up to the last line wanted."""
@@ -183,7 +184,7 @@ class SlotStream:
             if (shard, n) in found:
                 yield key, found[(shard, n)]
             else:
-                self._count("unreadable_record", f"{self.shards[shard].path}:{n}", "(a record left by a resume)")
+                self.count_skip("unreadable_record", f"{self.shards[shard].path}:{n}", "(a record left by a resume)")
 
     def _reread(self, items: list[Item], pointers: list[tuple[int, int]]) -> list[tuple[int, int, bytes | Sample]]:
         """(item, key, line) of the records saved as pointers, in their order; a line gone is warned about."""
@@ -284,7 +285,7 @@ class SlotStream:
             try:
                 sample = make_sample(record)
             except SkipRecord as e:
-                self._count(e.reason, f"{record.shard}:{record.line_number}", e.detail)
+                self.count_skip(e.reason, f"{record.shard}:{record.line_number}", e.detail)
                 continue
             self.pass_ok += 1
             self.counts["ok"] += 1

@@ -42,17 +42,14 @@ def add_bucket_flags(parser) -> None:
 def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:
     """The buckets `--aspect_buckets` names for `--model_name_or_path` at `--resolution` (with `vae_config`, for that
     autoencoder instead of the model's); None: square crops."""
-    from ldm.data.buckets import parse_buckets
-
-    if str(args.aspect_buckets).strip().lower() == "none":
-        return None
-    from ldm.models.build import ModelSourceError, model_size_step
+    from ldm.data.buckets import model_buckets
+    from ldm.models.build import ModelSourceError
 
     try:
-        step = model_size_step(args.model_name_or_path, vae_config)
+        return model_buckets(args.aspect_buckets, args.resolution, args.max_aspect_ratio, args.model_name_or_path,
+                             vae_config)
     except ModelSourceError as e:
         raise UserError(str(e)) from None
-    return parse_buckets(args.aspect_buckets, args.resolution, step, args.max_aspect_ratio)
 
 
 # -- stats ---------------------------------------------------------------------------------------
@@ -262,6 +259,9 @@ def _cycled(make):
             return
 
 
+BENCH_BATCH = 8  # --aspect_buckets: the loader slot's batches are benched, grouped by bucket
+
+
 def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, against: str | None = None,
           metadata_filter: list[str] | None = None, buckets=None) -> tuple[float, float | None]:
     """Median samples/s of the real data path and of a reference, interleaved, one core. The reference: the data
@@ -311,9 +311,6 @@ def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, ag
             slow.append(_rate(_cycled(reference), num_samples))
         fast.append(_rate(real(), num_samples))
     return float(np.median(fast)), float(np.median(slow)) if slow else None
-
-
-BENCH_BATCH = 8
 
 
 def _is_text(path: str) -> bool:

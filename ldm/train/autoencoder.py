@@ -57,7 +57,7 @@ class Autoencoder(Objective):
         count = sum(int(p.numel()) for p in vae.parameters())
         logger.info("autoencoder from %s: %.2fM parameters (%s), downsampling x%d, %d latent channels",
                     args.model_name_or_path, count / 1e6, "loaded" if loaded else "from scratch",
-                    2 ** (len(vae.config.block_out_channels) - 1), vae.config.latent_channels)
+                    self.latent_scale, vae.config.latent_channels)
 
     def flops_per_sample(self, on_latents):
         resolution = self.resolution

@@ -37,7 +37,8 @@ class TimedBatches:
     the process with stacks and the shards being read (`ldm.data.watchdog`).
     """
 
-    def __init__(self, loader, tracker, data_timeout: float = 0, buckets: list[str] = (), latent_scale: int = 8):
+    def __init__(self, loader, tracker, data_timeout: float = 0, buckets: tuple[str, ...] = (),
+                 latent_scale: int = 8):
         self.loader, self.tracker, self.clock = loader, tracker, StepClock()
         self.buckets = list(buckets)  # HxW of the aspect-ratio buckets, if any: their mix is logged
         self.latent_scale = latent_scale
@@ -141,4 +142,4 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     if stream.resumes_exactly:
         tracker.load_state_dict(state)
     return TimedBatches(build_dataloader(stream, num_workers), tracker, data.data_timeout,
-                        buckets=[bucket_name(b) for b in buckets or ()], latent_scale=latent_scale)
+                        buckets=tuple(map(bucket_name, buckets or ())), latent_scale=latent_scale)

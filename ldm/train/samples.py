@@ -23,8 +23,7 @@ def validation_sizes(buckets) -> list[tuple[int, int] | None]:
     widest and the tallest bucket too."""
     if not buckets:
         return [None]
-    by_ratio = sorted(buckets, key=lambda b: b[1] / b[0])
-    return [None] + [b for b in dict.fromkeys((by_ratio[-1], by_ratio[0])) if b[0] != b[1]]
+    return [None] + [b for b in dict.fromkeys((buckets[-1], buckets[0])) if b[0] != b[1]]  # sorted by ratio
 
 
 def log_validation(writer, step: int, model, tokenizer, model_max_length: int, sampling, ema=None,
