@@ -138,8 +138,10 @@ def test_the_metrics_window_logs_a_ratio_over_the_window_and_leaves_skipped_upda
     from ldm.train.objective import MetricsWindow
 
     class Batches:
+        buckets = ()
+
         def window(self, dist):
-            return 1.0, 0.0, {}
+            return 1.0, 0.0, {}, {}
 
     def pair(total, count):
         return paddle.to_tensor(float(total)), paddle.to_tensor(float(count))

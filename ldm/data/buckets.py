@@ -83,17 +83,6 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
     return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
 
 
-def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, model_name_or_path: str,
-                  vae_config=None) -> tuple[Bucket, ...] | None:
-    """The buckets `value` names for a model known by name or folder (its configs read, nothing built; with
-    `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
-    if buckets_off(value):
-        return None
-    from ldm.models.build import model_size_step
-
-    return parse_buckets(value, resolution, model_size_step(model_name_or_path, vae_config), max_aspect_ratio)
-
-
 def nearest_bucket(buckets: tuple[Bucket, ...], width: int, height: int) -> Bucket:
     """The bucket nearest an image's aspect ratio (ties: the first, the taller)."""
     ratio = math.log(width / height)

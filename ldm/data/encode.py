@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
-from ldm.data.buckets import Bucket, bucket_name, model_buckets
+from ldm.data.buckets import Bucket, bucket_name
 from ldm.data.dataset import run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
@@ -52,6 +52,7 @@ from ldm.data.stream import shard_error_reason
 from ldm.data.watchdog import ReadingBoard
 from ldm.distributed import Distributed
 from ldm.models.autoencoder import autoencoder_identity, posterior, unit_range
+from ldm.models.build import model_buckets
 from ldm.run_folder import NO_SPACE
 from ldm.runtime import resolve_vae_dtype, use_fast_cpu_kernels
 

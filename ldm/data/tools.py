@@ -42,8 +42,7 @@ def add_bucket_flags(parser) -> None:
 def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:
     """The buckets `--aspect_buckets` names for `--model_name_or_path` at `--resolution` (with `vae_config`, for that
     autoencoder instead of the model's); None: square crops."""
-    from ldm.data.buckets import model_buckets
-    from ldm.models.build import ModelSourceError
+    from ldm.models.build import ModelSourceError, model_buckets
 
     try:
         return model_buckets(args.aspect_buckets, args.resolution, args.max_aspect_ratio, args.model_name_or_path,

@@ -143,6 +143,17 @@ def download_autoencoder(name: str) -> str:
     raise ModelSourceError(f"{repo!r} on the model hub has no {wanted}: not an autoencoder")
 
 
+def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, model_name_or_path: str,
+                  vae_config=None) -> tuple[tuple[int, int], ...] | None:
+    """The aspect-ratio buckets `value` names for a model known by name or folder (its configs read, nothing built;
+    with `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
+    from ldm.data.buckets import buckets_off, parse_buckets
+
+    if buckets_off(value):
+        return None
+    return parse_buckets(value, resolution, model_size_step(model_name_or_path, vae_config), max_aspect_ratio)
+
+
 def model_size_step(name_or_path: str, vae_config=None) -> int:
     """The size step of a model's aspect-ratio buckets (`ldm.data.buckets.size_step`), from its configs alone (with
     `vae_config`: that autoencoder's, with the model's UNet)."""
