@@ -86,7 +86,8 @@ class DataArguments:
     aspect_buckets: str = arg("none", "aspect-ratio buckets: none (square crops), auto (area about --resolution "
                                       "squared, sides multiples of the model's size step, ratios within "
                                       "--max_aspect_ratio) or a list HxW,HxW,... (e.g. 384x192,256x256,192x384)")
-    max_aspect_ratio: float = arg(2.0, "the widest ratio (long side / short side) of --aspect_buckets auto")
+    max_aspect_ratio: float = arg(2.0, "the widest ratio (long side / short side) a bucket of --aspect_buckets may "
+                                       "have (auto makes them up to it)")
     random_flip: bool = arg(False, "random horizontal flip")
     caption_dropout_prob: float = arg(0.1, "probability of replacing a caption by '' (classifier-free guidance)")
     min_image_size: int = arg(0, "skip (and count) images whose shorter side is smaller")

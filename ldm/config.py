@@ -88,6 +88,9 @@ def yaml12_loader():
     return Loader
 
 
+JOINED = ("aspect_buckets",)  # flags whose one value is a comma-separated list: a YAML list of them is joined
+
+
 def config_flags(values: dict, path: str) -> list[str]:
     """The command-line spelling of a config file's values."""
     argv: list[str] = []
@@ -96,6 +99,8 @@ def config_flags(values: dict, path: str) -> list[str]:
             continue  # the flag's default
         if isinstance(value, dict):
             raise ConfigError(f"--config {path}: {name} is a mapping; flags take a value or a list")
+        if name in JOINED and isinstance(value, list | tuple):
+            value = ",".join(map(str, value))
         argv.append(f"--{name}")
         if isinstance(value, bool):
             argv.append(str(value).lower())

@@ -15,6 +15,7 @@ from ldm.data.buckets import (
     area_kept,
     auto_buckets,
     bucket_name,
+    far_from_area,
     nearest_bucket,
     parse_buckets,
 )
@@ -51,8 +52,14 @@ def test_bucket_lists_are_parsed_or_refused_in_one_line():
             parse_buckets(bad, 256, 64)
     with pytest.raises(BucketError, match="multiple of 64"):
         parse_buckets("auto", 288, 64)
+    with pytest.raises(BucketError, match="wider than --max_aspect_ratio 1.5"):
+        parse_buckets("256x256,192x384", 256, 64, 1.5)  # the flag bounds a list too, not auto alone
+    assert parse_buckets("192x384", 256, 64, 2.0) == ((192, 384),)
+    assert far_from_area(parse_buckets("64x64,256x256,192x320", 256, 64), 256) == [(64, 64)]
     with pytest.raises(ArgumentError, match="HEIGHTxWIDTH"):
         DataArguments(aspect_buckets="wide")
+    with pytest.raises(ArgumentError, match="is empty"):  # an unset shell variable is no choice of square crops
+        DataArguments(aspect_buckets=" ")
     with pytest.raises(ArgumentError, match="max_aspect_ratio"):
         DataArguments(max_aspect_ratio=0.5)
 
@@ -120,3 +127,11 @@ def test_bench_compares_buckets_with_square_crops_on_the_same_shards(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("square crops") and lines[1].startswith("buckets") and lines[2].startswith("ratio")
+
+
+def test_a_yaml_list_of_buckets_is_one_flag(tmp_path):
+    from ldm.config import expand_config
+
+    (tmp_path / "run.yaml").write_text("aspect_buckets: [24x40, 40x24]\nresolution: 32\n")
+    argv = expand_config(["--config", str(tmp_path / "run.yaml")])
+    assert argv[argv.index("--aspect_buckets") + 1] == "24x40,40x24"

@@ -114,7 +114,9 @@ def test_a_bucketed_resume_is_bit_identical_to_the_uninterrupted_run(corpus, tmp
         result = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "straight" / "checkpoint-9"),
                              "--file_list", listing, "--validation_samples", "12", "--json", *extra])
         assert result.returncode == 0, result.stderr[-3000:]
-        losses[name] = json.loads(result.stdout.strip().splitlines()[-1])["loss"]
+        printed = json.loads(result.stdout.strip().splitlines()[-1])
+        assert printed.get("buckets") == (None if name == "square" else [bucket_name(b) for b in auto_buckets(32, 8)])
+        losses[name] = printed["loss"]
     assert losses["buckets"] == pytest.approx(losses["one_by_one"], rel=1e-5)
     assert losses["buckets"] != pytest.approx(losses["square"], rel=1e-3)
 
@@ -129,6 +131,13 @@ def test_buckets_the_model_cannot_use_are_refused_before_anything_is_written(cor
         "error: --aspect_buckets: 30x36 has a side that is not a positive multiple of 8 (the model's size step: its "
         "autoencoder's downsampling times its UNet's)")
     assert not out.exists()
+    square = [a for a in corpus if a not in ("--aspect_buckets", "auto")]
+    result = run_entry(SCRIPT, square + ["--train_batch_size", "2", "--max_train_steps", "1", "--output_dir", str(out),
+                                         "--validation_file_list", args[args.index("--file_list") + 1],
+                                         "--validation_aspect_buckets"])
+    assert result.returncode == 2 and not out.exists()
+    assert result.stderr.strip().splitlines()[-1] == ("error: --validation_aspect_buckets computes the held-out loss "
+                                                      "in the run's buckets: it needs --aspect_buckets")
 
 
 def test_the_trainer_path_trains_in_buckets_too(corpus, tmp_path, monkeypatch):

@@ -55,8 +55,11 @@ def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> t
 
 
 def buckets_off(value: str | None) -> bool:
-    """Does an --aspect_buckets value ask for square crops?"""
-    return (value or "none").strip().lower() in ("none", "")
+    """Does an --aspect_buckets value ask for square crops? (None: not given; an empty string is refused, as an
+    unset shell variable rather than a choice)"""
+    if value is not None and not value.strip():
+        raise BucketError("--aspect_buckets is empty: give none, auto or HEIGHTxWIDTH,... (e.g. 256x256,192x320)")
+    return value is None or value.strip().lower() == "none"
 
 
 def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_ratio: float = 2.0
@@ -80,7 +83,19 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
             buckets.append(bucket)
     if not buckets:
         raise BucketError("--aspect_buckets names no bucket")
+    if not (math.isfinite(max_aspect_ratio) and max_aspect_ratio >= 1):
+        raise BucketError(f"--max_aspect_ratio must be a number >= 1 (long side / short side), not "
+                          f"{max_aspect_ratio:g}")
+    for bucket in buckets:
+        if max(bucket) / min(bucket) > max_aspect_ratio + 1e-9:
+            raise BucketError(f"--aspect_buckets: {bucket_name(bucket)} is wider than --max_aspect_ratio "
+                              f"{max_aspect_ratio:g} allows (raise it to train such shapes)")
     return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
+
+
+def far_from_area(buckets: tuple[Bucket, ...], resolution: int, tolerance: float = 0.25) -> list[Bucket]:
+    """The buckets whose area is more than `tolerance` away from `resolution` squared (a listed bucket may be)."""
+    return [b for b in buckets if abs(b[0] * b[1] / resolution**2 - 1) > tolerance]
 
 
 def nearest_bucket(buckets: tuple[Bucket, ...], width: int, height: int) -> Bucket:

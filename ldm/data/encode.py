@@ -318,8 +318,10 @@ def encode_corpus(args) -> int:
     # this autoencoder with the UNet the latents are for, as the training run has them
     buckets = model_buckets(args.aspect_buckets, args.resolution, args.max_aspect_ratio, args.model_name_or_path,
                             vae.config)
-    described = meta.describe() + (f"; in aspect-ratio buckets {', '.join(map(bucket_name, buckets))}, each "
-                                   "record's moments at its bucket's size" if buckets else "")
+    described = meta.describe()
+    if buckets:  # the probe's square shape is not what is stored
+        described = (f"autoencoder {meta.vae}, {meta.dtype} moments of each record at its bucket's size, in "
+                     f"aspect-ratio buckets {', '.join(map(bucket_name, buckets))}")
     existing = dist.from_main(lambda: claim(args.output_dir, settings_of(args, shards, meta, buckets)))
     if dist.is_main:
         logger.info("encoding %d shards into %s (%s); %d done already", len(shards), args.output_dir,

@@ -33,7 +33,7 @@ def add_bucket_flags(parser) -> None:
                         help="aspect-ratio buckets, as training takes them: none (square crops), auto (area about "
                              "--resolution squared, ratios within --max_aspect_ratio) or HxW,HxW,...")
     parser.add_argument("--max_aspect_ratio", type=float, default=2.0,
-                        help="the widest ratio (long side / short side) of --aspect_buckets auto")
+                        help="the widest ratio (long side / short side) a bucket may have (auto makes them up to it)")
     parser.add_argument("--model_name_or_path", default="ldm-32layer",
                         help="the model the buckets are for (a preset or a folder): their sides are multiples of its "
                              "autoencoder's downsampling times its UNet's")

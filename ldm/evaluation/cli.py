@@ -294,7 +294,7 @@ def cmd_loss(args) -> int:
     """The held-out loss of a pipeline or checkpoint, as training logs it (`ldm.evaluation.heldout`)."""
     from ppdiffusers import DDPMScheduler
 
-    from ldm.data.buckets import parse_buckets, size_step
+    from ldm.data.buckets import bucket_name, parse_buckets, size_step
     from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import fingerprint
     from ldm.distributed import Distributed
@@ -326,10 +326,12 @@ def cmd_loss(args) -> int:
     if dist.is_main:
         weights = "EMA" if used_ema else "the pipeline's" if is_pipeline(args.model) else "trained"
         if args.json:
+            shapes = {"buckets": [bucket_name(b) for b in buckets]} if buckets else {}
             print(json.dumps({"model": args.model, "weights": weights, "records": len(records),
-                              "resolution": resolution, **metrics}))
+                              "resolution": resolution, **shapes, **metrics}))
         else:
-            print(f"{args.model} ({weights} weights), {len(records)} records at {resolution} px")
+            crops = f"in buckets {', '.join(map(bucket_name, buckets))}" if buckets else "square"
+            print(f"{args.model} ({weights} weights), {len(records)} records at {resolution} px, {crops}")
             for name, value in metrics.items():
                 print(f"{name:>12} {value:.6f}")
     return 0

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 
 from ldm.args import DataArguments
-from ldm.data.buckets import bucket_name, parse_buckets
+from ldm.data.buckets import bucket_name, far_from_area, parse_buckets
 from ldm.data.dataset import (
     CaptionImageStream,
     StreamState,
@@ -117,6 +117,10 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     buckets = parse_buckets(data.aspect_buckets, data.resolution, size_step, data.max_aspect_ratio)
     if buckets and dist.is_main:
         logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))
+        if far := far_from_area(buckets, data.resolution):
+            logger.warning("bucket(s) %s are far from --resolution %d squared in area: each is trained at its own "
+                           "cost, while FLOPs and MFU are counted at %dx%d", ", ".join(map(bucket_name, far)),
+                           data.resolution, data.resolution, data.resolution)
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
     dist.from_main(lambda: check_shards(shards, data.file_list))

@@ -27,7 +27,7 @@ from ldm.checkpoint import (
 )
 from ldm.compat import scale_in_place, squared_l2_norm
 from ldm.config import check_resume
-from ldm.data.buckets import parse_buckets, size_step
+from ldm.data.buckets import BucketError, bucket_name, parse_buckets, size_step
 from ldm.data.latents import fingerprint
 from ldm.distributed import Distributed
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
@@ -137,6 +137,9 @@ class TextToImage(Objective):
         """Read the held-out records (every rank reads them all and keeps its share): before the first write, so
         an unusable --validation_file_list fails the start. With --fid_steps, what the FID needs too."""
         v = self.validation
+        if v.validation_aspect_buckets and not (self.buckets and v.validation_file_list):
+            raise BucketError("--validation_aspect_buckets computes the held-out loss in the run's buckets: it needs "
+                              f"{'--aspect_buckets' if not self.buckets else '--validation_file_list'}")
         if v.fid_steps:
             self.start_generated_metrics(dist)
         if not v.validation_file_list:
@@ -147,8 +150,10 @@ class TextToImage(Objective):
                                buckets=self.buckets if v.validation_aspect_buckets else None)
         timesteps = fixed_timesteps(v.validation_timesteps, self.model.noise_scheduler.config.num_train_timesteps)
         self.held_out = HeldOut(records, timesteps, dist, v.validation_batch_size)
-        logger.info("validation: %d held-out records at timesteps %s, every %d updates", len(records), timesteps,
-                    v.validation_steps)
+        crops = (f"in buckets {', '.join(map(bucket_name, self.buckets))}" if v.validation_aspect_buckets
+                 else f"{self.data.resolution}px squares")
+        logger.info("validation: %d held-out records (%s) at timesteps %s, every %d updates", len(records), crops,
+                    timesteps, v.validation_steps)
 
     def start_generated_metrics(self, dist: Distributed) -> None:
         """With --fid_steps: the Inception, the reference statistics, CLIP and the prompts, checked before the first
