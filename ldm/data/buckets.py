@@ -35,12 +35,21 @@ def size_step(vae_config, unet_config=None) -> int:
     return step
 
 
-def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
-    """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
-    last."""
+def check_max_aspect_ratio(max_aspect_ratio: float) -> None:
     if not (math.isfinite(max_aspect_ratio) and max_aspect_ratio >= 1):
         raise BucketError(f"--max_aspect_ratio must be a number >= 1 (long side / short side), not "
                           f"{max_aspect_ratio:g}")
+
+
+def by_ratio(buckets) -> tuple[Bucket, ...]:
+    """Buckets from the tallest to the widest."""
+    return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
+
+
+def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
+    """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
+    last."""
+    check_max_aspect_ratio(max_aspect_ratio)
     if resolution % step:
         raise BucketError(f"--aspect_buckets auto needs --resolution a multiple of {step} (the model's size step: "
                           f"its autoencoder's downsampling times its UNet's), not {resolution}")
@@ -51,7 +60,7 @@ def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> t
         if max(width, height) / min(width, height) <= max_aspect_ratio + 1e-9:
             found.update({(height, width), (width, height)})
         width += step
-    return tuple(sorted(found, key=lambda b: (b[1] / b[0], b[1])))
+    return by_ratio(found)
 
 
 def buckets_off(value: str | None) -> bool:
@@ -83,19 +92,32 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
             buckets.append(bucket)
     if not buckets:
         raise BucketError("--aspect_buckets names no bucket")
-    if not (math.isfinite(max_aspect_ratio) and max_aspect_ratio >= 1):
-        raise BucketError(f"--max_aspect_ratio must be a number >= 1 (long side / short side), not "
-                          f"{max_aspect_ratio:g}")
+    check_max_aspect_ratio(max_aspect_ratio)
     for bucket in buckets:
         if max(bucket) / min(bucket) > max_aspect_ratio + 1e-9:
             raise BucketError(f"--aspect_buckets: {bucket_name(bucket)} is wider than --max_aspect_ratio "
                               f"{max_aspect_ratio:g} allows (raise it to train such shapes)")
-    return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
+    return by_ratio(buckets)
 
 
 def far_from_area(buckets: tuple[Bucket, ...], resolution: int, tolerance: float = 0.25) -> list[Bucket]:
     """The buckets whose area is more than `tolerance` away from `resolution` squared (a listed bucket may be)."""
     return [b for b in buckets if abs(b[0] * b[1] / resolution**2 - 1) > tolerance]
+
+
+def add_bucket_flags(parser, model: bool = True) -> None:
+    """--aspect_buckets and --max_aspect_ratio as training takes them; with `model`, --model_name_or_path, the model
+    whose size step they follow (a command that loads a model has its own)."""
+    parser.add_argument("--aspect_buckets", default="none",
+                        help="aspect-ratio buckets, as training takes them: none (square crops), auto (area about "
+                             "--resolution squared, ratios within --max_aspect_ratio) or HxW,HxW,...")
+    parser.add_argument("--max_aspect_ratio", type=float, default=2.0,
+                        help="the widest ratio (long side / short side) a bucket may have (auto makes them up to it)")
+    if not model:
+        return
+    parser.add_argument("--model_name_or_path", default="ldm-32layer",
+                        help="the model the buckets are for (a preset or a folder): their sides are multiples of its "
+                             "autoencoder's downsampling times its UNet's")
 
 
 def nearest_bucket(buckets: tuple[Bucket, ...], width: int, height: int) -> Bucket:

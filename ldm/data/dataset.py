@@ -299,16 +299,16 @@ class CaptionImageStream(IterableDataset):
     def make_batch(self, taken: list[Held], state: dict) -> dict:
         samples = [sample for sample, _, _ in taken]
         batch = {"stream_state": json.dumps(state)}
-        if os.environ.get(CONSUMED_LOG):
-            shape = "x".join(map(str, samples[0].shape[-2:] if self.kind else samples[0].shape[:2]))
-            batch["records"] = "".join(f"{r.pass_index} {r.copy} {r.shard} {r.line_number} {shape}\n"
-                                       for _, _, r in taken)
         if self.kind:
             batch["latent_moments"] = np.stack(samples)
         else:
             batch["pixel_values"] = to_uint8_batch(samples)
         if self.tokenize:
             batch["input_ids"] = np.stack([ids for _, ids, _ in taken])
+        if os.environ.get(CONSUMED_LOG):
+            shape = batch_shape(batch, latent_scale=1)  # of latents: in latent units (the stream knows no autoencoder)
+            batch["records"] = "".join(f"{r.pass_index} {r.copy} {r.shard} {r.line_number} {shape}\n"
+                                       for _, _, r in taken)
         return batch
 
 

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ldm.compat import READER_POLL_SECONDS
 from ldm.data import remote
 from ldm.data.buckets import Bucket, bucket_name
-from ldm.data.dataset import run_slot, to_uint8_batch
+from ldm.data.dataset import ShapeGroups, run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
 from ldm.data.latents import LatentMeta, fingerprint, latent_line, probe
@@ -98,10 +98,11 @@ class ShardBatches(IterableDataset):
             yield from self.shard_batches(index, worker)
 
     def shard_batches(self, index: int, worker: int):
-        """A shard's batches; with buckets a batch holds crops of one shape, and the groups left partly filled are
-        flushed at the shard's end (in the order of their groups: the output order is the shard's alone)."""
+        """A shard's batches; with buckets a batch holds crops of one shape (grouped as training groups them), and
+        the groups left partly filled are sent at the shard's end, oldest first: the output order is the shard's
+        alone."""
         path, seed_key = self.shards[index].path, self.shards[index].seed_key
-        groups: dict[tuple, tuple[list, list]] = {}  # crop shape -> (crops, records)
+        groups = ShapeGroups(self.batch_size)
         counts = Counter()
         unreadable = missing = ""
         self.board.post(worker, f"slot {self.first_slot + worker}: opening {path}")
@@ -115,31 +116,32 @@ class ShardBatches(IterableDataset):
                     counts[e.reason] += 1
                     continue
                 key, source = record_key_meta(line)
-                crops, records = groups.setdefault(crop.shape, ([], []))
-                crops.append(crop)
-                records.append((caption, key or f"{os.path.basename(path)}:{number}", source))
-                if len(crops) == self.batch_size:
+                full = groups.add((crop, (caption, key or f"{os.path.basename(path)}:{number}", source), None))
+                if full is not None:
                     self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
-                    yield self.batch(index, crops, records)
-                    counts["ok"] += len(crops)
-                    del groups[crop.shape]
+                    yield self.batch(index, full)
+                    counts["ok"] += len(full)
         except (ShardTruncated, LineTooLong) as e:  # the records before the break are kept, as training keeps them
             counts[shard_error_reason(e)] += 1
         except ShardMissing as e:
             missing = str(e)
         except ShardError as e:
             unreadable = str(e)
-        rest = list(groups.values()) or [([], [])]
-        counts["ok"] += sum(len(crops) for crops, _ in rest)
-        for crops, records in rest[:-1]:
-            yield self.batch(index, crops, records)
-        yield self.batch(index, *rest[-1], done={"counts": counts, "unreadable": unreadable, "missing": missing})
+        rest = []
+        while (taken := groups.take_oldest()) is not None:
+            rest.append(taken)
+        counts["ok"] += sum(map(len, rest))
+        rest = rest or [[]]
+        for taken in rest[:-1]:
+            yield self.batch(index, taken)
+        yield self.batch(index, rest[-1], done={"counts": counts, "unreadable": unreadable, "missing": missing})
 
     @staticmethod
-    def batch(index: int, crops, records, done: dict | None = None) -> dict:
-        batch = {"shard": np.array([index], np.int64), "records": json.dumps(records, default=str)}
-        if crops:
-            batch["pixel_values"] = to_uint8_batch(crops)
+    def batch(index: int, taken: list, done: dict | None = None) -> dict:
+        """`taken`: (crop, (caption, key, metadata), None) each, as `ShapeGroups` holds them."""
+        batch = {"shard": np.array([index], np.int64), "records": json.dumps([r for _, r, _ in taken], default=str)}
+        if taken:
+            batch["pixel_values"] = to_uint8_batch([crop for crop, _, _ in taken])
         if done is not None:  # the shard's last batch
             batch["done"] = json.dumps(done)
         return batch

@@ -24,7 +24,7 @@ from ldm.data.filelist import Shard
 from ldm.data.plan import Unit
 from ldm.data.readers import Sample, ShardFormatError, iter_records
 from ldm.data.record import SkipRecord
-from ldm.data.resume import Item, Schedule, item_record, slot_phase
+from ldm.data.resume import Item, Schedule, Segment, item_record, slot_phase
 from ldm.data.shard import LineTooLong, ShardError, ShardTruncated
 
 logger = logging.getLogger("ldm.data")
@@ -206,7 +206,7 @@ class SlotStream:
         """The records a restored state says its consumer held, read again (once: the consumer holds them now)."""
         if not self._held:
             return []
-        items, _ = self._phase_items()
+        _, items = self._phase_items()
         held, self._held = self._reread(items, self._held), []
         return [self._record(items, u, n, line) for u, n, line in held]
 
@@ -223,17 +223,16 @@ class SlotStream:
         self.pops += 1
         return self._record(items, unit_pos, key, line)
 
-    def _phase_items(self) -> tuple[list[Item], str]:
-        """(this slot's items of the current phase, the phase's shuffle key)."""
+    def _phase_items(self) -> tuple[Segment, list[Item]]:
+        """(the current phase's segment, this slot's items of it)."""
         segment = self.schedule.segment(self.phase)
-        return segment.items(self.shards, self.seed, self.num_slots)[self.slot::self.num_slots], \
-            segment.shuffle_key(self.seed)
+        return segment, segment.items(self.shards, self.seed, self.num_slots)[self.slot::self.num_slots]
 
     def pass_records(self) -> Iterator[Record]:
         """The rest of the current phase (a pass, or what a resume left of one); the state after a yield is
         the state to resume from."""
-        segment = self.schedule.segment(self.phase)
-        items, shuffle_key = self._phase_items()
+        segment, items = self._phase_items()
+        shuffle_key = segment.shuffle_key(self.seed)
         if self._to_reload:
             self._reload_buffer(items)
         while self.unit_pos < len(items):

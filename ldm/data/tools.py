@@ -13,6 +13,7 @@ from itertools import islice
 from tqdm import tqdm
 
 from ldm.args import VAE_DTYPES, ToolParser
+from ldm.data.buckets import add_bucket_flags
 from ldm.data.filelist import FileListError, read_file_list
 from ldm.data.filters import parse_filters, record_key_meta, record_parts
 from ldm.data.latents import DTYPES as LATENT_DTYPES
@@ -26,17 +27,6 @@ from ldm.run_folder import CheckpointError
 
 class UserError(Exception):
     pass
-
-
-def add_bucket_flags(parser) -> None:
-    parser.add_argument("--aspect_buckets", default="none",
-                        help="aspect-ratio buckets, as training takes them: none (square crops), auto (area about "
-                             "--resolution squared, ratios within --max_aspect_ratio) or HxW,HxW,...")
-    parser.add_argument("--max_aspect_ratio", type=float, default=2.0,
-                        help="the widest ratio (long side / short side) a bucket may have (auto makes them up to it)")
-    parser.add_argument("--model_name_or_path", default="ldm-32layer",
-                        help="the model the buckets are for (a preset or a folder): their sides are multiples of its "
-                             "autoencoder's downsampling times its UNet's")
 
 
 def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 
 from ldm.args import ToolParser
+from ldm.data.buckets import add_bucket_flags
 from ldm.evaluation.fid import MODES, FIDError, Statistics, check_comparable, small_sample_warning
 
 
@@ -419,9 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=None,
                    help="image size (default: the model's, from its UNet and autoencoder)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core this process may use)")
-    p.add_argument("--aspect_buckets", default="none",
-                   help="crops in aspect-ratio buckets, as training takes them (none: square crops; auto; HxW,...)")
-    p.add_argument("--max_aspect_ratio", type=float, default=2.0, help="the widest ratio of --aspect_buckets auto")
+    add_bucket_flags(p, model=False)
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(run=cmd_loss)
 

@@ -16,7 +16,7 @@ from ppdiffusers import AutoencoderKL
 
 from ldm.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
 from ldm.checkpoint import refuse_pickles
-from ldm.data.buckets import size_step
+from ldm.data.buckets import parse_buckets, size_step
 from ldm.flops import forward_flops
 from ldm.models.autoencoder import (
     AutoencoderTraining,
@@ -48,11 +48,12 @@ def build_autoencoder(name_or_path: str, seed: int):
 
 
 class Autoencoder(Objective):
-    def __init__(self, args: AutoencoderArguments, loop: LoopArguments, resolution: int = 256):
-        self.args, self.resolution = args, resolution
+    def __init__(self, args: AutoencoderArguments, loop: LoopArguments, data: DataArguments):
+        self.args, self.resolution = args, data.resolution
         vae, loaded = build_autoencoder(args.model_name_or_path, loop.seed)
         self.vae = vae
-        self.size_step = self.latent_scale = size_step(vae.config)
+        self.latent_scale = size_step(vae.config)
+        self.buckets = parse_buckets(data.aspect_buckets, data.resolution, self.latent_scale, data.max_aspect_ratio)
         self.model = AutoencoderTraining(vae, args.kl_weight)
         count = sum(int(p.numel()) for p in vae.parameters())
         logger.info("autoencoder from %s: %.2fM parameters (%s), downsampling x%d, %d latent channels",
@@ -111,7 +112,7 @@ class Autoencoder(Objective):
 def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments,
           run_args: RunArguments | None = None) -> dict:
     run_args = run_args or RunArguments()
-    result = run(loop, data, lambda dist: Autoencoder(args, loop, data.resolution),
+    result = run(loop, data, lambda dist: Autoencoder(args, loop, data),
                  image_logging_steps=args.image_logging_steps, run_args=run_args, groups=(args, data, loop, run_args))
     result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
     return result

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 
 from ldm.args import DataArguments
-from ldm.data.buckets import bucket_name, far_from_area, parse_buckets
+from ldm.data.buckets import bucket_name, far_from_area
 from ldm.data.dataset import (
     CaptionImageStream,
     StreamState,
@@ -105,16 +105,16 @@ class TimedBatches:
 
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
-                  autoencoder_source: str = "", size_step: int = 8, latent_scale: int = 8) -> TimedBatches:
+                  autoencoder_source: str = "", buckets: tuple[tuple[int, int], ...] | None = None,
+                  latent_scale: int = 8) -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
     records (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
-    (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. With
-    `--aspect_buckets`, the buckets' sides are multiples of `size_step` (`ldm.data.buckets.size_step`);
-    `latent_scale`, the autoencoder's downsampling, names a latent batch's bucket in pixels.
+    (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. `buckets`:
+    the run's aspect-ratio buckets (the objective's, for its model; None: square crops); `latent_scale`, the
+    autoencoder's downsampling, names a latent batch's bucket in pixels.
     """
-    buckets = parse_buckets(data.aspect_buckets, data.resolution, size_step, data.max_aspect_ratio)
     if buckets and dist.is_main:
         logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))
         if far := far_from_area(buckets, data.resolution):

@@ -58,7 +58,7 @@ class Objective:
     tokenizer = None  # batches carry `input_ids` when set
     ema: EMA | None = None
     latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
-    size_step = 8  # the sides of its aspect-ratio buckets are multiples of this (`ldm.data.buckets.size_step`)
+    buckets: tuple[tuple[int, int], ...] | None = None  # its --aspect_buckets, for its model's size step; None: squares
     latent_scale = 8  # the autoencoder's downsampling
     autoencoder_source = ""
 
@@ -123,9 +123,10 @@ class TextToImage(Objective):
         self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
-        self.size_step = size_step(self.components.vae.config, self.components.unet.config)
         self.latent_scale = size_step(self.components.vae.config)
-        self.buckets = parse_buckets(data.aspect_buckets, data.resolution, self.size_step, data.max_aspect_ratio)
+        self.buckets = parse_buckets(data.aspect_buckets, data.resolution,
+                                     size_step(self.components.vae.config, self.components.unet.config),
+                                     data.max_aspect_ratio)
         self.vae_folder = None
         self.nan_batches = nan_fault_batches()
         self.batches_seen = 0
@@ -308,7 +309,7 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
                             num_workers=num_workers, saved_streams=saved,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
-                            size_step=objective.size_step, latent_scale=objective.latent_scale)
+                            buckets=objective.buckets, latent_scale=objective.latent_scale)
     batches.start()
     return batches
 
