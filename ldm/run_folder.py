@@ -7,7 +7,7 @@
       checkpoint-<step>/    one resumable state; its manifest.json is written last
       pipeline/ or vqvae/   the export at the end
 
-This module is the filesystem and nothing else: it imports nothing of `ldm`, and what goes into a
+This module is the filesystem and nothing else: it imports nothing of `ldm` but the lock, and what goes into a
 checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint`).
 
 Rules:
@@ -16,6 +16,8 @@ Rules:
   (a loader slot that finds no usable record), records why in `run.json`; the next start (not a
   resume) then starts afresh in its place with a warning. A run killed outright records nothing and
   is still refused: another process may still be writing there.
+- One run at a time: rank 0 holds `.run.lock` (`ldm.run_lock`) from the check to the end of the run, and a
+  second start into the same folder is refused, `--overwrite_output_dir` included, naming the holder.
 - A non-empty folder is refused unless the run resumes (`--resume_from_checkpoint`) or starts over
   (`--overwrite_output_dir`, which empties it: nothing of the earlier run survives or is reused).
 - A checkpoint is complete when its `manifest.json` (every file's size and sha256) is there and
@@ -50,6 +52,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+
+from ldm.run_lock import LOCK_NAME, FolderInUse, RunLock
 
 logger = logging.getLogger("ldm.train")
 
@@ -222,6 +226,7 @@ class RunFolder:
         self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit
         self.empty_first = False  # `check` decided that the run starts over (rank 0's decision)
         self.created = False  # this run wrote the folder (`create`)
+        self.lock = RunLock(output_dir)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.output_dir, *parts)
@@ -232,13 +237,28 @@ class RunFolder:
 
         Decided on rank 0 (one read of the checkpoints, one verdict for every rank).
         """
-        return self.dist.from_main(lambda: self._check(resume, overwrite))
+        return self.dist.from_main(lambda: self._locked_check(resume, overwrite))
+
+    def _locked_check(self, resume: str | None, overwrite: bool) -> str | None:
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise CheckpointError(f"output_dir {self.output_dir} is a file")
+        try:
+            self.lock.acquire()
+        except FolderInUse as e:
+            raise CheckpointError(str(e)) from None
+        try:
+            return self._check(resume, overwrite)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def release(self) -> None:
+        """The end of the run: another may start in this folder (rank 0 holds the lock; a no-op elsewhere)."""
+        self.lock.release()
 
     def _check(self, resume: str | None, overwrite: bool) -> str | None:
         checkpoint = resolve_resume(self.output_dir, resume)
-        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
-            raise CheckpointError(f"output_dir {self.output_dir} is a file")
-        entries = os.listdir(self.output_dir) if os.path.isdir(self.output_dir) else []
+        entries = [n for n in os.listdir(self.output_dir) if not n.startswith(LOCK_NAME)] if os.path.isdir(self.output_dir) else []
         checkpoints = checkpoint_dirs(self.output_dir)
         ours = RUN_MARKER in entries or bool(checkpoints)
         if not entries:
@@ -284,7 +304,7 @@ class RunFolder:
         record to the list `resumes` there, so the file tells every start of the run."""
         def make() -> None:
             if self.empty_first:
-                names = os.listdir(self.output_dir)
+                names = [n for n in os.listdir(self.output_dir) if not n.startswith(LOCK_NAME)]
                 for name in sorted(names, key=lambda n: n == RUN_MARKER):  # the marker last: a retry may finish
                     remove(self.path(name))
                 logger.info("--overwrite_output_dir: emptied %s", self.output_dir)

@@ -4,10 +4,16 @@ import json
 import logging
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 from ldm.distributed import Distributed
+from ldm.run_lock import LEASE_SECONDS, LOCK_NAME
 from ldm.run_folder import (
     MANIFEST,
     RUN_MARKER,
@@ -95,6 +101,8 @@ def test_starting_over_empties_only_a_folder_this_project_made(tmp_path):
     (out / "visualdl" / "vdlrecords.1.log").write_text("old curves")
     assert folder.check(None, overwrite=True) is None
     folder.create(resume=None)
+    assert sorted(os.listdir(out)) == [LOCK_NAME, RUN_MARKER]  # the lock survives the emptying, held
+    folder.release()
     assert os.listdir(out) == [RUN_MARKER]
 
 
@@ -106,6 +114,7 @@ def test_create_removes_what_a_killed_save_left(tmp_path):
     folder = RunFolder(str(out), Distributed())
     assert folder.check("latest", overwrite=False) == str(good)
     folder.create(resume=str(good))
+    folder.release()
     assert sorted(os.listdir(out)) == ["checkpoint-8", RUN_MARKER]
 
 
@@ -143,6 +152,7 @@ def test_auto_resumes_when_it_can_and_starts_afresh_when_it_cannot(tmp_path):
     folder = RunFolder(str(out), Distributed())
     assert folder.check("auto", overwrite=False) is None
     folder.create(resume=None)
+    folder.release()
     assert os.listdir(out) == [RUN_MARKER]
     good = make_checkpoint(out, 7)
     assert folder.check("auto", overwrite=False) == str(good)
@@ -190,3 +200,77 @@ def test_latest_with_only_damaged_checkpoints_names_a_way_out_that_works(tmp_pat
     with pytest.raises(CheckpointError) as error:
         resolve_resume(str(tmp_path), "latest")
     assert "nothing was deleted" in str(error.value) and "'auto'" not in str(error.value)  # auto refuses them too
+
+
+HOLD = """
+import sys, time
+from ldm.run_lock import RunLock
+RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(folder):
+    """Another process holding the folder's lock, as a live run does."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_start_into_a_folder_in_use_is_refused_naming_the_holder_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_MARKER).write_text(json.dumps({}))
+    make_checkpoint(out, 3)
+    holder = hold_lock(out)
+    before = sorted(os.listdir(out))
+    try:
+        for resume, overwrite in ((None, False), (None, True), ("latest", False), ("auto", True)):
+            with pytest.raises(CheckpointError, match=rf"in use by another run \(host {socket.gethostname()}, "
+                                                      rf"pid {holder.pid}, since"):
+                RunFolder(str(out), Distributed()).check(resume, overwrite)
+        assert sorted(os.listdir(out)) == before  # --overwrite_output_dir emptied nothing
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_whose_process_is_gone_does_not_block_the_retry(tmp_path, caplog):
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    holder.send_signal(signal.SIGKILL)  # a killed run: its lock file stays
+    holder.wait()
+    assert os.listdir(out) == [LOCK_NAME]
+    folder = RunFolder(str(out), Distributed())
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        assert folder.check(None, overwrite=False) is None  # the lock file alone does not make the folder "not empty"
+    assert "taking over the lock of a run that is gone (its process is not running" in caplog.text
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    folder.release()
+    assert os.listdir(out) == []  # a start that wrote nothing else leaves nothing behind
+
+
+@pytest.mark.parametrize("age, refused", [(5, True), (LEASE_SECONDS + 60, False)])
+def test_a_lock_of_another_host_holds_while_its_lease_is_renewed(tmp_path, age, refused):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": "node-17", "pid": 4242, "since": "then",
+                                             "renewed": time.time() - age}))
+    folder = RunFolder(str(out), Distributed())
+    if refused:
+        with pytest.raises(CheckpointError, match="host node-17, pid 4242, since then, lease renewed"):
+            folder.check(None, overwrite=False)
+    else:
+        assert folder.check(None, overwrite=False) is None
+        folder.release()
+        assert os.listdir(out) == []
+
+
+def test_a_refused_check_gives_the_lock_back(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is not empty"):
+        RunFolder(str(out), Distributed()).check(None, overwrite=False)
+    assert os.listdir(out) == ["notes.txt"]

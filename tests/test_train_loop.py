@@ -398,6 +398,41 @@ def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus
     assert "not a usable checkpoint: optimizer.safetensors has 100 bytes" in named.stderr
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_trains_on(corpus, tmp_path):
+    """A job started twice, or a command repeated in another terminal: the second start is refused in one line
+    naming the first, even with --overwrite_output_dir, and the first run finishes untouched."""
+    import tempfile
+    import time
+
+    from entry import start_python
+
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "12", "--save_steps", "6", "--logging_steps", "1", "--num_workers", "0",
+                     "--seed", "5", "--output_dir", str(out)]
+    log = os.path.join(tempfile.mkdtemp(dir=tmp_path), "log")
+    first = start_python([ROOT / SCRIPT, *args], None, log, log)
+    try:
+        deadline = time.monotonic() + 240
+        while "step 2 " not in open(log).read() and first.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert first.exitcode is None, open(log).read()[-3000:]
+        for extra in (["--overwrite_output_dir"], ["--resume_from_checkpoint", "auto"], []):
+            second = run(args + extra + ["--seed", "6"])
+            assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+            assert re.search(rf"error: output_dir {re.escape(str(out))} is in use by another run \(host \S+, "
+                             rf"pid {first.pid}, since", second.stderr), second.stderr[-3000:]
+        first.join(240)
+    finally:
+        if first.exitcode is None:
+            first.kill()
+    assert first.exitcode == 0, open(log).read()[-3000:]
+    assert json.load(open(out / "run.json"))["arguments"]["LoopArguments"]["seed"] == 5
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-6"]
+    assert ".run.lock" not in os.listdir(out)  # released at the end: the next start is free
+    resumed = run(args + ["--max_train_steps", "13", "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_processes_stop_together_when_the_launcher_gets_sigterm(corpus, tmp_path):

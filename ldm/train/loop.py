@@ -215,6 +215,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
             progress.close()  # an error's message then starts on a line of its own
         data_stream.close()  # loader workers and reader thread stop here, not during interpreter exit
         writer.close()
+        run_dir.release()
     dist.barrier()
     # a signal after the last update changed nothing: the run is complete
     return {"step": step, "checkpoint": checkpointer.last, "exit_code": stop.exit_code if stopping else 0}

@@ -280,5 +280,6 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
         writer.close()
         if trainer is not None and trainer.metrics is not None:
             trainer.metrics.close()
+        run_dir.release()
     dist.barrier()
     return {"step": step, "checkpoint": last, "exit_code": stop.exit_code if stopped else 0}
