@@ -258,7 +258,8 @@ class RunFolder:
 
     def _check(self, resume: str | None, overwrite: bool) -> str | None:
         checkpoint = resolve_resume(self.output_dir, resume)
-        entries = [n for n in os.listdir(self.output_dir) if not n.startswith(LOCK_NAME)] if os.path.isdir(self.output_dir) else []
+        entries = ([n for n in os.listdir(self.output_dir) if not n.startswith(LOCK_NAME)]
+                   if os.path.isdir(self.output_dir) else [])
         checkpoints = checkpoint_dirs(self.output_dir)
         ours = RUN_MARKER in entries or bool(checkpoints)
         if not entries:

@@ -20,6 +20,7 @@ soft locks do not record who holds them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -102,10 +103,8 @@ class RunLock:
                                   "wait for it to end, stop it, or choose another --output_dir")
             logger.warning("%s: taking over the lock of a run that is gone (%s; %s)", self.output_dir, problem,
                            describe(holder))
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass
         else:
             self._undo_folder()
             raise FolderInUse(f"output_dir {self.output_dir}: could not take {LOCK_NAME} (another start is taking "
@@ -125,10 +124,8 @@ class RunLock:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._read().get("pid") == os.getpid():  # never remove a lock another run took over
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass
         self._undo_folder()
         atexit.unregister(self.release)
 

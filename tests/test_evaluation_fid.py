@@ -218,42 +218,6 @@ def test_statistics_of_another_mode_weights_or_resolution_are_refused():
 
 
 # -- the weights converter --------------------------------------------------------------------------------
-def test_torch_checkpoints_are_read_without_torch_in_both_formats():
-    import hashlib
-
-    from ldm.evaluation.inception import read_torch_checkpoint
-
-    expected = REFERENCE["torch_checkpoint"]
-    for name in ("tiny_zip.pth", "tiny_legacy.pth"):
-        state = read_torch_checkpoint(str(FIXTURES / name))
-        assert set(state) == set(expected)
-        assert state["Conv2d_1a_3x3.bn.num_batches_tracked"].dtype == np.int64
-        assert int(state["Conv2d_1a_3x3.bn.num_batches_tracked"]) == 7
-        assert state["half"].dtype == np.float16 and state["half"].tolist() == expected["half"]
-        assert state["transposed"].shape == (32, 32)  # a view stored with its strides
-        for key, digest in expected.items():
-            if isinstance(digest, str):
-                assert hashlib.sha256(np.ascontiguousarray(state[key]).tobytes()).hexdigest() == digest, key
-    assert "torch" not in sys.modules
-
-
-def test_a_pickle_that_carries_code_is_refused_unrun(tmp_path):
-    from ldm.evaluation.inception import WeightsError, read_torch_checkpoint
-
-    marker = tmp_path / "ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    path = tmp_path / "evil.pth"
-    with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps({"Conv2d_1a_3x3.conv.weight": Payload()}, protocol=2))
-    with pytest.raises(WeightsError, match="posix.system|os.system|refers to"):
-        read_torch_checkpoint(str(path))
-    assert not marker.exists()
-
-
 def test_paddlemix_names_map_one_to_one_onto_pytorch_fids():
     """PaddleMIX's FID Inception (ppdiffusers/ppdiffusers/metrics/inception.py) is paddle.vision's
     `inception_v3(num_classes=1008)` with the FID blocks swapped in under paddle.vision's attribute names

@@ -13,7 +13,6 @@ import time
 import pytest
 
 from ldm.distributed import Distributed
-from ldm.run_lock import LEASE_SECONDS, LOCK_NAME
 from ldm.run_folder import (
     MANIFEST,
     RUN_MARKER,
@@ -24,6 +23,7 @@ from ldm.run_folder import (
     resolve_resume,
     write_manifest,
 )
+from ldm.run_lock import LEASE_SECONDS, LOCK_NAME
 
 
 def make_checkpoint(output_dir, step, complete=True, payload=b"weights" * 100):

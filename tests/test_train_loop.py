@@ -403,6 +403,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_trains_on(co
     naming the first, even with --overwrite_output_dir, and the first run finishes untouched."""
     import tempfile
     import time
+    from pathlib import Path
 
     from entry import start_python
 
@@ -413,9 +414,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_trains_on(co
     first = start_python([ROOT / SCRIPT, *args], None, log, log)
     try:
         deadline = time.monotonic() + 240
-        while "step 2 " not in open(log).read() and first.exitcode is None and time.monotonic() < deadline:
+        while "step 2 " not in Path(log).read_text() and first.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert first.exitcode is None, open(log).read()[-3000:]
+        assert first.exitcode is None, Path(log).read_text()[-3000:]
         for extra in (["--overwrite_output_dir"], ["--resume_from_checkpoint", "auto"], []):
             second = run(args + extra + ["--seed", "6"])
             assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
@@ -425,8 +426,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_trains_on(co
     finally:
         if first.exitcode is None:
             first.kill()
-    assert first.exitcode == 0, open(log).read()[-3000:]
-    assert json.load(open(out / "run.json"))["arguments"]["LoopArguments"]["seed"] == 5
+    assert first.exitcode == 0, Path(log).read_text()[-3000:]
+    assert json.loads((out / "run.json").read_text())["arguments"]["LoopArguments"]["seed"] == 5
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-12", "checkpoint-6"]
     assert ".run.lock" not in os.listdir(out)  # released at the end: the next start is free
     resumed = run(args + ["--max_train_steps", "13", "--resume_from_checkpoint", "latest"])

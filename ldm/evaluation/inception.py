@@ -15,21 +15,21 @@ the same parameter names, so that its weights load under pytorch-fid's state-dic
     fc.weight, fc.bias                       (ignored: the classifier, not needed for pool3)
 
 Weights load from safetensors only (no pickle runs code here); `convert_inception` turns pytorch-fid's
-`pt_inception-2015-12-05-6726825d.pth` (a torch pickle, read without torch and without running its code) or
-PaddleMIX's `pp_inception-2015-12-05-6726825d.pdparams` into such a file.
+`pt_inception-2015-12-05-6726825d.pth` (a torch pickle) or PaddleMIX's `pp_inception-2015-12-05-6726825d.pdparams`
+into such a file; both are read without torch and without running code (`ldm.pickled_weights`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import pickle
-import zipfile
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+
+from ldm.pickled_weights import PickleError, is_pickle, read_pickled_weights
 
 FEATURES = 2048
 SIZE = 299  # the network's input side
@@ -279,11 +279,6 @@ def is_safetensors(head: bytes) -> bool:
     return len(head) > 8 and head[8:9] == b"{"
 
 
-def is_pickle(head: bytes) -> bool:
-    """A torch zip checkpoint, or a raw pickle (protocol 2 or later: torch's legacy format, paddle.save)."""
-    return head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
-
-
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """The arrays of a safetensors file; WeightsError for a file that is missing or not safetensors (a pickle
     is refused unread: loading one runs whatever code it carries)."""
@@ -375,134 +370,6 @@ def from_paddle_vision(state: dict[str, np.ndarray], source: str) -> dict[str, n
     return renamed
 
 
-class _TorchStorage:
-    """A storage of a torch checkpoint: its element type and where its bytes are."""
-
-    def __init__(self, dtype, key):
-        self.dtype, self.key, self.array = dtype, key, None
-
-
-TORCH_DTYPES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-                "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
-                "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
-
-
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    return ("tensor", storage, offset, tuple(size), tuple(stride))
-
-
-class _TorchUnpickler(pickle.Unpickler):
-    """Reads the tensors of a torch checkpoint and nothing else: the only callables it will build are torch's
-    tensor rebuild function and an OrderedDict; any other global (the code a pickle can carry) is refused."""
-
-    def __init__(self, file, source):
-        super().__init__(file)
-        self.source = source
-        self.storages: dict[str, _TorchStorage] = {}
-
-    def find_class(self, module, name):
-        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
-            return _rebuild_tensor
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        if module == "torch" and name in TORCH_DTYPES:
-            return TORCH_DTYPES[name]
-        raise WeightsError(f"{self.source}: refers to {module}.{name}, which a file of weights does not need: "
-                           "not read (a pickle can run code)")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise WeightsError(f"{self.source}: unsupported torch storage record {pid!r:.60}")
-        dtype, key = pid[1], str(pid[2])
-        if not isinstance(dtype, type):
-            raise WeightsError(f"{self.source}: unsupported torch storage type {dtype!r:.60}")
-        return self.storages.setdefault(key, _TorchStorage(dtype, key))
-
-
-def _tensors(tree, source) -> dict[str, np.ndarray]:
-    """{name: array} of an unpickled state dict whose storages are filled in."""
-    if isinstance(tree, dict) and "state_dict" in tree and isinstance(tree["state_dict"], dict):
-        tree = tree["state_dict"]
-    if not isinstance(tree, dict):
-        raise WeightsError(f"{source}: holds a {type(tree).__name__}, not a state dict")
-    out = {}
-    for name, value in tree.items():
-        if not (isinstance(value, tuple) and len(value) == 5 and value[0] == "tensor"):
-            raise WeightsError(f"{source}: {name!r} is not a tensor")
-        _, storage, offset, size, stride = value
-        flat = storage.array
-        itemsize = flat.itemsize
-        out[str(name)] = np.lib.stride_tricks.as_strided(
-            flat[offset:], shape=size, strides=[s * itemsize for s in stride]).copy() if size else \
-            flat[offset:offset + 1].reshape(()).copy()
-    return out
-
-
-TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-
-
-def _read_torch_zip(path: str) -> dict[str, np.ndarray]:
-    with zipfile.ZipFile(path) as archive:
-        pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-        if pkl is None:
-            raise WeightsError(f"{path}: a zip without data.pkl: not a torch checkpoint")
-        root = pkl[: -len("data.pkl")]
-        with archive.open(pkl) as f:
-            unpickler = _TorchUnpickler(f, path)
-            tree = unpickler.load()
-        for key, storage in unpickler.storages.items():
-            storage.array = np.frombuffer(archive.read(f"{root}data/{key}"), dtype=storage.dtype)
-    return _tensors(tree, path)
-
-
-def _read_torch_legacy(path: str) -> dict[str, np.ndarray]:
-    """torch's format before 1.6: pickles of the magic number, the protocol version and the system info, then
-    of the object (storages by reference), of the storage keys, then each storage's element count and bytes."""
-    with open(path, "rb") as f:
-        if _TorchUnpickler(f, path).load() != TORCH_LEGACY_MAGIC:
-            raise WeightsError(f"{path}: a pickle, but not a torch checkpoint")
-        _TorchUnpickler(f, path).load()  # protocol version
-        _TorchUnpickler(f, path).load()  # system info (little-endian, type sizes)
-        unpickler = _TorchUnpickler(f, path)
-        tree = unpickler.load()
-        for key in _TorchUnpickler(f, path).load():
-            storage = unpickler.storages[str(key)]
-            count = int(np.frombuffer(f.read(8), dtype="<i8")[0])
-            size = count * np.dtype(storage.dtype).itemsize
-            data = f.read(size)
-            if len(data) != size:
-                raise WeightsError(f"{path}: cut short (storage {key} has {len(data)} of {size} bytes)")
-            storage.array = np.frombuffer(data, dtype=storage.dtype)
-    return _tensors(tree, path)
-
-
-def read_torch_checkpoint(path: str) -> dict[str, np.ndarray]:
-    """The tensors of a `torch.save` file, read without torch: the zip format (torch >= 1.6) and the earlier
-    sequential one (not checked here which of the two pytorch-fid's .pth is in: both are read).
-    Only tensors, dicts and numbers are built: any other object the pickle names is refused."""
-    try:
-        return _read_torch_zip(path) if zipfile.is_zipfile(path) else _read_torch_legacy(path)
-    except WeightsError:
-        raise
-    except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, IndexError, AttributeError,
-            zipfile.BadZipFile) as e:
-        raise WeightsError(f"{path}: cannot read it as a torch checkpoint ({type(e).__name__}: {e})") from None
-
-
-def _read_paddle_pickle(path: str) -> dict[str, np.ndarray]:
-    """A `paddle.save` state dict, through paddle.load (which unpickles it)."""
-    try:
-        loaded = paddle.load(path, return_numpy=True)
-    except Exception as e:  # noqa: BLE001 - paddle.load raises many kinds for a file that is not its own
-        raise WeightsError(f"{path}: neither a torch checkpoint nor a Paddle state dict ({type(e).__name__})") \
-            from None
-    if not isinstance(loaded, dict):
-        raise WeightsError(f"{path}: holds a {type(loaded).__name__}, not a state dict")
-    return {str(k): np.asarray(v) for k, v in loaded.items()}
-
-
 def read_original(path: str) -> tuple[dict[str, np.ndarray], str]:
     """(weights under pytorch-fid's names, what the file was) of a published FID Inception file."""
     if not os.path.isfile(path):
@@ -510,15 +377,11 @@ def read_original(path: str) -> tuple[dict[str, np.ndarray], str]:
     head = _head(path)
     if is_safetensors(head):
         state, kind = read_safetensors(path), "safetensors"
-    elif zipfile.is_zipfile(path):
-        state, kind = read_torch_checkpoint(path), "torch checkpoint (zip)"
-    elif is_pickle(head):
-        try:
-            state, kind = read_torch_checkpoint(path), "torch checkpoint (legacy)"
-        except WeightsError:
-            state, kind = _read_paddle_pickle(path), "Paddle state dict"
     else:
-        raise WeightsError(f"{path}: neither safetensors, a torch checkpoint nor a Paddle state dict")
+        try:
+            state, kind = read_pickled_weights(path)
+        except PickleError as e:
+            raise WeightsError(str(e)) from None
     if any(k.startswith(("inception_stem.", "inception_block_list.")) for k in state):
         state = from_paddle_vision(state, path)
         kind += ", PaddleMIX / paddle.vision names"
@@ -527,8 +390,8 @@ def read_original(path: str) -> tuple[dict[str, np.ndarray], str]:
 
 def convert_inception(src: str, dst: str) -> dict:
     """Write the FID Inception weights of `src` (pytorch-fid's .pth, PaddleMIX's .pdparams, or safetensors) to
-    `dst` as safetensors under pytorch-fid's names, the classifier and batch counters left out. Unpickles `src`
-    (restricted to tensors for a torch file; through paddle.load for a Paddle one): only for files you trust."""
+    `dst` as safetensors under pytorch-fid's names, the classifier and batch counters left out. A pickled `src` is
+    read by `ldm.pickled_weights`, which refuses one that names anything but tensors."""
     from safetensors.numpy import save_file
 
     state, kind = read_original(src)
