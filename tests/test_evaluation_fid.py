@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import sys
-import zipfile
 
 import eval_weights as ew
 import numpy as np

@@ -2,7 +2,8 @@
 
 fsspec opens them and reads them in blocks (a shard is streamed, never downloaded whole first).
 Credentials come from each store's usual environment and config files, as fsspec's backends find them;
-no flag takes one. What fsspec does not do is retry: a dropped connection or an HTTP 5xx in the middle
+no flag takes one. Any other option of a backend is an `FSSPEC_<PROTOCOL>_<OPTION>` variable (docs/data-formats.md).
+What fsspec does not do is retry: a dropped connection or an HTTP 5xx in the middle
 of a multi-gigabyte shard would cost the rest of it. `RetryingReader` reopens the URL where the read
 stopped, with backoff, and gives up with an `OSError` after `ATTEMPTS` tries; a URL that does not exist
 raises `FileNotFoundError` at once.
@@ -27,8 +28,10 @@ PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hdfs": 
 
 logger = logging.getLogger("ldm.data")
 
-# Never retried: the answer will not change.
-PERMANENT = (PermissionError, IsADirectoryError, NotADirectoryError)
+# Never retried: the answer will not change. A programming error (a TypeError from a backend handed an argument
+# it does not take) is not a network failure either.
+PERMANENT = (PermissionError, IsADirectoryError, NotADirectoryError, TypeError, AttributeError, NameError,
+             ImportError, NotImplementedError, AssertionError)
 
 
 def really_missing(error: FileNotFoundError) -> bool:
@@ -58,6 +61,9 @@ def _fsspec():
 
     if not _fork_safe:
         os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
+        # storage options from FSSPEC_<PROTOCOL>_<OPTION> variables (FSSPEC_GCS_TOKEN=anon, ...): fsspec reads them
+        # when it is imported, which may be before this process's environment was final (a fork server's child)
+        fsspec.config.set_conf_env(fsspec.config.conf)
         _fork_safe = True
     return fsspec
 
@@ -129,7 +135,10 @@ class RetryingReader(io.RawIOBase):
     def _open(self):
         fsspec = _fsspec()
         self._close_file()
-        f = fsspec.open(self.url, "rb", block_size=BLOCK_SIZE).open()
+        # block_size goes to the file, not to `fsspec.open`: that hands extra arguments to the filesystem's
+        # constructor, which HTTP's accepts and S3's rejects
+        fs, path = fsspec.core.url_to_fs(self.url)
+        f = fs.open(path, "rb", block_size=BLOCK_SIZE)
         try:
             if self.position and not self._seek(f):  # a stream without ranges: read up to where we were
                 left = self.position
