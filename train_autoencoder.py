@@ -9,13 +9,13 @@ Runs on one card or many (`python -m paddle.distributed.launch`), with the hand-
 flags (checkpoints, --resume_from_checkpoint, logging). Captions are not read.
 """
 
-from ldm.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, RunArguments, parse
+from ldm.config.args import AutoencoderArguments, AutoencoderLoopArguments, DataArguments, RunArguments, parse
 
 
 def main(argv=None) -> int:
     args, data_args, loop_args, run_args = parse(
         [AutoencoderArguments, DataArguments, AutoencoderLoopArguments, RunArguments], argv)
-    from ldm.runtime import use_fast_cpu_kernels
+    from ldm.runtime.device import use_fast_cpu_kernels
     from ldm.train.autoencoder import train
     from ldm.train.errors import user_errors
 
@@ -26,6 +26,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ldm.distributed import run_main
+    from ldm.runtime.distributed import run_main
 
     run_main(main)

@@ -5,12 +5,12 @@
     python -m paddle.distributed.launch --gpus 0,1,2,3 train_txt2img_laion400m_no_trainer.py ...
 """
 
-from ldm.args import NO_TRAINER_GROUPS, parse
+from ldm.config.args import NO_TRAINER_GROUPS, parse
 
 
 def main(argv=None) -> int:
     model_args, data_args, sampling_args, loop_args, run_args, validation_args = parse(NO_TRAINER_GROUPS, argv)
-    from ldm.runtime import use_fast_cpu_kernels
+    from ldm.runtime.device import use_fast_cpu_kernels
     from ldm.train.errors import user_errors
     from ldm.train.loop import train
 
@@ -21,6 +21,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ldm.distributed import run_main
+    from ldm.runtime.distributed import run_main
 
     run_main(main)

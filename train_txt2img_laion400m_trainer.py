@@ -6,7 +6,7 @@
 
 import sys
 
-from ldm.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, ValidationArguments, parse
+from ldm.config.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, ValidationArguments, parse
 
 
 def main(argv=None) -> int:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
         [ModelArguments, DataArguments, SamplingArguments, TrainingArguments, RunArguments, ValidationArguments], argv)
     if not training_args.do_train:
         sys.exit("error: nothing to do: pass --do_train")
-    from ldm.runtime import use_fast_cpu_kernels
+    from ldm.runtime.device import use_fast_cpu_kernels
     from ldm.train.errors import user_errors
     from ldm.train.trainer import train
 
@@ -27,6 +27,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ldm.distributed import run_main
+    from ldm.runtime.distributed import run_main
 
     run_main(main)

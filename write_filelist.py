@@ -17,8 +17,8 @@ import glob
 import os
 import sys
 
-from ldm.args import ToolParser
 from ldm.data import remote
+from ldm.runtime.cli import ToolParser
 
 
 def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:

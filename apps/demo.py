@@ -21,9 +21,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from ldm.args import ToolParser
 from ldm.data.synth import caption
-from ldm.tracking import read_scalars
+from ldm.runtime.cli import ToolParser
+from ldm.runtime.tracking import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet and LDMBert
@@ -164,7 +164,7 @@ class Demo:
         self.summary("ldm", f"final loss {loss:.4f}; checkpoints and pipeline in ldm/")
 
     def export(self) -> None:
-        from ldm.run_folder import latest_checkpoint
+        from ldm.checkpoint.run_folder import latest_checkpoint
 
         checkpoint = latest_checkpoint(self.path("ldm"))
         self.run("export", "the last checkpoint as an LDMTextToImagePipeline",

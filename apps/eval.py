@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ldm.args import ToolParser
 from ldm.data.synth import COLOURS, SHAPES, caption
+from ldm.runtime.cli import ToolParser
 
 NAMES = tuple(COLOURS)
 PALETTE = np.array([COLOURS[name] for name in NAMES], dtype=np.float32)
@@ -140,9 +140,9 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     """Generate for `eval_prompts()`, classify, score; plus the classifier on real corpus images and on
     the model's own autoencoder reconstructions (what the LDM can at best reach)."""
     from ldm.data.tokenize import CaptionTokenizer
-    from ldm.inference import load_for_inference
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import ddim_scheduler, generate, image_grid
     from ldm.models.build import model_resolution
-    from ldm.sampling import ddim_scheduler, generate, image_grid
 
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(model)
     prompts = eval_prompts()
@@ -178,11 +178,11 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.checkpoint import refuse_pickles
+    from ldm.checkpoint.format import refuse_pickles
     from ldm.data.dataset import to_pixel_values
     from ldm.data.synth import record
+    from ldm.inference.sampling import image_grid
     from ldm.models.autoencoder import reconstruct
-    from ldm.sampling import image_grid
 
     folder = vae if isinstance(vae, str) else None
     if folder:
@@ -242,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     auto.add_argument("--grid", help="save inputs (top row) vs reconstructions (bottom row)")
     auto.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    from ldm.runtime import use_fast_cpu_kernels
+    from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
-    from ldm.run_folder import CheckpointError
-    from ldm.tracking import quiet_libraries
+    from ldm.checkpoint.run_folder import CheckpointError
+    from ldm.runtime.tracking import quiet_libraries
 
     quiet_libraries()
     for name in ("num_images_per_prompt", "num_inference_steps", "num_images", "reference_images"):

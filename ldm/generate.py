@@ -14,7 +14,7 @@ import os
 import re
 import sys
 
-from ldm.args import ToolParser
+from ldm.runtime.cli import ToolParser
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="smallest side of an image in grid.png, in pixels (enlarged by a whole factor)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args(argv)
-    from ldm.runtime import use_fast_cpu_kernels
+    from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
 
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.exit(2, f"error: --{name} must be at least 1\n")
 
-    from ldm.tracking import quiet_libraries
+    from ldm.runtime.tracking import quiet_libraries
 
     quiet_libraries()
+    from ldm.checkpoint.run_folder import CheckpointError
     from ldm.data.tokenize import CaptionTokenizer
-    from ldm.inference import load_for_inference
-    from ldm.run_folder import CheckpointError
-    from ldm.sampling import ddim_scheduler, generate, labeled_grid, latent_size
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import ddim_scheduler, generate, labeled_grid, latent_size
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from ldm.tracking import METRICS_FILE
+from ldm.runtime.tracking import METRICS_FILE
 
 DEFAULT_PANELS = (
     ("train/loss", "eval/loss", "eval/ema_loss"),
@@ -119,7 +119,7 @@ def check_output(output: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ldm.args import ToolParser
+    from ldm.runtime.cli import ToolParser
 
     parser = ToolParser(prog="python -m ldm.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run output folders (or metrics.jsonl files)")

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from ldm.args import ToolParser
 from ldm.data.dataset import to_pixel_values, to_uint8_batch
+from ldm.runtime.cli import ToolParser
 
 MAKE = {"float32": to_pixel_values, "uint8": to_uint8_batch}
 

@@ -1,4 +1,5 @@
-"""The CPU fixes of `ldm.cpu` and `ldm.compat.fast_conv_bias`: the demo's training steps with and without.
+"""The CPU fixes of `ldm.runtime.cpu` and `ldm.runtime.compat.fast_conv_bias`: the demo's training steps with and
+without.
 
     .venv/bin/python scripts/bench_cpu_kernels.py [--rounds 3] [--updates 10]
 
@@ -26,11 +27,11 @@ import paddle.nn.functional as F
 import paddle.nn.functional.conv as conv
 from bench_train import bare_step_seconds, seconds_per_call
 
-from ldm.args import DataArguments, ModelArguments, SamplingArguments
-from ldm.cpu import choose_mkl_kernels, cpu_identity
+from ldm.config.args import DataArguments, ModelArguments, SamplingArguments
 from ldm.data.synth import synth_corpus
 from ldm.models.autoencoder import AutoencoderTraining
-from ldm.runtime import use_fast_cpu_kernels
+from ldm.runtime.cpu import choose_mkl_kernels, cpu_identity
+from ldm.runtime.device import use_fast_cpu_kernels
 from ldm.train import setup
 from ldm.train.autoencoder import build_autoencoder
 from ldm.train.objective import TextToImage
@@ -80,7 +81,7 @@ def run_child(updates: int, arm: str) -> dict:
     env = dict(os.environ)
     env.pop("MKL_DEBUG_CPU_TYPE", None)
     if not mkl:
-        env["MKL_DEBUG_CPU_TYPE"] = ""  # set, so ldm.cpu leaves it; empty, so MKL chooses by itself
+        env["MKL_DEBUG_CPU_TYPE"] = ""  # set, so ldm.runtime.cpu leaves it; empty, so MKL chooses by itself
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     command = [sys.executable, os.path.abspath(__file__), "--child", "--updates", str(updates)]
     out = subprocess.run(command + (["--fast_bias"] if fast_bias else []), env=env, cwd=ROOT, check=True,
@@ -100,7 +101,7 @@ def main() -> None:
         return
 
     vendor, _ = cpu_identity()
-    print(f"CPU vendor {vendor or 'unknown'}; ldm.cpu sets MKL_DEBUG_CPU_TYPE here: {choose_mkl_kernels({})}")
+    print(f"CPU vendor {vendor or 'unknown'}; ldm.runtime.cpu sets MKL_DEBUG_CPU_TYPE here: {choose_mkl_kernels({})}")
     results = {name: [] for name in ARMS}
     for round_index in range(args.rounds):
         for name in results:

@@ -32,9 +32,9 @@ import sys
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from ldm.args import ToolParser
 from ldm.data.tools import main as data_main
 from ldm.data.write import ShardWriter, encode_image, record_line, write_img2dataset_parquet, write_webdataset
+from ldm.runtime.cli import ToolParser
 
 
 def photo_like(rng: np.random.Generator) -> Image.Image:

@@ -15,8 +15,8 @@ import time
 
 import paddle
 
-from ldm.args import ToolParser
 from ldm.models.build import build_components
+from ldm.runtime.cli import ToolParser
 
 
 def seconds(fn, rounds: int) -> float:

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_step.py [--preset ldm-demo] [--batch 16] [--rounds 30]
 
 Builds the preset's UNet and LDMBert, takes one real backward pass, then times
-`paddle.nn.utils.clip_grad_norm_` (the baseline) and `ldm.train.objective.clip_grad_norm` on the same
+`paddle.nn.utils.clip_grad_norm_` (the baseline) and `ldm.train.gradients.clip_grad_norm` on the same
 gradients, interleaved, and prints the medians and their ratio. Both clip to `max_norm` 1.0 and
 must agree on the norm. For small models on a CPU the per-op cost of the clipping (a few ops per
 weight tensor) is a visible share of an optimizer update.
@@ -16,9 +16,9 @@ import time
 
 import paddle
 
-from ldm.args import ToolParser
 from ldm.models.build import load_part, load_text_encoder, resolve_source
-from ldm.train.objective import clip_grad_norm
+from ldm.runtime.cli import ToolParser
+from ldm.train.gradients import clip_grad_norm
 
 
 def main() -> None:

@@ -30,10 +30,11 @@ import time
 import numpy as np
 import paddle
 
-from ldm.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments, ToolParser
+from ldm.config.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
 from ldm.data.synth import synth_corpus
-from ldm.runtime import use_fast_cpu_kernels
-from ldm.tracking import read_scalars
+from ldm.runtime.cli import ToolParser
+from ldm.runtime.device import use_fast_cpu_kernels
+from ldm.runtime.tracking import read_scalars
 from ldm.train import setup
 from ldm.train.loop import run
 from ldm.train.objective import TextToImage

@@ -1,5 +1,5 @@
 """Print the parameter count of every part of each preset and the FLOPs of one training sample (builds
-them on the CPU; `ldm.flops` counts the FLOPs as a run does at its start).
+them on the CPU; `ldm.models.flops` counts the FLOPs as a run does at its start).
 
     .venv/bin/python scripts/model_report.py [--resolution 256] [--text_length 77] [preset ...]
 
@@ -11,10 +11,10 @@ import argparse
 import logging
 import time
 
-from ldm.flops import ldm_training_flops
 from ldm.models.build import PRESETS, build_components, model_resolution
 from ldm.models.diffusion import LatentDiffusion
-from ldm.runtime import use_fast_cpu_kernels
+from ldm.models.flops import ldm_training_flops
+from ldm.runtime.device import use_fast_cpu_kernels
 
 
 def main() -> None:

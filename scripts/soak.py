@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ldm.checkpoint.run_folder import checkpoint_dirs, checkpoint_problem, checkpoint_step, latest_checkpoint  # noqa: E402
 from ldm.data.dataset import CONSUMED_LOG  # noqa: E402
-from ldm.run_folder import checkpoint_dirs, checkpoint_problem, checkpoint_step, latest_checkpoint  # noqa: E402
 from ldm.train.objective import NAN_FAULT  # noqa: E402
 
 KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save", "disk_full")

@@ -9,7 +9,7 @@ import numpy as np
 from conftest import ROOT
 from safetensors.numpy import load_file
 
-from ldm.serialization import load_state
+from ldm.checkpoint.serialization import load_state
 
 # What every training run and tool imports: the fork server imports it once, and each run starts as a fork
 # of that process instead of a new interpreter that spends 6-10 s importing Paddle, PaddleNLP and ppdiffusers.

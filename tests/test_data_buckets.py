@@ -9,8 +9,10 @@ import pytest
 from corpus import aspect_sizes, photo, write_aspect_corpus
 from entry import run_python
 
-from ldm.args import ArgumentError, DataArguments
-from ldm.data.buckets import (
+from ldm.config.args import ArgumentError, DataArguments
+from ldm.data.record import ImageTransform
+from ldm.data.write import encode_image
+from ldm.models.buckets import (
     BucketError,
     area_kept,
     auto_buckets,
@@ -19,8 +21,6 @@ from ldm.data.buckets import (
     nearest_bucket,
     parse_buckets,
 )
-from ldm.data.record import ImageTransform
-from ldm.data.write import encode_image
 from ldm.models.build import model_size_step
 
 
@@ -130,7 +130,7 @@ def test_bench_compares_buckets_with_square_crops_on_the_same_shards(tmp_path):
 
 
 def test_a_yaml_list_of_buckets_is_one_flag(tmp_path):
-    from ldm.config import expand_config
+    from ldm.config.record import expand_config
 
     (tmp_path / "run.yaml").write_text("aspect_buckets: [24x40, 40x24]\nresolution: 32\n")
     argv = expand_config(["--config", str(tmp_path / "run.yaml")])

@@ -279,7 +279,7 @@ def test_another_seed_starts_the_next_pass_with_a_warning_and_other_shards_are_r
 
 
 def test_the_plan_command_reads_the_checkpoint_through_read_training_state(tmp_path, monkeypatch, capsys):
-    import ldm.checkpoint
+    import ldm.checkpoint.format
     from ldm.data.tools import main, resumed_slot_plan
 
     shards = text_shards(tmp_path, [9, 4, 13, 6])
@@ -288,7 +288,7 @@ def test_the_plan_command_reads_the_checkpoint_through_read_training_state(tmp_p
     _, saved = run(shards, None, 2, 2, steps=3, buffer=4, seed=5)
     asked = []
     (tmp_path / "checkpoint-3").mkdir()
-    monkeypatch.setattr(ldm.checkpoint, "read_training_state",
+    monkeypatch.setattr(ldm.checkpoint.format, "read_training_state",
                         lambda folder: asked.append(folder) or {"stream": saved, "world_size": 2})
     assert main(["plan", "--from_checkpoint", str(tmp_path / "checkpoint-3"), "--file_list", str(tmp_path / "list"),
                  "--world_size", "3", "--num_workers", "1"]) == 0
@@ -378,8 +378,8 @@ def test_the_chain_2x2_1x3_2x1_on_real_images_of_random_aspect_ratios(tmp_path):
     bucket, several buckets are trained, and every record of the interrupted passes is read exactly once."""
     from corpus import aspect_sizes, write_aspect_corpus
 
-    from ldm.data.buckets import auto_buckets, nearest_bucket
     from ldm.data.filelist import read_file_list
+    from ldm.models.buckets import auto_buckets, nearest_bucket
 
     listing = write_aspect_corpus(str(tmp_path / "corpus"), 40, 8, seed=3)
     shards = read_file_list(listing)

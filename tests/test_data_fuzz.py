@@ -31,7 +31,6 @@ from conftest import ROOT
 from corpus import GOOD_KINDS, bomb_png, image_bytes
 from PIL import Image
 
-from ldm.compat import stop_loader
 from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.plan import slot_units
@@ -40,6 +39,7 @@ from ldm.data.shard import CHUNK, MAX_LINE_BYTES
 from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
 from ldm.data.watchdog import raise_if_error
 from ldm.data.write import encode_image
+from ldm.runtime.compat import stop_loader
 
 SEED = 20251123
 FUZZ_LINES = 2600

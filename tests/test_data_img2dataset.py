@@ -20,8 +20,7 @@ from img2dataset_corpus import IMAGE_SIZE, own_stats, write_list
 from servers import serve
 from test_data_stream import consume
 
-from ldm.args import ArgumentError, DataArguments
-from ldm.compat import stop_loader
+from ldm.config.args import ArgumentError, DataArguments
 from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.filters import MetadataFilters
@@ -30,6 +29,7 @@ from ldm.data.record import ImageTransform
 from ldm.data.shard import iter_lines
 from ldm.data.stream import SlotStream
 from ldm.data.tools import slot_plan
+from ldm.runtime.compat import stop_loader
 
 
 def run(*args, cwd=None):
@@ -494,7 +494,7 @@ def test_buckets_keep_more_of_img2dataset_keep_ratio_output_than_a_square_crop(t
     reads its tars, sends each photograph to the bucket of its original aspect ratio and reports the area kept."""
     from img2dataset_corpus import FAILING, NUM_URLS, build, original_size
 
-    from ldm.data.buckets import area_kept, auto_buckets, bucket_name, nearest_bucket
+    from ldm.models.buckets import area_kept, auto_buckets, bucket_name, nearest_bucket
 
     corpus = build(tmp_path, resize_mode="keep_ratio", formats=(("webdataset", "wds"),))
     out = subprocess.run([sys.executable, "-m", "ldm.data", "stats", "--file_list", corpus["tar_list"], "--json",

@@ -14,12 +14,12 @@ import pytest
 from corpus import write_corpus
 from test_data_plan import text_shards
 
-from ldm.compat import stop_loader
 from ldm.data.dataset import CaptionImageStream, StreamState, build_dataloader
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, SkipRecord
 from ldm.data.stream import NoUsableData, SlotStream
 from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
+from ldm.runtime.compat import stop_loader
 
 
 def skip_every_fifth(record):
@@ -150,8 +150,8 @@ def test_resume_with_another_layout_reads_the_rest_of_the_pass_exactly_once(corp
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_closing_the_batches_stops_the_loader_workers_and_threads(corpus, num_workers):
-    from ldm.args import DataArguments
-    from ldm.distributed import Distributed
+    from ldm.config.args import DataArguments
+    from ldm.runtime.distributed import Distributed
     from ldm.train.batches import build_batches
 
     before, children = set(threading.enumerate()), set(multiprocessing.active_children())
@@ -211,8 +211,8 @@ def test_fewer_records_than_slots_fails_at_start(tmp_path, vocab_dir):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_data_error_reaches_the_training_loop_as_itself(tmp_path, num_workers):
     """Paddle's DataLoader loses dataset exceptions (num_workers=0 hung forever): they must arrive."""
-    from ldm.args import DataArguments
-    from ldm.distributed import Distributed
+    from ldm.config.args import DataArguments
+    from ldm.runtime.distributed import Distributed
     from ldm.train.batches import build_batches
 
     for i in range(2):
@@ -228,8 +228,8 @@ def test_a_data_error_reaches_the_training_loop_as_itself(tmp_path, num_workers)
 
 STALL_SCRIPT = """
 import sys
-from ldm.args import DataArguments
-from ldm.distributed import Distributed
+from ldm.config.args import DataArguments
+from ldm.runtime.distributed import Distributed
 from ldm.train.batches import build_batches
 data = DataArguments(file_list=sys.argv[1], resolution=32, data_timeout=float(sys.argv[3]))
 batches = build_batches(data, None, batch_size=2, seed=0, dist=Distributed(), num_workers=int(sys.argv[2]))
@@ -265,10 +265,10 @@ def test_closing_stops_a_worker_stuck_inside_a_record_in_bounded_time(tmp_path, 
     """A worker blocked in a read never looks at its queue again: closing must kill it, not wait forever."""
     import os
 
-    from ldm import compat
-    from ldm.args import DataArguments
+    from ldm.config.args import DataArguments
     from ldm.data.plan import slot_units
-    from ldm.distributed import Distributed
+    from ldm.runtime import compat
+    from ldm.runtime.distributed import Distributed
     from ldm.train.batches import build_batches
 
     monkeypatch.setattr(compat, "WORKER_EXIT_SECONDS", 2)
@@ -349,10 +349,10 @@ def test_loader_workers_die_with_a_killed_training_process(tmp_path):
 def test_a_resume_over_an_edited_file_list_is_refused_unless_asked_and_plan_says_the_same(tmp_path, vocab_dir, edit):
     """The data position is a position in the shard order it was made for: another set of shards is refused in one
     line (by training and by `plan --from_checkpoint`); asked for, the interrupted pass ends and pass 1 starts."""
+    from ldm.checkpoint.serialization import save_state
     from ldm.data import tools
     from ldm.data.dataset import DataChanged, rank_stream_state
     from ldm.data.filelist import shard_set
-    from ldm.serialization import save_state
 
     listing = write_corpus(str(tmp_path / "corpus"), num_records=64, records_per_shard=8)
     extra = write_corpus(str(tmp_path / "more"), num_records=8, records_per_shard=8)
@@ -411,7 +411,7 @@ def test_plan_from_something_that_is_no_checkpoint_is_one_line(tmp_path, what, c
         target.mkdir()
         (target / "training_state.pkl").write_bytes(b"old")
     elif what == "damaged":  # files that no longer match its manifest: a resume refuses it, plan too
-        from ldm.run_folder import write_manifest
+        from ldm.checkpoint.run_folder import write_manifest
 
         target.mkdir()
         (target / "training_state.json").write_text("{}")

@@ -41,8 +41,8 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     assert report["classifier_on_corpus"]["all_three"] >= 0.99
     assert 0 < report["autoencoder"]["scaling_factor"] != 1.0  # measured, not the preset's
 
-    from ldm.checkpoint import read_training_state
-    from ldm.run_folder import latest_checkpoint
+    from ldm.checkpoint.format import read_training_state
+    from ldm.checkpoint.run_folder import latest_checkpoint
 
     processes = report["settings"]["processes"]
     # both training stages run in one process per core up to two on a CPU, in one process on a GPU

@@ -13,8 +13,8 @@ import pytest
 from corpus import write_corpus
 from entry import run_entry, weights
 
-from ldm.checkpoint import read_training_state
-from ldm.tracking import read_scalars
+from ldm.checkpoint.format import read_training_state
+from ldm.runtime.tracking import read_scalars
 
 HAS_GPU = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")]

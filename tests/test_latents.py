@@ -14,13 +14,13 @@ from corpus import write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
-from ldm.data.buckets import nearest_bucket
 from ldm.data.encode import encode_moments, load_autoencoder
 from ldm.data.filelist import read_file_list
 from ldm.data.latents import from_bytes, parse_latent_record, to_bytes
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import iter_lines
 from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.buckets import nearest_bucket
 
 RESOLUTION = 32
 ENCODE = ["-m", "ldm.data", "encode"]
@@ -87,7 +87,7 @@ def test_stored_dtypes_round_trip_as_paddle_casts_them():
 
 def test_a_step_on_precomputed_moments_equals_the_step_on_their_images(vae, vocab_dir):
     """The same seed gives the same loss whether the autoencoder runs in the step or ran before it."""
-    from ldm.args import DataArguments, ModelArguments
+    from ldm.config.args import DataArguments, ModelArguments
     from ldm.train import setup
 
     data = DataArguments(tokenizer_name=vocab_dir, model_max_length=8, resolution=RESOLUTION)

@@ -10,13 +10,13 @@ import paddle
 import pytest
 from entry import run_python
 
-from ldm.checkpoint import save_model
+from ldm.checkpoint.format import save_model
+from ldm.checkpoint.serialization import load_state, save_state
 from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
 from ldm.models.build import PRESETS_DIR, build_components
 from ldm.models.diffusion import LatentDiffusion
 from ldm.models.ema import EMA
 from ldm.models.init import fan_in, unet_zero_init_layers
-from ldm.serialization import load_state, save_state
 
 MAX_LENGTH = 16
 
@@ -216,7 +216,8 @@ def test_ema_warmup_and_counter_survive_save_load(tokenizer, tmp_path):
 def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_path, capsys):
     from ppdiffusers import LDMTextToImagePipeline
 
-    from ldm.export import export_checkpoint, main
+    from ldm.export import main
+    from ldm.inference.export import export_checkpoint
     from ldm.models.autoencoder import autoencoder_identity
 
     c = tiny(tokenizer)

@@ -1,11 +1,11 @@
-"""`python -m ldm.plot`: curves drawn from the metrics files runs write (`ldm.tracking.MetricsFile`)."""
+"""`python -m ldm.plot`: curves drawn from the metrics files runs write (`ldm.runtime.tracking.MetricsFile`)."""
 
 import os
 
 from entry import run_python
 
 from ldm.plot import main, read_metrics
-from ldm.tracking import MetricsFile
+from ldm.runtime.tracking import MetricsFile
 
 
 def write_run(folder, steps, *, evaluate=(), nan_at=()):

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle in `ldm/`, the data layer never reaches up into training, the run
-folder is filesystem policy only, and `import ldm` changes nothing in the process.
+"""The package's shape: no import cycle in `ldm/`, between modules or between packages; the packages stand in one
+order, each using only those below it; the top of `ldm/` holds only the commands users call; the run folder is
+filesystem policy only; and `import ldm` changes nothing in the process.
 
 Every import counts, at the top of a module or inside a function: a cycle through a deferred import is
 still a cycle a reader has to hold in their head.
@@ -102,24 +103,52 @@ def test_no_import_cycle_in_the_package():
     assert cycles(import_graph()) == []
 
 
-def test_data_layer_does_not_import_training():
+# bottom to top: each package may import only those before it (the order of the README's map)
+LAYERS = ["runtime", "models", "checkpoint", "data", "config", "inference", "evaluation", "train"]
+COMMANDS = {"ldm.evaluate", "ldm.export", "ldm.generate", "ldm.plot"}  # `python -m ldm.X`: may use every package
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") >= 1 else ""
+
+
+def test_packages_depend_on_each_other_one_way_in_the_documented_order():
     graph = import_graph()
-    upward = sorted((m, t) for m, targets in graph.items() if m.startswith("ldm.data")
-                    for t in targets if t.startswith("ldm.train"))
+    packages = {package_of(m) for m in graph if m.count(".") >= 2 or m.endswith("__init__")}
+    assert set(LAYERS) <= packages, packages
+    upward = sorted((m, t) for m, targets in graph.items() for t in targets
+                    if m not in COMMANDS and not m.endswith(".__main__") and package_of(m) != package_of(t)
+                    and package_of(m) in LAYERS and (package_of(t) not in LAYERS
+                                                     or LAYERS.index(package_of(t)) > LAYERS.index(package_of(m))))
     assert upward == []
+    package_graph = {p: {package_of(t) for m, ts in graph.items() if package_of(m) == p
+                         for t in ts if package_of(t) != p} for p in LAYERS}
+    assert cycles(package_graph) == []
+
+
+def test_the_top_of_the_package_holds_only_commands():
+    top = {name for name in os.listdir(PACKAGE) if name.endswith(".py")} - {"__init__.py", "__main__.py"}
+    assert {f"ldm.{name[:-3]}" for name in top} == COMMANDS
+    assert len(top) <= 6
+    for name in LAYERS:  # every package says what it owns and what it may use
+        with open(os.path.join(PACKAGE, name, "__init__.py")) as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+        assert doc and ("May use" in doc or "imports nothing of `ldm`" in doc or "may use every" in doc), name
 
 
 def test_run_folder_is_filesystem_policy_only():
-    assert import_graph()["ldm.run_folder"] == set()
+    assert import_graph()["ldm.checkpoint.run_folder"] == {"ldm.checkpoint.lock"}
+    assert import_graph()["ldm.checkpoint.lock"] == set()
 
 
 def test_import_ldm_leaves_the_environment_alone():
-    """The CPU tuning is the entry points' explicit start-up (`ldm.runtime.tune_process`), not an import side effect."""
+    """The CPU tuning is the entry points' explicit start-up (`ldm.runtime.device.use_fast_cpu_kernels`), not an
+    import side effect."""
     # the libraries first: OpenCV sets LD_LIBRARY_PATH when imported, which is not ldm's doing
     code = ("import os, sys, cv2, paddle, paddlenlp, ppdiffusers; before = dict(os.environ); "
-            "import ldm, ldm.data.dataset, ldm.args, ldm.train.loop; "
+            "import ldm, ldm.data.dataset, ldm.config.args, ldm.train.loop; "
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
-            "import paddle.nn.functional as F; conv = F.conv2d; import ldm.models.build, ldm.inference; "
+            "import paddle.nn.functional as F; conv = F.conv2d; import ldm.models.build, ldm.inference.load; "
             "assert F.conv2d is conv")
     env = {k: v for k, v in os.environ.items() if k != "MKL_DEBUG_CPU_TYPE"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 
 from ldm.data.dataset import to_pixel_values
 from ldm.data.synth import record, synth_corpus
-from ldm.tracking import read_scalars
+from ldm.runtime.tracking import read_scalars
 
 CONFIG = {"_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3, "latent_channels": 4,
           "block_out_channels": [8, 16], "layers_per_block": 1, "norm_num_groups": 4, "sample_size": 16,

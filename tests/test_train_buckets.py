@@ -11,9 +11,9 @@ import pytest
 from corpus import aspect_sizes, write_aspect_corpus
 from entry import launch_report, run_entry, run_python, weights
 
-from ldm.checkpoint import read_training_state
-from ldm.data.buckets import auto_buckets, bucket_name, nearest_bucket
+from ldm.checkpoint.format import read_training_state
 from ldm.data.dataset import CONSUMED_LOG
+from ldm.models.buckets import auto_buckets, bucket_name, nearest_bucket
 
 SCRIPT = "train_txt2img_laion400m_no_trainer.py"
 RECORDS, PER_SHARD, SEED = 40, 8, 11

@@ -11,7 +11,7 @@ from conftest import ROOT
 from corpus import write_corpus
 from entry import launch_report, run_entry, run_python
 
-from ldm.checkpoint import read_training_state
+from ldm.checkpoint.format import read_training_state
 from ldm.data.dataset import CONSUMED_LOG
 from ldm.train.elastic import describe_resize
 

@@ -14,10 +14,10 @@ from conftest import ROOT
 from corpus import write_corpus
 from entry import FILE_SIZE_LIMIT, guard_stop_errors, launch_report, run_entry, run_until, subprocess_result, weights
 
-from ldm.checkpoint import read_training_state
-from ldm.run_folder import MANIFEST, checkpoint_problem, latest_checkpoint
-from ldm.serialization import load_state, save_state
-from ldm.tracking import read_scalars
+from ldm.checkpoint.format import read_training_state
+from ldm.checkpoint.run_folder import MANIFEST, checkpoint_problem, latest_checkpoint
+from ldm.checkpoint.serialization import load_state, save_state
+from ldm.runtime.tracking import read_scalars
 from ldm.train.objective import Objective
 
 
@@ -277,7 +277,8 @@ def test_two_processes_read_disjoint_data_and_stay_identical(corpus, tmp_path):
     assert len(os.listdir(out / "visualdl")) == 1
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl", "pipeline", "run.json",
                                       "visualdl", "vqvae"]
-    # launched ranks leave with os._exit (ldm.distributed.exit_process): the last log lines and scalars are there
+    # launched ranks leave with os._exit (ldm.runtime.distributed.exit_process): the last log lines and scalars
+    # are there
     assert read_scalars(str(out / "visualdl"), "train/loss")[0] == [2, 4]
     assert "exported" in (tmp_path / "launch_logs" / "workerlog.0").read_text().splitlines()[-1]
 
@@ -343,7 +344,7 @@ def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpo
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
 def test_clip_grad_norm_matches_paddles(max_norm):
-    from ldm.train.objective import clip_grad_norm, global_grad_norm
+    from ldm.train.gradients import clip_grad_norm, global_grad_norm
 
     def clipped(clip):
         paddle.seed(0)
@@ -548,7 +549,7 @@ class PixelRegression(Objective):
 
 
 def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_path):
-    from ldm.args import DataArguments, LoopArguments
+    from ldm.config.args import DataArguments, LoopArguments
     from ldm.data.synth import synth_corpus
     from ldm.train.loop import run
 
@@ -651,7 +652,7 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
     the start (both found by the soak: tracebacks)."""
     from entry import run_python
 
-    from ldm.run_folder import TEMP_PREFIX
+    from ldm.checkpoint.run_folder import TEMP_PREFIX
 
     out = tmp_path / "run"
     args = corpus + ["--max_train_steps", "3", "--save_steps", "2", "--num_workers", "0", "--output_dir", str(out)]
@@ -702,7 +703,7 @@ class PoisonedPixelRegression(PixelRegression):
 
 
 def pixel_run(tmp_path, objective, name, **loop_overrides):
-    from ldm.args import DataArguments, LoopArguments, RunArguments
+    from ldm.config.args import DataArguments, LoopArguments, RunArguments
     from ldm.data.synth import synth_corpus
     from ldm.train.loop import run
 
@@ -806,7 +807,7 @@ def test_run_json_records_the_whole_run_and_a_resume_logs_changes_and_refuses_a_
 
     import paddle
 
-    from ldm.args import NO_TRAINER_GROUPS as groups
+    from ldm.config.args import NO_TRAINER_GROUPS as groups
 
     out = tmp_path / "run"
     config = {"pretrained_model_name_or_path": "ldm-tiny", "allow_untrained_vae": True,  # the corpus flags
@@ -1006,7 +1007,7 @@ def test_a_32_then_64_curriculum_starts_from_the_checkpoint_records_its_lineage_
     pipeline samples 64x96 images. Another architecture, or a resume, do not load it."""
     from entry import run_python
 
-    from ldm.run_folder import MANIFEST, sha256_file
+    from ldm.checkpoint.run_folder import MANIFEST, sha256_file
 
     stage1, stage2 = tmp_path / "s32", tmp_path / "s64"
     common = corpus + ["--num_workers", "0", "--use_ema", "--report_to", "none"]

@@ -11,8 +11,8 @@ from conftest import ROOT
 from corpus import write_corpus
 from entry import guard_stop_errors, launch_report, run_entry, run_until, weights
 
-from ldm.checkpoint import read_training_state
-from ldm.run_folder import checkpoint_problem
+from ldm.checkpoint.format import read_training_state
+from ldm.checkpoint.run_folder import checkpoint_problem
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(cor
 
 def test_three_updates_on_img2dataset_tars_with_metadata_filters(img2dataset_corpus, vocab_dir, tmp_path):
     """The tars img2dataset wrote (tests/img2dataset_corpus.py), read directly by two loader workers, filtered."""
-    from ldm.tracking import read_scalars
+    from ldm.runtime.tracking import read_scalars
 
     out = tmp_path / "run"
     result = run(["--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list",

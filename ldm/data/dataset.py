@@ -30,7 +30,6 @@ import cv2
 import numpy as np
 from paddle.io import DataLoader, IterableDataset, get_worker_info
 
-from ldm.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.data.filelist import FileListError, Shard, shard_set_change
 from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
@@ -40,6 +39,7 @@ from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError
 from ldm.data.stream import PHASE_END, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
+from ldm.runtime.compat import READER_POLL_SECONDS, check_loader_classes
 
 logger = logging.getLogger("ldm.data")
 

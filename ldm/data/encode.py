@@ -10,7 +10,7 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
   ranks. `.encode/settings.json` pins what the folder holds (autoencoder, crop, buckets, dtype, the input
   shard list): a resume with other settings is refused.
 - **Buckets:** with `--aspect_buckets`, each record is cropped to the bucket nearest its aspect ratio
-  (`ldm.data.buckets`) and its latent has that bucket's shape (its meta names the bucket); a batch holds
+  (`ldm.models.buckets`) and its latent has that bucket's shape (its meta names the bucket); a batch holds
   one shape. The buckets' size step is the autoencoder's downsampling times the UNet's of
   `--model_name_or_path`, as the training run computes it, so that both name the same buckets.
 - **Bad input:** a record that cannot be used is skipped and counted by reason, as training counts it; a
@@ -37,9 +37,8 @@ import paddle
 from paddle.io import DataLoader, IterableDataset
 from tqdm import tqdm
 
-from ldm.compat import READER_POLL_SECONDS
+from ldm.checkpoint.run_folder import NO_SPACE
 from ldm.data import remote
-from ldm.data.buckets import Bucket, bucket_name
 from ldm.data.dataset import ShapeGroups, run_slot, to_uint8_batch
 from ldm.data.filelist import Shard, check_shards, read_file_list
 from ldm.data.filters import MetadataFilters, parse_filters, record_key_meta, record_parts
@@ -50,11 +49,12 @@ from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import LineTooLong, ShardError, ShardMissing, ShardTruncated, iter_lines
 from ldm.data.stream import shard_error_reason
 from ldm.data.watchdog import ReadingBoard
-from ldm.distributed import Distributed
 from ldm.models.autoencoder import autoencoder_identity, posterior, unit_range
+from ldm.models.buckets import Bucket, bucket_name
 from ldm.models.build import model_buckets
-from ldm.run_folder import NO_SPACE
-from ldm.runtime import resolve_vae_dtype, use_fast_cpu_kernels
+from ldm.runtime.compat import READER_POLL_SECONDS
+from ldm.runtime.device import resolve_vae_dtype, use_fast_cpu_kernels
+from ldm.runtime.distributed import Distributed
 
 logger = logging.getLogger("ldm.data")
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import pybase64
 
-from ldm.data.buckets import bucket_name
 from ldm.data.record import LATENT_PREFIX as PREFIX
 from ldm.data.record import SkipRecord, decode_base64, decode_caption
+from ldm.models.buckets import bucket_name
 
 FORMAT = 1
 DTYPES = ("float16", "bfloat16", "float32")

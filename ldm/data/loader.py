@@ -7,8 +7,8 @@ import gc
 import logging
 import threading
 
-from ldm.compat import stop_loader
 from ldm.data.watchdog import StallWatchdog, raise_if_error
+from ldm.runtime.compat import stop_loader
 
 logger = logging.getLogger("ldm.data")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pybase64
 from PIL import Image
 
-from ldm.data.buckets import cover_size, nearest_bucket
+from ldm.models.buckets import cover_size, nearest_bucket
 
 REASONS = (
     "missing_columns",
@@ -100,7 +100,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 @dataclass(frozen=True)
 class ImageTransform:
     """Shorter side to `resolution / resize_ratio`, crop `resolution` (random or center), optional flip. With
-    `buckets` (`ldm.data.buckets`): resized to cover the bucket nearest the image's aspect ratio (read from its
+    `buckets` (`ldm.models.buckets`): resized to cover the bucket nearest the image's aspect ratio (read from its
     header, before decoding), then cropped to it; `resize_ratio` is not applied, so a crop loses only what the
     bucket's shape does not hold.
 

@@ -12,8 +12,7 @@ from itertools import islice
 
 from tqdm import tqdm
 
-from ldm.args import VAE_DTYPES, ToolParser
-from ldm.data.buckets import add_bucket_flags
+from ldm.checkpoint.run_folder import CheckpointError
 from ldm.data.filelist import FileListError, read_file_list
 from ldm.data.filters import parse_filters, record_key_meta, record_parts
 from ldm.data.latents import DTYPES as LATENT_DTYPES
@@ -22,7 +21,9 @@ from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import ShardError, ShardMissing
 from ldm.data.stream import SlotStream, shard_error_reason
 from ldm.data.write import ShardWriter, record_line
-from ldm.run_folder import CheckpointError
+from ldm.models.buckets import add_bucket_flags
+from ldm.runtime.cli import ToolParser
+from ldm.runtime.device import VAE_DTYPES
 
 
 class UserError(Exception):
@@ -46,8 +47,8 @@ def corpus_stats(file_list: str, resolution: int, min_image_size: int = 0, progr
                  metadata_filter: list[str] | None = None, buckets=None) -> dict:
     """Records, usable ones by kind, unusable ones by reason; with `buckets`, how many records each bucket gets and
     the mean fraction of an image's area its bucket's crop keeps, beside a square crop of its short side."""
-    from ldm.data.buckets import area_kept, bucket_name
     from ldm.data.latents import LatentTransform
+    from ldm.models.buckets import area_kept, bucket_name
 
     filters = parse_filters(metadata_filter)
     shards = read_file_list(file_list)
@@ -191,8 +192,8 @@ def resumed_slot_plan(shards, saved: list[dict], world_size: int, num_workers: i
 
 def checkpoint_streams(path: str) -> list[dict]:
     """Every rank's stream state in the checkpoint `path`; UserError naming what `path` is when it is no checkpoint."""
-    from ldm.checkpoint import read_training_state
-    from ldm.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem
+    from ldm.checkpoint.format import read_training_state
+    from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem
 
     if not os.path.isdir(path):
         raise UserError(f"--from_checkpoint {path}: no such folder")
@@ -456,8 +457,8 @@ def cmd_convert(args) -> int:
 # -- encode ------------------------------------------------------------------------------------
 def cmd_encode(args) -> int:
     from ldm.data.encode import encode_corpus
-    from ldm.distributed import exit_process, launched_world_size
     from ldm.models.build import ModelSourceError
+    from ldm.runtime.distributed import exit_process, launched_world_size
 
     try:
         code = encode_corpus(args)

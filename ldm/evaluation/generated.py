@@ -2,12 +2,12 @@
 (`--fid_steps`) are this one function.
 
 For each guidance scale, sample i (i < num_samples) is prompt i mod len(prompts), generated with DDIM from noise
-seeded by (seed, i) (`ldm.sampling.generate`), so an image does not depend on the batch, the rank or the number
-of ranks it was made on. The samples are cut into batches of `batch_size`, and the batches into contiguous runs,
-one per rank: a batch holds the same samples in every layout, each rank scores its own batches (Inception pool3
-features, CLIP's 100 cos), and the ranks gather them in sample order, so the statistics, the FID and the CLIP
-score of two processes are those of one. Images go from the decoder to the metrics as uint8 arrays (what a PNG
-would hold), never through JPEG.
+seeded by (seed, i) (`ldm.inference.sampling.generate`), so an image does not depend on the batch, the rank or the
+number of ranks it was made on. The samples are cut into batches of `batch_size`, and the batches into contiguous
+runs, one per rank: a batch holds the same samples in every layout, each rank scores its own batches (Inception
+pool3 features, CLIP's 100 cos), and the ranks gather them in sample order, so the statistics, the FID and the CLIP
+score of two processes are those of one. Images go from the decoder to the metrics as uint8 arrays (what a PNG would
+hold), never through JPEG.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class GeneratedMetrics:
 
 
 def pipeline_images(unet, text_encoder, vae, scheduler, tokenize, sampling: Sampling):
-    """`make_images` of a model's parts: DDIM with classifier-free guidance (`ldm.sampling.generate`)."""
-    from ldm.sampling import generate
+    """`make_images` of a model's parts: DDIM with classifier-free guidance (`ldm.inference.sampling.generate`)."""
+    from ldm.inference.sampling import generate
 
     def make(prompts: Sequence[str], first_index: int, guidance_scale: float) -> np.ndarray:
         return generate(unet, text_encoder, vae, scheduler, tokenize, list(prompts), guidance_scale=guidance_scale,

@@ -16,7 +16,7 @@ the same parameter names, so that its weights load under pytorch-fid's state-dic
 
 Weights load from safetensors only (no pickle runs code here); `convert_inception` turns pytorch-fid's
 `pt_inception-2015-12-05-6726825d.pth` (a torch pickle) or PaddleMIX's `pp_inception-2015-12-05-6726825d.pdparams`
-into such a file; both are read without torch and without running code (`ldm.pickled_weights`).
+into such a file; both are read without torch and without running code (`ldm.checkpoint.pickled`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ldm.pickled_weights import PickleError, is_pickle, read_pickled_weights
+from ldm.checkpoint.pickled import PickleError, is_pickle, read_pickled_weights
 
 FEATURES = 2048
 SIZE = 299  # the network's input side
@@ -391,7 +391,7 @@ def read_original(path: str) -> tuple[dict[str, np.ndarray], str]:
 def convert_inception(src: str, dst: str) -> dict:
     """Write the FID Inception weights of `src` (pytorch-fid's .pth, PaddleMIX's .pdparams, or safetensors) to
     `dst` as safetensors under pytorch-fid's names, the classifier and batch counters left out. A pickled `src` is
-    read by `ldm.pickled_weights`, which refuses one that names anything but tensors."""
+    read by `ldm.checkpoint.pickled`, which refuses one that names anything but tensors."""
     from safetensors.numpy import save_file
 
     state, kind = read_original(src)

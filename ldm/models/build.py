@@ -147,7 +147,7 @@ def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, m
                   vae_config=None) -> tuple[tuple[int, int], ...] | None:
     """The aspect-ratio buckets `value` names for a model known by name or folder (its configs read, nothing built;
     with `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
-    from ldm.data.buckets import buckets_off, parse_buckets
+    from ldm.models.buckets import buckets_off, parse_buckets
 
     if buckets_off(value):
         return None
@@ -155,11 +155,11 @@ def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, m
 
 
 def model_size_step(name_or_path: str, vae_config=None) -> int:
-    """The size step of a model's aspect-ratio buckets (`ldm.data.buckets.size_step`), from its configs alone (with
+    """The size step of a model's aspect-ratio buckets (`ldm.models.buckets.size_step`), from its configs alone (with
     `vae_config`: that autoencoder's, with the model's UNet)."""
     from types import SimpleNamespace
 
-    from ldm.data.buckets import size_step
+    from ldm.models.buckets import size_step
 
     folder = resolve_source(name_or_path)
     configs = {"vqvae": vae_config} if vae_config is not None else {}

@@ -14,10 +14,11 @@ import numpy as np
 import paddle
 from ppdiffusers import AutoencoderKL
 
-from ldm.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
-from ldm.checkpoint import refuse_pickles
-from ldm.data.buckets import parse_buckets, size_step
-from ldm.flops import forward_flops
+from ldm.checkpoint.format import refuse_pickles
+from ldm.checkpoint.run_folder import atomic_folder
+from ldm.checkpoint.serialization import writes_failing_as_os_errors
+from ldm.config.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
+from ldm.inference.sampling import image_grid
 from ldm.models.autoencoder import (
     AutoencoderTraining,
     latent_moments,
@@ -26,11 +27,10 @@ from ldm.models.autoencoder import (
     to_uint8,
     unit_range,
 )
+from ldm.models.buckets import parse_buckets, size_step
 from ldm.models.build import load_part, vae_folder
+from ldm.models.flops import forward_flops
 from ldm.models.init import pytorch_default_init
-from ldm.run_folder import atomic_folder
-from ldm.sampling import image_grid
-from ldm.serialization import writes_failing_as_os_errors
 from ldm.train.loop import run
 from ldm.train.objective import Objective
 

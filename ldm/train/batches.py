@@ -8,8 +8,7 @@ import logging
 import time
 from collections import Counter
 
-from ldm.args import DataArguments
-from ldm.data.buckets import bucket_name, far_from_area
+from ldm.config.args import DataArguments
 from ldm.data.dataset import (
     CaptionImageStream,
     StreamState,
@@ -24,8 +23,9 @@ from ldm.data.latents import LatentTransform
 from ldm.data.loader import watched
 from ldm.data.record import ImageTransform
 from ldm.data.tokenize import CaptionTokenizer
-from ldm.distributed import Distributed
-from ldm.tracking import StepClock
+from ldm.models.buckets import bucket_name, far_from_area
+from ldm.runtime.distributed import Distributed
+from ldm.runtime.tracking import StepClock
 
 logger = logging.getLogger("ldm.train")
 

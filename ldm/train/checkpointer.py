@@ -4,8 +4,8 @@ It is handed the objective (its weights save and load themselves in the pipeline
 parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
 schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
 fingerprint. It decides when a checkpoint is due, writes it (rank 0, into a temporary folder sealed by
-its manifest, `ldm.run_folder`), keeps `save_total_limit` of them, and resumes from one. The loop
-never assembles a state dict. Formats: `ldm.checkpoint` (JSON and safetensors, never pickle).
+its manifest, `ldm.checkpoint.run_folder`), keeps `save_total_limit` of them, and resumes from one. The loop
+never assembles a state dict. Formats: `ldm.checkpoint.format` (JSON and safetensors, never pickle).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import paddle
 
-from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
-from ldm.config import RUN_CONFIG
-from ldm.distributed import Distributed, weights_checksum
-from ldm.run_folder import CheckpointError, RunFolder, write_json
-from ldm.serialization import has_state, load_state, save_state, to_paddle
+from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
+from ldm.checkpoint.run_folder import CheckpointError, RunFolder, write_json
+from ldm.checkpoint.serialization import has_state, load_state, save_state, to_paddle
+from ldm.config.record import RUN_CONFIG
+from ldm.runtime.distributed import Distributed, weights_checksum
 from ldm.train.health import check_weights
 from ldm.train.objective import Objective, rank_seed
 
@@ -101,7 +101,7 @@ class Checkpointer:
                  data_position: Callable[[], dict], record: dict | None = None):
         """`parts` beyond the ones every run has: the random state, the data position (restored when the
         batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA.
-        `record`: the run's configuration (`ldm.config.describe_run`), written into every checkpoint."""
+        `record`: the run's configuration (`ldm.config.record.describe_run`), written into every checkpoint."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
         self._read: tuple[str, dict] | None = None  # (checkpoint, its training state) last read
         self.record = record

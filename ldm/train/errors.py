@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from ldm.config import ConfigError
-from ldm.data.buckets import BucketError
+from ldm.checkpoint.run_folder import NO_SPACE, CheckpointError
+from ldm.checkpoint.serialization import StateFormatError
+from ldm.config.record import ConfigError
 from ldm.data.filelist import FileListError
 from ldm.data.latents import LatentMismatch
 from ldm.data.stream import NoUsableData
@@ -14,10 +15,9 @@ from ldm.data.tokenize import TokenizerError
 from ldm.evaluation.clip import ClipError
 from ldm.evaluation.fid import FIDError
 from ldm.evaluation.inception import WeightsError
+from ldm.models.buckets import BucketError
 from ldm.models.build import ModelSourceError
-from ldm.run_folder import NO_SPACE, CheckpointError
-from ldm.serialization import StateFormatError
-from ldm.tracking import TrackerError
+from ldm.runtime.tracking import TrackerError
 from ldm.train.health import NonFiniteStop
 
 

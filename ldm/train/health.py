@@ -28,7 +28,7 @@ import math
 
 import paddle
 
-from ldm.compat import skip_step_if, step_was_skipped
+from ldm.runtime.compat import skip_step_if, step_was_skipped
 
 logger = logging.getLogger("ldm.train")
 
@@ -53,7 +53,7 @@ class NonFiniteGuard:
         travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
         answers both: the read the stop vote made at every update before the guard existed.
 
-        `clip_factor` (`ldm.train.objective.clip_factor`, on the device) is read along, as `self.clip_factor`
+        `clip_factor` (`ldm.train.gradients.clip_factor`, on the device) is read along, as `self.clip_factor`
         (the smallest over ranks; 1.0 without one): the loop rescales the gradients only when it is below 1,
         by a number already on the host."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
@@ -122,7 +122,7 @@ class NonFiniteGuard:
 
 
 def check_weights(checksums: list[float], step: int, last_checkpoint: str | None) -> None:
-    """Refuse to save weights whose fingerprint (sum of |w| per rank, `ldm.distributed.weights_checksum`) is
+    """Refuse to save weights whose fingerprint (sum of |w| per rank, `ldm.runtime.distributed.weights_checksum`) is
     not finite: such a checkpoint could only poison a resume."""
     if not all(math.isfinite(value) for value in checksums):
         raise NonFiniteStop(f"the weights are not finite at update {step}: checkpoint-{step} is not written. The last "

@@ -16,7 +16,8 @@ import logging
 
 import paddle
 
-from ldm.args import (
+from ldm.checkpoint.run_folder import RunFolder
+from ldm.config.args import (
     DataArguments,
     LoopArguments,
     ModelArguments,
@@ -24,29 +25,20 @@ from ldm.args import (
     SamplingArguments,
     ValidationArguments,
 )
-from ldm.config import describe_run, hyperparameters
-from ldm.distributed import Distributed, sync_gradients
-from ldm.flops import throughput_metrics
-from ldm.run_folder import RunFolder
-from ldm.runtime import resolve_precision
-from ldm.tracking import NullWriter, make_writer
+from ldm.config.record import describe_run, hyperparameters
+from ldm.models.flops import throughput_metrics
+from ldm.runtime.device import resolve_precision
+from ldm.runtime.distributed import Distributed, sync_gradients
+from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
 from ldm.train.elastic import SampleClock
+from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.objective import (
-    EvalClock,
-    MetricsWindow,
-    TextToImage,
-    check_before_writing,
-    clip_factor,
-    evaluate,
-    global_grad_norm,
-    rank_seed,
-    scale_gradients,
-    start_batches,
-)
+from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
+from ldm.train.objective import TextToImage, rank_seed, start_batches
 from ldm.train.optim import lr_schedule
+from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress
 from ldm.train.signals import GracefulStop
 

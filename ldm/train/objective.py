@@ -1,22 +1,20 @@
-"""What both training paths share: the objective (model, loss, what a checkpoint holds of it), the start of
-the batches, the gradient norm, the per-rank seed rule and the window of logged metrics.
+"""What both training paths train: the objective (model, loss, what a checkpoint holds of it, validation and
+export), the start of its batches and the per-rank seed rule.
 
 The hand-written loop (`ldm.train.loop`) and the PaddleNLP Trainer path (`ldm.train.trainer`) call these;
-neither writes its own copy.
+neither writes its own copy. Gradient norms are `ldm.train.gradients`, the logged window `ldm.train.metrics`,
+the checks before the first write `ldm.train.preflight`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import time
 
 import paddle
 
-from ldm.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
-from ldm.checkpoint import (
+from ldm.checkpoint.format import (
     check_autoencoder,
     load_initial_weights,
     load_ldm_weights,
@@ -25,17 +23,16 @@ from ldm.checkpoint import (
     save_model,
     write_frozen_autoencoder,
 )
-from ldm.compat import scale_in_place, squared_l2_norm
-from ldm.config import check_resume
-from ldm.data.buckets import BucketError, bucket_name, parse_buckets, size_step
+from ldm.checkpoint.run_folder import RunFolder
+from ldm.config.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
 from ldm.data.latents import fingerprint
-from ldm.distributed import Distributed
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
-from ldm.flops import ldm_training_flops
 from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
 from ldm.models.ema import EMA
-from ldm.run_folder import RunFolder
-from ldm.tracking import NullWriter
+from ldm.models.flops import ldm_training_flops
+from ldm.runtime.distributed import Distributed
+from ldm.runtime.tracking import NullWriter
 from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
 
@@ -101,11 +98,11 @@ class Objective:
         return {}
 
     def flops_per_sample(self, on_latents: bool) -> dict[str, int] | None:
-        """FLOPs of one training sample by part, with "total" (`ldm.flops`); None: not counted."""
+        """FLOPs of one training sample by part, with "total" (`ldm.models.flops`); None: not counted."""
         return None
 
     def identity(self) -> dict:
-        """What the run trains, for its record (`ldm.config`): where the model came from and what it is."""
+        """What the run trains, for its record (`ldm.config.record`): where the model came from and what it is."""
         return {"parameters": sum(int(p.numel()) for p in self.model.parameters()),
                 "trained_parameters": sum(int(p.numel()) for p in self.model.parameters() if not p.stop_gradient)}
 
@@ -209,7 +206,7 @@ class TextToImage(Objective):
         from ldm.evaluation.clip import ClipError
         from ldm.evaluation.fid import FIDError
         from ldm.evaluation.generated import pipeline_images
-        from ldm.sampling import ddim_scheduler
+        from ldm.inference.sampling import ddim_scheduler
 
         metrics, sampling = self.generated
         model = self.model
@@ -281,7 +278,7 @@ class TextToImage(Objective):
 
     def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
-            from ldm.export import export_checkpoint
+            from ldm.inference.export import export_checkpoint
 
             pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
             logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
@@ -312,171 +309,3 @@ def start_batches(objective: Objective, resume: str | None, data: DataArguments,
                             buckets=objective.buckets, latent_scale=objective.latent_scale)
     batches.start()
     return batches
-
-
-class EvalClock:
-    """Time spent evaluating against the time since the run (or the last evaluation) started."""
-
-    def __init__(self):
-        self.since = time.perf_counter()
-
-
-def evaluate(objective: Objective, dist: Distributed, step: int, clock: EvalClock,
-             batches: TimedBatches) -> dict[str, float]:
-    """The objective's held-out metrics at update `step`, with `eval_time_fraction`: the evaluation's share of the
-    wall time since the last one (its cost, for the trackers). Its time is left out of the training speed."""
-    start = time.perf_counter()
-    metrics = objective.evaluate(dist)
-    end = time.perf_counter()
-    batches.exclude(end - start)
-    metrics["eval_time_fraction"] = (end - start) / max(end - clock.since, 1e-9)
-    clock.since = end
-    shown = " ".join(f"{name[len('eval_'):]} {metrics[name]:.5g}" for name in ("eval_loss", "eval_fid",
-                                                                               "eval_clip_score") if name in metrics)
-    logger.info("validation at update %d: %s (%.1f s, %.1f%% of the time since the last)", step, shown,
-                end - start, 100 * metrics["eval_time_fraction"])
-    return metrics
-
-
-def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:
-    """FLOPs of one training sample of `objective` (on the batches' kind), logged and added to the run's record
-    (`record["model"]["flops_per_sample"]`); None when the objective does not count them."""
-    flops = objective.flops_per_sample(batches.on_latents)
-    if not flops:
-        return None
-    record.setdefault("model", {})["flops_per_sample"] = flops
-    logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
-                ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
-    return flops["total"]
-
-
-def recorded_lineage(checkpoint: str) -> dict | None:
-    """Where the run of `checkpoint` began (`--init_from_checkpoint`), as its record says."""
-    import json
-
-    from ldm.config import RUN_CONFIG
-
-    try:
-        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
-            return json.load(f).get("lineage")
-    except (OSError, ValueError):
-        return None
-
-
-def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
-                         allow_config_change: bool, dist: Distributed) -> int | None:
-    """What both paths check once the batches have started and before the first write: the held-out data,
-    the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
-    stops the loader workers, which are running already, when this fails."""
-    lineage = objective.start_from() if not resume else recorded_lineage(resume)
-    if lineage:
-        record["lineage"] = lineage  # a resumed stage's checkpoints keep naming where it began
-    objective.start_validation(dist)
-    flops = count_flops(objective, batches, record)
-    if resume:
-        check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
-    return flops
-
-
-@paddle.no_grad()
-def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
-    """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if
-    above: the result of `paddle.nn.utils.clip_grad_norm_`, from the pieces the loop uses, in one call that
-    reads the factor itself (the loop reads it with its non-finite guard's verdict instead)."""
-    total = global_grad_norm(parameters)
-    factor = clip_factor(total, max_norm)
-    if factor is not None and float(factor) < 1:
-        scale_gradients(parameters, float(factor))
-    return total
-
-
-@paddle.no_grad()
-def global_grad_norm(parameters) -> paddle.Tensor:
-    """Global L2 norm of the gradients, fp32, on the device (0 without gradients). The squared norms are
-    Paddle's kernel called without its Python wrapper, whose cost per call dominates for small models on a
-    CPU (`scripts/bench_step.py`, `scripts/bench_train.py`)."""
-    grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
-    if not grads:
-        return paddle.zeros([], dtype="float32")
-    return paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
-
-
-@paddle.no_grad()
-def clip_factor(total: paddle.Tensor, max_norm: float) -> paddle.Tensor | None:
-    """What clipping to `max_norm` multiplies the gradients by (on the device; exactly 1 when within it);
-    None when `max_norm` is infinite."""
-    return paddle.clip(max_norm / (total + 1e-6), max=1.0) if math.isfinite(max_norm) else None
-
-
-@paddle.no_grad()
-def scale_gradients(parameters, factor: float) -> None:
-    """Multiply every gradient by `factor`, a number already on the host (the loop's clip factor, read with
-    the guard's verdict): one kernel per gradient and no device read."""
-    for p in parameters:
-        if p.grad_ is not None:
-            scale_in_place(p.grad_, factor)
-
-
-class MetricsWindow:
-    """The scalars logged every `logging_steps`, the same names on both paths (the trackers show train/<name>).
-
-    Loss and gradient norm stay on the device until `read`: no host synchronisation per micro-step. An
-    update the non-finite guard skipped (`ldm.train.health`) is left out of the means: its NaN would hide
-    the window's other updates.
-    """
-
-    def __init__(self):
-        self.reset()
-        self.pending_loss, self.pending_extra = 0.0, {}
-
-    def reset(self) -> None:
-        self.loss, self.grad_norm, self.updates, self.extra, self.ratios = 0.0, 0.0, 0, {}, {}
-
-    def add_micro_step(self, loss: paddle.Tensor, extra: dict, weight: float) -> None:
-        self.pending_loss += loss.detach() * weight
-        for name, value in extra.items():
-            if isinstance(value, tuple):  # (sum, count)
-                total, count = self.pending_extra.get(name, (0.0, 0.0))
-                self.pending_extra[name] = (total + value[0].detach(), count + value[1].detach())
-            else:
-                self.pending_extra[name] = self.pending_extra.get(name, 0.0) + value.detach() * weight
-
-    def update_loss(self):
-        """The loss of the update being accumulated (on the device), for the guard."""
-        return self.pending_loss
-
-    def add_update(self, grad_norm: paddle.Tensor, skipped: bool = False) -> None:
-        if not skipped:
-            self.loss += self.pending_loss
-            for name, value in self.pending_extra.items():
-                if isinstance(value, tuple):
-                    total, count = self.ratios.get(name, (0.0, 0.0))
-                    self.ratios[name] = (total + value[0], count + value[1])
-                else:
-                    self.extra[name] = self.extra.get(name, 0.0) + value
-            self.grad_norm += grad_norm
-            self.updates += 1
-        self.pending_loss, self.pending_extra = 0.0, {}
-
-    def read(self, dist: Distributed, batches: TimedBatches, *, with_loss: bool = True) -> dict[str, float]:
-        """The window's means over updates and ranks, and the data path's figures; then a new window.
-        `with_loss=False`: the loss is logged by someone else (PaddleNLP's Trainer)."""
-        updates = max(1, self.updates)
-        samples_per_second, wait_fraction, counts, shapes = batches.window(dist)
-        nothing = float("nan") if self.updates == 0 else 0.0  # every update of the window was skipped
-        metrics = {"loss": dist.mean(float(self.loss) / updates + nothing)} if with_loss else {}
-        metrics.update({
-            "grad_norm": dist.mean(float(self.grad_norm) / updates + nothing),
-            "global_samples_per_second": samples_per_second,  # the Trainer's own name for it
-            "data_wait_fraction": wait_fraction,
-        })
-        metrics.update({name: dist.mean(float(value) / updates) for name, value in sorted(self.extra.items())})
-        for name, (total, count) in sorted(self.ratios.items()):
-            total, count = dist.sum(float(total)), dist.sum(float(count))
-            metrics[name] = total / count if count else float("nan")
-        metrics.update({f"data_{reason}": count for reason, count in sorted(counts.items())})
-        if batches.buckets:  # the bucket mix: each bucket's share of the window's samples
-            total = sum(shapes.values()) or 1
-            metrics.update({f"data_bucket_{name}": shapes.get(name, 0) / total for name in batches.buckets})
-        self.reset()
-        return metrics

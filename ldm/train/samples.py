@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 
 from ldm.data.tokenize import CaptionTokenizer
-from ldm.sampling import ddim_scheduler, generate, image_grid
+from ldm.inference.sampling import ddim_scheduler, generate, image_grid
 
 # Prompts of the validation images when --validation_prompts gives none: general ones, fixed so runs compare.
 DEFAULT_PROMPTS = (

@@ -7,14 +7,14 @@ import sys
 
 import paddle
 
-from ldm.args import DataArguments, ModelArguments
+from ldm.config.args import DataArguments, ModelArguments
 from ldm.data.tokenize import load_tokenizer
-from ldm.distributed import Distributed
 from ldm.models.attention import set_attention
 from ldm.models.build import build_components, check_autoencoder_trained
 from ldm.models.diffusion import LatentDiffusion
-from ldm.runtime import resolve_vae_dtype
-from ldm.tracking import quiet_libraries
+from ldm.runtime.device import resolve_vae_dtype
+from ldm.runtime.distributed import Distributed
+from ldm.runtime.tracking import quiet_libraries
 
 logger = logging.getLogger("ldm.train")
 

@@ -19,29 +19,23 @@ from paddlenlp.trainer import Trainer, TrainerCallback
 from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
-from ldm.args import RunArguments, ValidationArguments
-from ldm.checkpoint import read_training_state
-from ldm.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
-from ldm.config import describe_run, hyperparameters
-from ldm.distributed import Distributed
-from ldm.flops import throughput_metrics
-from ldm.run_folder import RunFolder, checkpoint_problem, checkpoint_step
-from ldm.runtime import resolve_precision
-from ldm.tracking import MetricsFile, NullWriter, Tracker, keep_wandb_run, tracker_name
+from ldm.checkpoint.format import read_training_state
+from ldm.checkpoint.run_folder import RunFolder, checkpoint_problem, checkpoint_step
+from ldm.config.args import RunArguments, ValidationArguments
+from ldm.config.record import describe_run, hyperparameters
+from ldm.models.flops import throughput_metrics
+from ldm.runtime.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
+from ldm.runtime.device import resolve_precision
+from ldm.runtime.distributed import Distributed
+from ldm.runtime.tracking import MetricsFile, NullWriter, Tracker, keep_wandb_run, tracker_name
 from ldm.train import setup
 from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
 from ldm.train.elastic import SampleClock
+from ldm.train.gradients import global_grad_norm
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.objective import (
-    EvalClock,
-    MetricsWindow,
-    TextToImage,
-    check_before_writing,
-    evaluate,
-    global_grad_norm,
-    rank_seed,
-    start_batches,
-)
+from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
+from ldm.train.objective import TextToImage, rank_seed, start_batches
+from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress, resolve_mode
 from ldm.train.signals import GracefulStop
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from ldm.distributed import Distributed
-from ldm.run_folder import (
+from ldm.checkpoint.lock import LEASE_SECONDS, LOCK_NAME
+from ldm.checkpoint.run_folder import (
     MANIFEST,
     RUN_MARKER,
     CheckpointError,
@@ -23,7 +23,7 @@ from ldm.run_folder import (
     resolve_resume,
     write_manifest,
 )
-from ldm.run_lock import LEASE_SECONDS, LOCK_NAME
+from ldm.runtime.distributed import Distributed
 
 
 def make_checkpoint(output_dir, step, complete=True, payload=b"weights" * 100):
@@ -204,7 +204,7 @@ def test_latest_with_only_damaged_checkpoints_names_a_way_out_that_works(tmp_pat
 
 HOLD = """
 import sys, time
-from ldm.run_lock import RunLock
+from ldm.checkpoint.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)

@@ -28,7 +28,7 @@ sys.exit(stop.exit_code)
 TWO_RANKS = """
 import os, signal, sys, time
 import paddle.distributed as pdist
-from ldm.distributed import Distributed
+from ldm.runtime.distributed import Distributed
 from ldm.train import signals
 signals.STOP_GRACE_SECONDS = 4
 pdist.init_parallel_env()

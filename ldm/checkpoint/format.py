@@ -1,6 +1,6 @@
 """What a training checkpoint holds, in formats that load without running code (writing: `ldm.train.checkpointer`).
 
-A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.run_folder`) holds:
+A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_folder`) holds:
   unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once
   tokenizer/, scheduler/         the tokenizer and the DDPM noise scheduler config: the folder describes itself
   ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity
@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 
-from ldm.run_folder import (
+from ldm.checkpoint.run_folder import (
     LEGACY_STATE_FILE,
     TEMP_PREFIX,
     VAE_FOLDER,
@@ -38,7 +38,7 @@ from ldm.run_folder import (
     atomic_folder,
     write_manifest,
 )
-from ldm.serialization import has_state, load_state, save_state, writes_failing_as_os_errors
+from ldm.checkpoint.serialization import has_state, load_state, save_state, writes_failing_as_os_errors
 
 logger = logging.getLogger("ldm.train")
 
@@ -172,8 +172,8 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
     from ppdiffusers import AutoencoderKL, UNet2DConditionModel
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
+    from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
-    from ldm.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
     if not os.path.isdir(path):
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "and JSON; unpickles them once: only for checkpoints you wrote")
     up.add_argument("folders", nargs="+", help="checkpoint-<step> folders, or a run folder (all its checkpoints)")
     args = parser.parse_args(argv)
-    from ldm.run_folder import checkpoint_dirs, checkpoint_problem
+    from ldm.checkpoint.run_folder import checkpoint_dirs, checkpoint_problem
 
     status = 0
     for folder in args.folders:
@@ -353,7 +353,3 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{target}: " + (f"converted {len(replaced)} pickled file(s)" if replaced else "already current"))
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

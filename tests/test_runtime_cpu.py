@@ -1,4 +1,4 @@
-"""ldm.cpu: MKL's AVX2 kernels chosen on AMD CPUs with AVX2, and nowhere else."""
+"""ldm.runtime.cpu: MKL's AVX2 kernels chosen on AMD CPUs with AVX2, and nowhere else."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ldm.cpu import choose_mkl_kernels, cpu_identity
+from ldm.runtime.cpu import choose_mkl_kernels, cpu_identity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,9 +61,10 @@ def test_the_entry_points_start_up_makes_the_choice_for_the_process_and_its_chil
     before MKL's first call), and a process it starts (a launched rank, a loader worker) inherits the choice;
     `import ldm` alone decides nothing."""
     env = {k: v for k, v in os.environ.items() if k != "MKL_DEBUG_CPU_TYPE"}
-    code = ("import os, subprocess, sys, ldm, ldm.runtime; print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); "
-            "import ldm.cpu; ldm.cpu.choose_mkl_kernels = (lambda f: lambda: (print('paddle' in sys.modules), f()))"
-            "(ldm.cpu.choose_mkl_kernels); ldm.runtime.use_fast_cpu_kernels(); "
+    code = ("import os, subprocess, sys, ldm, ldm.runtime.device; "
+            "print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); import ldm.runtime.cpu; "
+            "ldm.runtime.cpu.choose_mkl_kernels = (lambda f: lambda: (print('paddle' in sys.modules), f()))"
+            "(ldm.runtime.cpu.choose_mkl_kernels); ldm.runtime.device.use_fast_cpu_kernels(); "
             "print(os.environ.get('MKL_DEBUG_CPU_TYPE'), flush=True); "
             "subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get(\"MKL_DEBUG_CPU_TYPE\"))'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

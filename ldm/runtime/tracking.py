@@ -207,7 +207,7 @@ class Tracker(NullWriter):
         logger.info("step %d  %s", step, "  ".join(f"{name} {value:.4g}" for name, value in logs.items()))
 
     def add_config(self, record: dict, flat: dict) -> None:
-        """The run's whole configuration (`ldm.config.describe_run`) beside what the Trainer gives its trackers
+        """The run's whole configuration (`ldm.config.record.describe_run`) beside what the Trainer gives its trackers
         (its own TrainingArguments): as text, and to wandb as its config (`flat`: one level of scalars)."""
         text = json.dumps(record, indent=1, sort_keys=True, default=str)
         for callback in self.callbacks:

@@ -4,7 +4,7 @@ The project is tested with the versions in requirements.lock (`SUPPORTED`). Each
 names the private attributes it relies on; when an upgrade has removed one, it raises
 `CompatibilityError` naming them and the supported versions, at start-up where possible, instead of
 an AttributeError deep in a run, or (worse) a subclass hook that is silently never called.
-tests/test_compat.py checks every shim against the installed versions.
+tests/test_runtime_compat.py checks every shim against the installed versions.
 """
 
 from __future__ import annotations

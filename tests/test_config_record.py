@@ -1,4 +1,4 @@
-"""The run's configuration (`ldm.config`): --config files, the record of a run, the comparison on resume; and the
+"""The run's configuration (`ldm.config.record`): --config files, the record of a run, the comparison on resume; and the
 progress output (`ldm.train.progress`). The entry points are exercised in test_train_loop.py and
 test_train_trainer.py."""
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from ldm.config import ConfigError, check_resume, differences, expand_config, read_config_file
+from ldm.config.record import ConfigError, check_resume, differences, expand_config, read_config_file
 
 
 def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
@@ -41,7 +41,7 @@ def test_an_unusable_config_file_is_one_readable_error(tmp_path, content, messag
 
 
 def test_the_entry_points_parse_a_config_file_with_the_command_line_winning(tmp_path):
-    from ldm.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments, parse
+    from ldm.config.args import DataArguments, LoopArguments, ModelArguments, RunArguments, SamplingArguments, parse
 
     (tmp_path / "c.yaml").write_text("learning_rate: 0.5\nmax_train_steps: 7\nprogress: lines\n"
                                      "validation_guidance_scales: [1, 3]\n")
@@ -59,7 +59,7 @@ def test_the_entry_points_parse_a_config_file_with_the_command_line_winning(tmp_
 
 def test_yaml_reads_no_yes_on_and_off_as_the_words_they_are(tmp_path):
     """YAML 1.1 reads `no` as false: `mixed_precision: no` was refused as not one of no, fp16, bf16."""
-    from ldm.args import LoopArguments, ModelArguments, RunArguments, parse
+    from ldm.config.args import LoopArguments, ModelArguments, RunArguments, parse
 
     (tmp_path / "c.yaml").write_text("mixed_precision: no\nuse_ema: true\nreport_to: off\n")
     assert read_config_file(str(tmp_path / "c.yaml")) == {"mixed_precision": "no", "use_ema": True,
@@ -134,8 +134,8 @@ def test_the_metrics_window_logs_a_ratio_over_the_window_and_leaves_skipped_upda
 
     import paddle
 
-    from ldm.distributed import Distributed
-    from ldm.train.objective import MetricsWindow
+    from ldm.runtime.distributed import Distributed
+    from ldm.train.metrics import MetricsWindow
 
     class Batches:
         buckets = ()

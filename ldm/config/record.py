@@ -210,7 +210,7 @@ def git_commit(folder: str = PROJECT_ROOT) -> dict | None:
 def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None,
                  precision: str | None = None) -> dict:
     """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses;
-    `precision`: the mixed precision actually used (`ldm.runtime.resolve_precision`), which may not be the one
+    `precision`: the mixed precision actually used (`ldm.runtime.device.resolve_precision`), which may not be the one
     asked for."""
     import paddle
 

@@ -1,11 +1,11 @@
-"""Every shim of `ldm/compat.py` against the installed Paddle and PaddleNLP: what an upgrade would break
+"""Every shim of `ldm/runtime/compat.py` against the installed Paddle and PaddleNLP: what an upgrade would break
 fails here first, and a missing private name is one error naming the supported versions."""
 
 import numpy as np
 import paddle
 import pytest
 
-from ldm import compat
+from ldm.runtime import compat
 
 
 def test_a_missing_private_name_is_one_error_naming_the_supported_versions():

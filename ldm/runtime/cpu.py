@@ -6,7 +6,7 @@ generic path, several times slower for a float32 matmul than its AVX2 kernels on
 (`scripts/bench_cpu_kernels.py` measures it; figures in docs/benchmarks.md). This MKL still reads
 `MKL_DEBUG_CPU_TYPE` (Intel dropped it from MKL 2020.1 on; a Paddle that ships a newer MKL ignores it,
 harmlessly), and 5 selects the AVX2 kernels. MKL reads the variable at its first call, so setting it at
-an entry point's start (`ldm.runtime.use_fast_cpu_kernels`, before any tensor work) reaches the process
+an entry point's start (`ldm.runtime.device.use_fast_cpu_kernels`, before any tensor work) reaches the process
 and every process it starts. Nothing else in the stack does this: Paddle leaves the choice to the user.
 
 Only where `/proc/cpuinfo` tells the CPU (Linux), only on AMD CPUs and their Hygon derivatives that

@@ -1,4 +1,4 @@
-"""FLOPs per training sample counted from the model (`ldm.flops`) against a count by hand of the tiny preset."""
+"""FLOPs per training sample counted from the model (`ldm.models.flops`) against a count by hand of the tiny preset."""
 
 import pytest
 
@@ -60,7 +60,7 @@ def tiny_vae_encode(res=32):
 
 @pytest.fixture(scope="module")
 def tiny_model(vocab_dir):
-    from ldm.args import DataArguments, ModelArguments
+    from ldm.config.args import DataArguments, ModelArguments
     from ldm.train import setup
 
     data = DataArguments(tokenizer_name=vocab_dir, model_max_length=16, resolution=32)
@@ -71,7 +71,7 @@ def tiny_model(vocab_dir):
 
 
 def test_counted_flops_of_the_tiny_preset_match_a_count_by_hand(tiny_model):
-    from ldm.flops import ldm_training_flops
+    from ldm.models.flops import ldm_training_flops
 
     flops = ldm_training_flops(tiny_model, resolution=32, text_length=16)
     assert flops["unet"] == 3 * tiny_unet()  # forward, and a backward of twice its cost
@@ -86,7 +86,7 @@ def test_counting_leaves_the_random_state_and_the_mode_alone(tiny_model):
     import numpy as np
     import paddle
 
-    from ldm.flops import ldm_training_flops
+    from ldm.models.flops import ldm_training_flops
 
     tiny_model.train()
     paddle.seed(7)
@@ -98,8 +98,8 @@ def test_counting_leaves_the_random_state_and_the_mode_alone(tiny_model):
 
 
 def test_a_frozen_text_encoder_costs_its_forward_only(vocab_dir):
-    from ldm.args import DataArguments, ModelArguments
-    from ldm.flops import ldm_training_flops
+    from ldm.config.args import DataArguments, ModelArguments
+    from ldm.models.flops import ldm_training_flops
     from ldm.train import setup
 
     data = DataArguments(tokenizer_name=vocab_dir, model_max_length=16, resolution=32)
@@ -110,7 +110,7 @@ def test_a_frozen_text_encoder_costs_its_forward_only(vocab_dir):
 
 
 def test_throughput_metrics():
-    from ldm.flops import throughput_metrics
+    from ldm.models.flops import throughput_metrics
 
     assert throughput_metrics(2e12, 10.0, 2, None) == {"tflops_per_device": 10.0}
     assert throughput_metrics(2e12, 10.0, 2, 40.0) == {"tflops_per_device": 10.0, "mfu": 0.25}

@@ -8,18 +8,19 @@ scripts historically differ (`--pretrained_model_name_or_path`, `--checkpoints_t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ldm.runtime.cli import unknown_flags_message
+from ldm.runtime.device import VAE_DTYPES
+
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
-VAE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ArgumentError(ValueError):
@@ -108,7 +109,7 @@ class DataArguments:
         _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")
         _check(self.data_timeout >= 0, "--data_timeout must be >= 0")
         _check(self.max_aspect_ratio >= 1, "--max_aspect_ratio must be >= 1")
-        from ldm.data.buckets import BucketError, parse_buckets
+        from ldm.models.buckets import BucketError, parse_buckets
 
         try:  # the form here (8: every model's size step divides by it); the model's own step when it is built
             parse_buckets(self.aspect_buckets, self.resolution, 8, self.max_aspect_ratio)
@@ -203,7 +204,7 @@ class LoopArguments:
         _check(self.lr_warmup_steps >= 0 and self.num_workers >= 0, "--lr_warmup_steps and --num_workers must be >= 0")
         _check(self.checkpoints_total_limit is None or self.checkpoints_total_limit >= 1,
                "--checkpoints_total_limit must be at least 1")
-        from ldm.tracking import resolve_report_to
+        from ldm.runtime.tracking import resolve_report_to
 
         resolve_report_to(self.report_to)  # a ValueError names the unknown tracker
 
@@ -258,7 +259,7 @@ class ValidationArguments:
 @dataclass
 class RunArguments:
     """What every entry point shares about watching a run: its recorded configuration, its progress output and
-    its health checks (`ldm.config`, `ldm.train.progress`, `ldm.train.health`, `ldm.flops`)."""
+    its health checks (`ldm.config.record`, `ldm.train.progress`, `ldm.train.health`, `ldm.models.flops`)."""
 
     config: Optional[str] = arg(None, "a YAML or JSON file of flags (name: value); flags on the command line win")
     allow_config_change: bool = arg(False, "resume even when the model, the resolution or the prediction type "
@@ -333,72 +334,15 @@ def make_parser(dataclass_types):
     return Parser(dataclass_types, allow_abbrev=False)  # a prefix of a flag is a typo, not that flag
 
 
-# A setting both entry points have, under the other path's name: the Trainer path takes PaddleNLP's.
-OTHER_PATH_NAMES = {
-    "--per_device_train_batch_size": "--train_batch_size", "--max_steps": "--max_train_steps",
-    "--dataloader_num_workers": "--num_workers", "--lr_scheduler_type": "--lr_scheduler",
-    "--warmup_steps": "--lr_warmup_steps", "--save_total_limit": "--checkpoints_total_limit",
-    "--fp16": "--mixed_precision fp16", "--bf16": "--mixed_precision bf16", "--logging_dir": "--output_dir",
-}
-OTHER_PATH_NAMES.update({new: old for old, new in OTHER_PATH_NAMES.items() if " " not in new})
-
-
 def known_flags(dataclass_types) -> list[str]:
     return [flag for dc in dataclass_types for f in dataclasses.fields(dc)
             for flag in (f"--{f.name}", *f.metadata.get("aliases", ()))]
 
 
-def unknown_flags_message(unknown: list[str], known: list[str]) -> str:
-    """One line naming each unknown flag with the closest known one ("did you mean --train_batch_size?")."""
-    import difflib
-
-    parts = []
-    for flag in dict.fromkeys(a.split("=")[0] for a in unknown if a.startswith("--")):
-        other = OTHER_PATH_NAMES.get(flag)
-        guess = other if other and other.split()[0] in known else next(
-            iter(difflib.get_close_matches(flag, known, n=1, cutoff=0.6)), None)
-        parts.append(f"{flag} (did you mean {guess}?)" if guess else flag)
-    stray = [a for a in unknown if not a.startswith("--")]
-    if not parts:
-        return f"unexpected argument(s) {' '.join(stray)}: every value follows its --flag"
-    return f"unknown flag(s) for this entry point: {', '.join(parts)}; see --help"
-
-
-class ToolParser(argparse.ArgumentParser):
-    """argparse for the tools (`python -m ldm.data`, `ldm.generate`, `apps.eval`, …): whole flag names only
-    (argparse would take any unambiguous prefix, so a typo could silently set another flag), and an
-    unknown flag named with the closest flag of that command."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else [str(a) for a in args]
-        # before argparse: its "required: --file_list" would otherwise hide the typo that caused it
-        known = self._flags_of(args)
-        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in known]
-        if not unknown:
-            parsed, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.exit(2, f"{self.prog}: error: {unknown_flags_message(unknown, known)}\n")
-        return parsed
-
-    def _flags_of(self, args: list[str]) -> list[str]:
-        """The flags of this parser and of the subcommand named in `args`."""
-        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):  # argparse's only handle on its subcommands
-                chosen = next((action.choices[a] for a in args if a in action.choices), None)
-                if chosen is not None:
-                    flags += [o for a in chosen._actions for o in a.option_strings if o.startswith("--")]
-        return flags
-
-
 def parse(dataclass_types, argv: list[str] | None = None):
     """Parse flags into the dataclasses; `--config FILE` (or a lone FILE.json/.yaml) adds the flags of a YAML or
     JSON file, the command line's winning. A user error exits 2 with one line."""
-    from ldm.config import expand_config
+    from ldm.config.record import expand_config
 
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser(dataclass_types)

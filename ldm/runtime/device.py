@@ -9,15 +9,17 @@ import logging
 
 logger = logging.getLogger("ldm.train")
 
+VAE_DTYPES = ("float32", "float16", "bfloat16")  # --vae_dtype
+
 
 def use_fast_cpu_kernels() -> None:
-    """MKL's AVX2 kernels on AMD CPUs (`ldm.cpu`) and the fast bias add of CPU convolutions
-    (`ldm.compat.fast_conv_bias`). Changes the process: an environment variable MKL reads at its first
+    """MKL's AVX2 kernels on AMD CPUs (`ldm.runtime.cpu`) and the fast bias add of CPU convolutions
+    (`ldm.runtime.compat.fast_conv_bias`). Changes the process: an environment variable MKL reads at its first
     call (so: before any tensor work) and `paddle.nn.functional.conv2d`. Both leave results unchanged."""
-    from ldm.cpu import choose_mkl_kernels
+    from ldm.runtime.cpu import choose_mkl_kernels
 
     choose_mkl_kernels()  # before Paddle is imported here
-    from ldm.compat import fast_conv_bias
+    from ldm.runtime.compat import fast_conv_bias
 
     fast_conv_bias()
 

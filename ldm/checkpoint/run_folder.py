@@ -8,7 +8,7 @@
       pipeline/ or vqvae/   the export at the end
 
 This module is the filesystem and nothing else: it imports nothing of `ldm` but the lock, and what goes into a
-checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint`).
+checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint.format`).
 
 Rules:
 - Nothing is written before every input has been checked (`check` reads only): a failed start
@@ -16,7 +16,7 @@ Rules:
   (a loader slot that finds no usable record), records why in `run.json`; the next start (not a
   resume) then starts afresh in its place with a warning. A run killed outright records nothing and
   is still refused: another process may still be writing there.
-- One run at a time: rank 0 holds `.run.lock` (`ldm.run_lock`) from the check to the end of the run, and a
+- One run at a time: rank 0 holds `.run.lock` (`ldm.checkpoint.lock`) from the check to the end of the run, and a
   second start into the same folder is refused, `--overwrite_output_dir` included, naming the holder.
 - A non-empty folder is refused unless the run resumes (`--resume_from_checkpoint`) or starts over
   (`--overwrite_output_dir`, which empties it: nothing of the earlier run survives or is reused).
@@ -53,7 +53,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from ldm.run_lock import LOCK_NAME, FolderInUse, RunLock
+from ldm.checkpoint.lock import LOCK_NAME, FolderInUse, RunLock
 
 logger = logging.getLogger("ldm.train")
 

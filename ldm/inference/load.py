@@ -10,7 +10,7 @@ from paddlenlp.transformers import BertTokenizer
 from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
-from ldm.checkpoint import MODEL_JSON, checkpoint_autoencoder, is_checkpoint, read_ema, refuse_pickles
+from ldm.checkpoint.format import MODEL_JSON, checkpoint_autoencoder, is_checkpoint, read_ema, refuse_pickles
 from ldm.models.build import read_config
 
 

@@ -12,9 +12,9 @@ import pytest
 from corpus import write_corpus
 from entry import run_entry, run_python, weights
 
-from ldm.checkpoint import EMA, OPTIMIZER, TRAINING_STATE, pickled_files, read_training_state
-from ldm.run_folder import LEGACY_STATE_FILE, checkpoint_problem, write_manifest
-from ldm.serialization import load_state, save_state, to_paddle
+from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, pickled_files, read_training_state
+from ldm.checkpoint.run_folder import LEGACY_STATE_FILE, checkpoint_problem, write_manifest
+from ldm.checkpoint.serialization import load_state, save_state, to_paddle
 
 SCRIPT = "train_txt2img_laion400m_no_trainer.py"
 
@@ -163,7 +163,7 @@ def files_of(folder) -> dict:
 
 @pytest.mark.parametrize("content", [b"not a pickle at all", pickle.dumps(["a", "list"])])
 def test_an_upgrade_that_fails_leaves_the_checkpoint_as_it_found_it(tmp_path, capsys, content):
-    from ldm.checkpoint import main
+    from ldm.checkpoint.format import main
 
     checkpoint = tmp_path / "checkpoint-4"
     (checkpoint / "unet").mkdir(parents=True)
@@ -185,7 +185,7 @@ def test_an_upgrade_that_fails_leaves_the_checkpoint_as_it_found_it(tmp_path, ca
 
 
 def test_upgrade_of_a_current_but_damaged_checkpoint_says_it_cannot_repair_it(tmp_path, capsys):
-    from ldm.checkpoint import main
+    from ldm.checkpoint.format import main
 
     checkpoint = tmp_path / "checkpoint-3"
     (checkpoint / "unet").mkdir(parents=True)

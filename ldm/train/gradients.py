@@ -1,0 +1,49 @@
+"""Gradient norms and clipping: one global L2 norm over every trained parameter, computed on the device, and the
+rescaling the loop applies once its non-finite guard has read the clip factor along with its verdict."""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+
+from ldm.runtime.compat import scale_in_place, squared_l2_norm
+
+
+@paddle.no_grad()
+def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
+    """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if
+    above: the result of `paddle.nn.utils.clip_grad_norm_`, from the pieces the loop uses, in one call that
+    reads the factor itself (the loop reads it with its non-finite guard's verdict instead)."""
+    total = global_grad_norm(parameters)
+    factor = clip_factor(total, max_norm)
+    if factor is not None and float(factor) < 1:
+        scale_gradients(parameters, float(factor))
+    return total
+
+
+@paddle.no_grad()
+def global_grad_norm(parameters) -> paddle.Tensor:
+    """Global L2 norm of the gradients, fp32, on the device (0 without gradients). The squared norms are
+    Paddle's kernel called without its Python wrapper, whose cost per call dominates for small models on a
+    CPU (`scripts/bench_step.py`, `scripts/bench_train.py`)."""
+    grads = [p.grad_ for p in parameters if p.grad_ is not None]  # grad_: the gradient itself, writable
+    if not grads:
+        return paddle.zeros([], dtype="float32")
+    return paddle.sqrt(paddle.add_n([squared_l2_norm(g) for g in grads])).reshape([])
+
+
+@paddle.no_grad()
+def clip_factor(total: paddle.Tensor, max_norm: float) -> paddle.Tensor | None:
+    """What clipping to `max_norm` multiplies the gradients by (on the device; exactly 1 when within it);
+    None when `max_norm` is infinite."""
+    return paddle.clip(max_norm / (total + 1e-6), max=1.0) if math.isfinite(max_norm) else None
+
+
+@paddle.no_grad()
+def scale_gradients(parameters, factor: float) -> None:
+    """Multiply every gradient by `factor`, a number already on the host (the loop's clip factor, read with
+    the guard's verdict): one kernel per gradient and no device read."""
+    for p in parameters:
+        if p.grad_ is not None:
+            scale_in_place(p.grad_, factor)

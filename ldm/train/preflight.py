@@ -1,0 +1,51 @@
+"""What both paths settle once the batches have started and before the first write: where the run began (its
+lineage), the FLOPs of one training sample, and, resuming, the configuration the checkpoint recorded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ldm.config.record import RUN_CONFIG, check_resume
+from ldm.runtime.distributed import Distributed
+from ldm.train.batches import TimedBatches
+from ldm.train.objective import Objective
+
+logger = logging.getLogger("ldm.train")
+
+
+def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:
+    """FLOPs of one training sample of `objective` (on the batches' kind), logged and added to the run's record
+    (`record["model"]["flops_per_sample"]`); None when the objective does not count them."""
+    flops = objective.flops_per_sample(batches.on_latents)
+    if not flops:
+        return None
+    record.setdefault("model", {})["flops_per_sample"] = flops
+    logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
+                ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
+    return flops["total"]
+
+
+def recorded_lineage(checkpoint: str) -> dict | None:
+    """Where the run of `checkpoint` began (`--init_from_checkpoint`), as its record says."""
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
+            return json.load(f).get("lineage")
+    except (OSError, ValueError):
+        return None
+
+
+def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
+                         allow_config_change: bool, dist: Distributed) -> int | None:
+    """What both paths check once the batches have started and before the first write: the held-out data,
+    the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
+    stops the loader workers, which are running already, when this fails."""
+    lineage = objective.start_from() if not resume else recorded_lineage(resume)
+    if lineage:
+        record["lineage"] = lineage  # a resumed stage's checkpoints keep naming where it began
+    objective.start_validation(dist)
+    flops = count_flops(objective, batches, record)
+    if resume:
+        check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
+    return flops
