@@ -148,12 +148,18 @@ def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
     return None
 
 
-@contextmanager
-def atomic_folder(final: str):
-    """Yields a temporary sibling folder to fill; on success it replaces `final`, on error it is removed."""
+def temporary_sibling(final: str) -> str:
+    """A new empty folder beside `final`, named so that a start after a crash removes it."""
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=TEMP_PREFIX + os.path.basename(final) + "-", dir=parent)
+    return tempfile.mkdtemp(prefix=TEMP_PREFIX + os.path.basename(final) + "-", dir=parent)
+
+
+@contextmanager
+def atomic_folder(final: str, path: str | None = None):
+    """Yields a temporary sibling folder to fill (`path`: one made already by `temporary_sibling`); on success it
+    replaces `final`, on error it is removed."""
+    path = path or temporary_sibling(final)
     try:
         yield path
     except BaseException:
@@ -358,11 +364,16 @@ class RunFolder:
                 logger.warning("resuming from %s: set the newer %s aside as %s", resume, folder, target)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, step: int, write: Callable[[str, str], None]) -> str:
-        """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder, then the manifest, the
-        rename and the rotation. Rank 0 only."""
+    def begin_save(self, step: int) -> str:
+        """The temporary folder of checkpoint-<step>, for files other ranks write before `save` seals it."""
+        return temporary_sibling(self.path(f"{CHECKPOINT_PREFIX}{step}"))
+
+    def save(self, step: int, write: Callable[[str, str], None], folder: str | None = None) -> str:
+        """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder (`folder`: the one
+        `begin_save` made, holding other ranks' files), then the manifest over every file, the rename and the
+        rotation. Rank 0 only."""
         final = self.path(f"{CHECKPOINT_PREFIX}{step}")
-        with self.no_space_ends_the_run(final), atomic_folder(final) as folder:
+        with self.no_space_ends_the_run(final), atomic_folder(final, folder) as folder:
             write(folder, final)
             write_manifest(folder)
         _fsync(self.output_dir)

@@ -6,6 +6,11 @@ the JSON by `{"__array__": key}`. Reading never unpickles: a checkpoint someone 
 exported or evaluated without trusting it, which `paddle.load` (pickle) cannot offer. safetensors has no
 Paddle backend in the pinned stack, so arrays cross as numpy; bfloat16 (numpy has no such type) is kept
 as its raw 16 bits and its dtype recorded beside the key.
+
+A state held in shards (the optimizer state and EMA of a sharded run: each rank its own parameters') is written
+by every rank as `<name>-<rank>-of-<world>.json/.safetensors`, with `<name>.index.json` naming the file of every
+array, as Hugging Face's `*.safetensors.index.json` does. `load_state` reads either layout, whole or only the
+arrays a rank asks for, each array read by name without loading its file.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import re
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 ARRAY = "__array__"
 TUPLE = "__tuple__"
@@ -98,8 +103,9 @@ def writes_failing_as_os_errors(path: str):
         raise converted from e
 
 
-def save_state(folder: str, name: str, tree: Any) -> None:
-    """`<folder>/<name>.json` and, if the tree holds arrays, `<folder>/<name>.safetensors`."""
+def save_state(folder: str, name: str, tree: Any) -> list[str]:
+    """`<folder>/<name>.json` and, if the tree holds arrays, `<folder>/<name>.safetensors`; returns the arrays'
+    keys."""
     arrays: dict[str, np.ndarray] = {}
     structure = flatten(tree, arrays)
     if arrays:
@@ -110,21 +116,111 @@ def save_state(folder: str, name: str, tree: Any) -> None:
             raise as_os_error(e, path) from None
     with open(os.path.join(folder, f"{name}.json"), "w") as f:
         json.dump(structure, f)
+    return sorted(arrays)
+
+
+def shard_name(name: str, rank: int, world_size: int) -> str:
+    return f"{name}-{rank:05d}-of-{world_size:05d}"
+
+
+def save_state_shard(folder: str, name: str, tree: Any, rank: int, world_size: int) -> list[str]:
+    """This rank's shard of state `name`, flushed to disk (another rank seals the checkpoint); returns the keys
+    of its arrays, for the index."""
+    shard = shard_name(name, rank, world_size)
+    keys = save_state(folder, shard, tree)
+    for suffix in (".json", ".safetensors"):
+        path = os.path.join(folder, shard + suffix)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return keys
+
+
+def write_state_index(folder: str, name: str, keys_by_rank: list[list[str]]) -> None:
+    """`<name>.index.json`: every array of the shards `save_state_shard` wrote, by the file that holds it."""
+    world_size = len(keys_by_rank)
+    weight_map = {key: shard_name(name, rank, world_size) + ".safetensors"
+                  for rank, keys in enumerate(keys_by_rank) for key in keys}
+    index = {"world_size": world_size, "shards": [shard_name(name, r, world_size) for r in range(world_size)],
+             "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(folder, f"{name}.index.json"), "w") as f:
+        json.dump(index, f, indent=1)
 
 
 def has_state(folder: str, name: str) -> bool:
-    return os.path.isfile(os.path.join(folder, f"{name}.json"))
+    return os.path.isfile(os.path.join(folder, f"{name}.json")) or \
+        os.path.isfile(os.path.join(folder, f"{name}.index.json"))
 
 
-def load_state(folder: str, name: str) -> Any:
-    """The tree `save_state` wrote, arrays as numpy."""
+def _read_json(path: str):
     try:
-        with open(os.path.join(folder, f"{name}.json")) as f:
-            structure = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except ValueError as e:
-        raise StateFormatError(f"{folder}/{name}.json is not JSON: {e}") from None
-    path = os.path.join(folder, f"{name}.safetensors")
-    arrays = load_file(path) if os.path.isfile(path) else {}
+        raise StateFormatError(f"{path} is not JSON: {e}") from None
+
+
+def _merge(into: Any, other: Any) -> Any:
+    """The union of two shards' structures (dicts merge key by key; elsewhere the first shard's value stands)."""
+    if isinstance(into, dict) and isinstance(other, dict) and ARRAY not in into and TUPLE not in into:
+        for key, value in other.items():
+            into[key] = _merge(into[key], value) if key in into else value
+    return into
+
+
+def _select(tree: Any, wanted) -> Any:
+    """`tree` without the array references `wanted(key)` declines (dict entries dropped)."""
+    if isinstance(tree, dict) and ARRAY not in tree and TUPLE not in tree:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and ARRAY in value and not wanted(value[ARRAY]):
+                continue
+            out[key] = _select(value, wanted)
+        return out
+    return tree
+
+
+def _array_keys(tree: Any) -> list[str]:
+    if isinstance(tree, dict):
+        if ARRAY in tree:
+            return [tree[ARRAY]]
+        return [k for v in tree.values() for k in _array_keys(v)]
+    if isinstance(tree, list):
+        return [k for v in tree for k in _array_keys(v)]
+    return []
+
+
+def load_state(folder: str, name: str, wanted=None) -> Any:
+    """The tree `save_state` (or every rank's `save_state_shard`) wrote, arrays as numpy. `wanted(key)`: read only
+    the arrays it accepts (the others' entries are left out), each by name from the file that holds it."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(folder, f"{name}.index.json")
+    if os.path.isfile(index_path):
+        index = _read_json(index_path)
+        structure: Any = {}
+        for shard in index["shards"]:
+            structure = _merge(structure, _read_json(os.path.join(folder, f"{shard}.json")))
+        files = index["weight_map"]
+    else:
+        structure = _read_json(os.path.join(folder, f"{name}.json"))
+        path = os.path.join(folder, f"{name}.safetensors")
+        files = {key: f"{name}.safetensors" for key in _array_keys(structure)} if os.path.isfile(path) else {}
+    if wanted is not None:
+        structure = _select(structure, wanted)
+    by_file: dict[str, list[str]] = {}
+    for key in _array_keys(structure):
+        if key not in files:
+            raise StateFormatError(f"{folder}/{name}: array {key!r} is in no file")
+        by_file.setdefault(files[key], []).append(key)
+    arrays = {}
+    for file, keys in by_file.items():
+        with safe_open(os.path.join(folder, file), framework="numpy") as f:
+            for key in keys:
+                arrays[key] = f.get_tensor(key)
     return unflatten(structure, arrays)
 
 

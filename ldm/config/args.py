@@ -192,8 +192,16 @@ class LoopArguments:
     recompute: bool = arg(False, "gradient checkpointing of UNet and text encoder")
     report_to: list[str] = arg_list(["visualdl"], "trackers: visualdl, tensorboard, wandb (several allowed), all "
                                                   "(every one installed) or none")
+    sharding: str = arg("", "stage1: each rank keeps the optimizer state and EMA of its own share of the trained "
+                            "weights (ZeRO stage 1, fleet's sharding optimizer); as PaddleNLP's --sharding")
+    sharding_parallel_degree: int = arg(-1, "ranks one shard group spans (-1: every rank); the world size must be "
+                                            "a multiple of it")
 
     def __post_init__(self):
+        _check(self.sharding in ("", "stage1"), f"--sharding {self.sharding}: the hand-written loop shards stage1 "
+               "only (stage2 and stage3 run through the Trainer path, train_txt2img_laion400m_trainer.py, on GPUs)")
+        _check(self.sharding_parallel_degree == -1 or self.sharding_parallel_degree >= 1,
+               "--sharding_parallel_degree must be -1 (every rank) or at least 1")
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "logging_steps",
                      "save_steps"):
             _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
@@ -343,7 +351,9 @@ def parse(dataclass_types, argv: list[str] | None = None):
     """Parse flags into the dataclasses; `--config FILE` (or a lone FILE.json/.yaml) adds the flags of a YAML or
     JSON file, the command line's winning. A user error exits 2 with one line."""
     from ldm.config.record import expand_config
+    from ldm.runtime.compat import readable_strategy
 
+    readable_strategy()  # PaddleNLP's arguments log fleet's strategy, whose repr fails with the lock's protobuf
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser(dataclass_types)
     try:

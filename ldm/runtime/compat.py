@@ -88,6 +88,59 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
+def sharding_owners(optimizer) -> tuple[dict[str, int], int] | None:
+    """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank) of fleet's
+    sharding optimizer (stage 1, `DygraphShardingOptimizer`) wherever it sits among fleet's wrappers; None when
+    `optimizer` is not sharded. Its partition is private: the checkpointer writes and reads each rank's part."""
+    while optimizer is not None:
+        if type(optimizer).__name__.startswith("DygraphShardingOptimizer"):
+            owners = private(optimizer, "_param2rank", "sharded optimizer checkpoints")
+            return dict(owners), int(private(optimizer, "_sharding_rank", "sharded optimizer checkpoints"))
+        optimizer = getattr(optimizer, "_inner_opt", None)
+    return None
+
+
+def shard_optimizer(optimizer, degree: int):
+    """`optimizer` (a Paddle optimizer over every trained parameter) as fleet's stage-1 sharding optimizer over
+    `degree` ranks: each rank keeps the state of, and updates, its own parameters, then broadcasts them. fleet
+    is initialised here with data parallel over the rest of the ranks; gradients stay the caller's to all-reduce
+    (the hand-written loop's once-per-update sync), so the norm and the non-finite guard see every gradient."""
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    world = dist.get_world_size()
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": world // degree, "mp_degree": 1, "pp_degree": 1,
+                               "sharding_degree": degree}
+    readable_strategy()
+    fleet.init(is_collective=True, strategy=strategy)
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+        DygraphShardingOptimizer,
+    )
+
+    return DygraphShardingOptimizer(optimizer, fleet.get_hybrid_communicate_group())
+
+
+def readable_strategy() -> None:
+    """fleet's `DistributedStrategy.__repr__` imports protobuf's C extension, which the pure-Python protobuf of
+    the lock does not have: PaddleNLP logs the strategy, and the logging module printed a traceback. The repr
+    falls back to the hybrid degrees there. Once per process."""
+    from paddle.distributed.fleet.base.distributed_strategy import DistributedStrategy
+
+    original = DistributedStrategy.__repr__
+    if getattr(original, "readable", False):
+        return
+
+    def __repr__(self):
+        try:
+            return original(self)
+        except ImportError:
+            return f"DistributedStrategy(hybrid_configs={self.hybrid_configs})"
+
+    __repr__.readable = True
+    DistributedStrategy.__repr__ = __repr__
+
+
 def skip_step_if(skip: bool, optimizer, scaler=None) -> None:
     """Make the coming optimizer step (or `scaler.step`) skip when `skip`.
 

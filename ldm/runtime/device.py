@@ -47,3 +47,21 @@ def resolve_vae_dtype(requested: str) -> str:
         return requested
     short = "fp16" if requested == "float16" else "bf16"
     return requested if resolve_precision(short, "encoding with the autoencoder") == short else "float32"
+
+
+class DeviceError(ValueError):
+    """Asked of this device what it cannot do. One line."""
+
+
+def check_sharding(stages: set[str], split_param: bool = False) -> None:
+    """Refuse, before anything is written, the sharding that needs an accelerator: stages 2 and 3 go through
+    Paddle's `group_sharded_parallel`, and `split_param` through the V2 sharding optimizer, both of which assert a
+    GPU (XPU, custom device) deep in the first update. Stage 1 runs anywhere, gloo included."""
+    import paddle
+
+    if paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu() or paddle.device.get_all_custom_device_type():
+        return
+    needs = sorted(stages & {"stage2", "stage3"}) + (["split_param"] if split_param else [])
+    if needs:
+        raise DeviceError(f"sharding {' and '.join(needs)} needs a GPU (Paddle's group_sharded_parallel and sharding "
+                          "optimizer V2 assert one); on a CPU use --sharding stage1")

@@ -3,8 +3,9 @@
 It is handed the objective (its weights save and load themselves in the pipeline layout) and named
 parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
 schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
-fingerprint. It decides when a checkpoint is due, writes it (rank 0, into a temporary folder sealed by
-its manifest, `ldm.checkpoint.run_folder`), keeps `save_total_limit` of them, and resumes from one. The loop
+fingerprint. It decides when a checkpoint is due, writes it (into a temporary folder sealed by its manifest,
+`ldm.checkpoint.run_folder`: rank 0 writes, and under sharding every rank first writes its own shard of the
+optimizer state and EMA), keeps `save_total_limit` of them, and resumes from one. The loop
 never assembles a state dict. Formats: `ldm.checkpoint.format` (JSON and safetensors, never pickle).
 """
 
@@ -22,8 +23,16 @@ import paddle
 
 from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
 from ldm.checkpoint.run_folder import CheckpointError, RunFolder, write_json
-from ldm.checkpoint.serialization import has_state, load_state, save_state, to_paddle
+from ldm.checkpoint.serialization import (
+    has_state,
+    load_state,
+    save_state,
+    save_state_shard,
+    to_paddle,
+    write_state_index,
+)
 from ldm.config.record import RUN_CONFIG
+from ldm.runtime.compat import sharding_owners
 from ldm.runtime.distributed import Distributed, weights_checksum
 from ldm.train.health import check_weights
 from ldm.train.objective import Objective, rank_seed
@@ -45,6 +54,9 @@ class Part:
     load: Callable[[Any], None] | None = None
     per_rank: bool = False
     missing: Callable[[dict], None] | None = None  # a checkpoint written before this part existed: given its state
+    # a part that may be held in shards (a sharded optimizer's state, a sharded EMA): asked at each save and load,
+    # it says which of the state's arrays (by key) this rank holds, or None when this rank holds them all
+    owned: Callable[[], Callable[[str], bool] | None] | None = None
 
 
 def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Part:
@@ -52,6 +64,36 @@ def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Pa
     `set_state_dict`, the scaler and the EMA `load_state_dict`); `tensors`: the setter wants Paddle tensors."""
     setter = getattr(obj, set_name)
     return Part(obj.state_dict, (lambda tree: setter(to_paddle(tree))) if tensors else setter)
+
+
+def parameter_of(key: str, names: set[str]) -> str | None:
+    """The parameter an optimizer's state entry belongs to: Paddle names them `<parameter>_<accumulator>_<n>`
+    (`linear_3.w_0_moment1_0`) and master weights `master_weights/<parameter>`."""
+    if key.startswith("master_weights/"):
+        key = key[len("master_weights/"):]
+        return key if key in names else None
+    cut = key.find("_")
+    while cut != -1:
+        if key[:cut] in names:
+            return key[:cut]
+        cut = key.find("_", cut + 1)
+    return None
+
+
+def optimizer_part(optimizer: Callable[[], Any]) -> Part:
+    """The optimizer's state (`optimizer()` gives the optimizer: the Trainer makes its own late). Under sharding
+    each rank holds the state of its own parameters (`ldm.runtime.compat.sharding_owners`), saved and read as
+    such, so that it resumes on another number of ranks, sharded or not."""
+    def owned():
+        shards = sharding_owners(optimizer())
+        if shards is None:
+            return None
+        owners, rank = shards
+        mine, every = {name for name, r in owners.items() if r == rank}, set(owners)
+        return lambda key: parameter_of(key, every) in mine
+
+    return Part(lambda: optimizer().state_dict(), lambda tree: optimizer().set_state_dict(to_paddle(tree)),
+                owned=owned)
 
 
 def scaler_part(scaler) -> Part:
@@ -124,14 +166,30 @@ class Checkpointer:
         writes more files into it before the manifest seals it. Returns the checkpoint's path."""
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
+        sharded = [name for name, part in self.parts.items() if part.owned is not None and part.owned() is not None]
+        temp, shard_keys = None, {}
+        if sharded:  # every rank writes its shards into the temporary folder first; rank 0 seals it after
+            temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
+            try:
+                written = ("ok", {name: save_state_shard(temp, name, self.parts[name].state(), self.dist.rank,
+                                                         self.dist.world_size) for name in sharded})
+            except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
+                written = ("error", e)
+            outcomes = self.dist.gather(written)
+            failed = [value for kind, value in outcomes if kind == "error"]
+            shard_keys = {name: [value[name] for _, value in outcomes] for name in sharded} if not failed else {}
 
         def write(folder: str, final_folder: str) -> None:
+            if sharded and failed:
+                raise failed[0]
             self.objective.save(folder, final_folder)
             state = {"step": step, "world_size": self.dist.world_size, **gathered}
             for name, part in self.parts.items():
                 if part.per_rank:
                     continue
-                if name in OWN_FILES:
+                if name in shard_keys:
+                    write_state_index(folder, name, shard_keys[name])
+                elif name in OWN_FILES:
                     save_state(folder, name, part.state())
                 else:
                     state[name] = part.state()
@@ -141,7 +199,7 @@ class Checkpointer:
             if also is not None:
                 also(folder)
 
-        path = self.dist.from_main(lambda: self.run_dir.save(step, write))
+        path = self.dist.from_main(lambda: self.run_dir.save(step, write, folder=temp))
         logger.info("saved %s", path)
         self.last = path
         return path
@@ -164,7 +222,7 @@ class Checkpointer:
                 if not has_state(checkpoint, name):
                     raise CheckpointError(f"{checkpoint} has no {name} state" +
                                           (" but --use_ema is on" if name == EMA else ""))
-                part.load(load_state(checkpoint, name))
+                part.load(load_state(checkpoint, name, part.owned() if part.owned is not None else None))
             elif name not in state and part.missing is not None:
                 part.missing(state)
             elif name not in state:

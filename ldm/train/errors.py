@@ -17,6 +17,7 @@ from ldm.evaluation.fid import FIDError
 from ldm.evaluation.inception import WeightsError
 from ldm.models.buckets import BucketError
 from ldm.models.build import ModelSourceError
+from ldm.runtime.device import DeviceError
 from ldm.runtime.tracking import TrackerError
 from ldm.train.health import NonFiniteStop
 
@@ -26,7 +27,8 @@ def user_errors():
     try:
         yield
     except (BucketError, CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
-            TrackerError, StateFormatError, ConfigError, NonFiniteStop, FIDError, WeightsError, ClipError) as e:
+            TrackerError, StateFormatError, ConfigError, DeviceError, NonFiniteStop, FIDError, WeightsError,
+            ClipError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:

@@ -27,11 +27,12 @@ from ldm.config.args import (
 )
 from ldm.config.record import describe_run, hyperparameters
 from ldm.models.flops import throughput_metrics
-from ldm.runtime.device import resolve_precision
+from ldm.runtime.compat import shard_optimizer
+from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, sync_gradients
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
+from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 from ldm.train.health import NonFiniteGuard, batch_positions
@@ -85,6 +86,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     run_args = run_args or RunArguments()
     dist = Distributed.init()
     setup.setup_logging(dist)
+    check_sharding({loop.sharding} - {""})
+    shards = setup.sharding_degree(loop.sharding, loop.sharding_parallel_degree, dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
     precision = resolve_precision(loop.mixed_precision)
@@ -97,6 +100,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     lr = lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
     optimizer = paddle.optimizer.AdamW(lr, parameters=trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
+    if shards > 1:
+        optimizer = shard_optimizer(optimizer, shards)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
@@ -108,7 +113,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
             data_position=data_stream.tracker.state_dict, record=record,
-            parts={"optimizer": stateful(optimizer, tensors=True), "lr_scheduler": stateful(lr),
+            parts={"optimizer": optimizer_part(lambda: optimizer), "lr_scheduler": stateful(lr),
                    "scaler": scaler_part(scaler), "samples": samples.part()})
         guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
         flops = check_before_writing(objective, data_stream, record, resume,

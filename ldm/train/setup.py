@@ -8,6 +8,7 @@ import sys
 import paddle
 
 from ldm.config.args import DataArguments, ModelArguments
+from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
 from ldm.models.build import build_components, check_autoencoder_trained
@@ -27,6 +28,20 @@ def setup_logging(dist: Distributed) -> None:
         force=True,
     )
     quiet_libraries()
+
+
+def sharding_degree(sharding: str, degree: int, dist: Distributed) -> int:
+    """The ranks one shard group of `--sharding` spans (`--sharding_parallel_degree`, -1: every rank); 1 when the
+    run is not sharded."""
+    if not sharding:
+        return 1
+    if dist.world_size == 1:
+        logger.info("--sharding %s on one process: nothing to shard", sharding)
+        return 1
+    degree = dist.world_size if degree == -1 else degree
+    if degree > dist.world_size or dist.world_size % degree:
+        raise ConfigError(f"--sharding_parallel_degree {degree} does not divide the {dist.world_size} ranks")
+    return degree
 
 
 def build_tokenizer(data: DataArguments):

@@ -25,11 +25,11 @@ from ldm.config.args import RunArguments, ValidationArguments
 from ldm.config.record import describe_run, hyperparameters
 from ldm.models.flops import throughput_metrics
 from ldm.runtime.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
-from ldm.runtime.device import resolve_precision
+from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import MetricsFile, NullWriter, Tracker, keep_wandb_run, tracker_name
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, scaler_part, stateful
+from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import global_grad_norm
 from ldm.train.health import NonFiniteGuard, batch_positions
@@ -128,7 +128,7 @@ class LDMTrainer(Trainer):
         self.checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=args.save_steps, seed=args.seed, trained=self.trained,
             data_position=data_stream.tracker.state_dict, record=record,
-            parts={"optimizer": stateful(Deferred(lambda: self.optimizer), tensors=True),
+            parts={"optimizer": optimizer_part(lambda: self.optimizer),
                    "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler)),
                    "samples": clock.part()})
         if self.do_grad_scaling:
@@ -197,6 +197,8 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
 
     dist = Distributed(pdist.get_rank(), pdist.get_world_size())
     setup.setup_logging(dist)
+    check_sharding({str(getattr(option, "value", option)) for option in training_args.sharding},
+                   "split_param" in (training_args.sharding_parallel_config or "").split())
     resume = training_args.resume_from_checkpoint
     if resume in ("True", "true", True):
         resume = "latest"
