@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import paddle
@@ -19,6 +20,35 @@ class EMA:
         self.parameters = {n: p for n, p in model.named_parameters() if not p.stop_gradient}
         self.shadow = {n: p.detach().astype("float32").clone() for n, p in self.parameters.items()}
         self.num_updates = 0
+        self.owner: dict[str, int] | None = None  # sharded: weight name -> the rank that keeps its average
+        self.rank = 0
+        self._broadcast: Callable[[paddle.Tensor, int], None] | None = None
+        self._gathered = False
+
+    def shard(self, owner: dict[str, int], rank: int, broadcast: Callable[[paddle.Tensor, int], None]) -> None:
+        """Keep only the averages of the weights this rank owns (those whose optimizer state it keeps):
+        `broadcast(tensor, owner_rank)` sends an owner's tensor to the other ranks of its group (`gathered`)."""
+        self.owner, self.rank, self._broadcast = dict(owner), rank, broadcast
+        self.shadow = {n: t for n, t in self.shadow.items() if self.owner[n] == rank}
+
+    @contextmanager
+    def gathered(self):
+        """Every average on every rank for the time of the block (validation, images, FID see the whole EMA), then
+        freed. A collective: every rank of the group enters it. Unsharded, nothing to do."""
+        if self.owner is None or self._gathered:
+            yield self
+            return
+        mine, everything = self.shadow, {}
+        for name in sorted(self.parameters):  # the same order on every rank
+            owner = self.owner[name]
+            tensor = mine[name] if owner == self.rank else paddle.empty(self.parameters[name].shape, "float32")
+            self._broadcast(tensor, owner)
+            everything[name] = tensor
+        self.shadow, self._gathered = everything, True
+        try:
+            yield self
+        finally:
+            self.shadow, self._gathered = mine, False
 
     @paddle.no_grad()
     def reset_to(self, model: nn.Layer) -> None:
@@ -41,8 +71,8 @@ class EMA:
     def update(self) -> None:
         self.num_updates += 1
         decay = self.decay()
-        for name, parameter in self.parameters.items():
-            shadow = self.shadow[name]
+        for name, shadow in self.shadow.items():
+            parameter = self.parameters[name]
             shadow.scale_(decay)
             shadow.add_(parameter.detach().astype("float32") * (1.0 - decay))
 
@@ -67,7 +97,10 @@ class EMA:
 
     @contextmanager
     def swapped(self, model: nn.Layer):
-        """Temporarily run `model` with the EMA weights (for sampling during training)."""
+        """Temporarily run `model` with the EMA weights (for sampling during training); sharded, within
+        `gathered`."""
+        if self.owner is not None and not self._gathered:
+            raise RuntimeError("a sharded EMA is swapped in within EMA.gathered() (a collective)")
         backup = {n: p.detach().clone() for n, p in model.named_parameters() if n in self.shadow}
         self.copy_to(model)
         try:

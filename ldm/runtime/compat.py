@@ -88,14 +88,17 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-def sharding_owners(optimizer) -> tuple[dict[str, int], int] | None:
-    """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank) of fleet's
-    sharding optimizer (stage 1, `DygraphShardingOptimizer`) wherever it sits among fleet's wrappers; None when
-    `optimizer` is not sharded. Its partition is private: the checkpointer writes and reads each rank's part."""
+def sharding_owners(optimizer):
+    """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank, the sharding
+    group) of fleet's sharding optimizer (stage 1, `DygraphShardingOptimizer`) wherever it sits among fleet's
+    wrappers; None when `optimizer` is not sharded. Its partition is private: the checkpointer writes and reads
+    each rank's part, and the EMA follows it."""
     while optimizer is not None:
         if type(optimizer).__name__.startswith("DygraphShardingOptimizer"):
-            owners = private(optimizer, "_param2rank", "sharded optimizer checkpoints")
-            return dict(owners), int(private(optimizer, "_sharding_rank", "sharded optimizer checkpoints"))
+            use = "sharded optimizer state and EMA"
+            owners = private(optimizer, "_param2rank", use)
+            group = private(optimizer, "_hcg", use).get_sharding_parallel_group()
+            return dict(owners), int(private(optimizer, "_sharding_rank", use)), group
         optimizer = getattr(optimizer, "_inner_opt", None)
     return None
 

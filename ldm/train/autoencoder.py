@@ -83,6 +83,8 @@ class Autoencoder(Objective):
         self.vae.set_state_dict(AutoencoderKL.from_pretrained(os.path.join(folder, "vqvae")).state_dict())
 
     def log_images(self, writer, step, batch):
+        if not writer.active:
+            return
         pixels = batch["pixel_values"][:8]
         self.vae.eval()
         try:

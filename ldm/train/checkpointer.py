@@ -88,12 +88,37 @@ def optimizer_part(optimizer: Callable[[], Any]) -> Part:
         shards = sharding_owners(optimizer())
         if shards is None:
             return None
-        owners, rank = shards
+        owners, rank, _ = shards
         mine, every = {name for name, r in owners.items() if r == rank}, set(owners)
         return lambda key: parameter_of(key, every) in mine
 
     return Part(lambda: optimizer().state_dict(), lambda tree: optimizer().set_state_dict(to_paddle(tree)),
                 owned=owned)
+
+
+def ema_part(ema) -> Part:
+    """The EMA; sharded (`EMA.shard`), each rank saves and reads the averages it keeps."""
+    part = stateful(ema, "load_state_dict")
+
+    def owned():
+        if ema.owner is None:
+            return None
+        return lambda key: key.startswith("shadow.") and key[len("shadow."):] in ema.shadow
+
+    return Part(part.state, part.load, owned=owned)
+
+
+def shard_ema(ema, model, optimizer) -> None:
+    """Under sharding, the EMA follows the optimizer's partition: each rank keeps the averages of the weights whose
+    optimizer state it keeps (`ldm.models.ema.EMA.shard`). Nothing to do unsharded or without EMA."""
+    shards = sharding_owners(optimizer)
+    if ema is None or shards is None or ema.owner is not None:
+        return
+    owners, rank, group = shards
+    owner = {name: owners[p.name] for name, p in model.named_parameters() if name in ema.parameters}
+    ema.shard(owner, rank, lambda tensor, src: paddle.distributed.broadcast(tensor, src=group.ranks[src], group=group))
+    logger.info("EMA sharded like the optimizer state: this rank keeps %d of %d averages", len(ema.shadow),
+                len(ema.parameters))
 
 
 def scaler_part(scaler) -> Part:
@@ -156,7 +181,7 @@ class Checkpointer:
             "weights_checksum": Part(lambda: weights_checksum(trained), per_rank=True),
         }
         if objective.ema is not None:
-            self.parts[EMA] = stateful(objective.ema, "load_state_dict")
+            self.parts[EMA] = ema_part(objective.ema)
 
     def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
         return step % self.save_steps == 0 or last or stopping

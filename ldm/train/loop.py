@@ -32,7 +32,7 @@ from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, sync_gradients
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, stateful
+from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, shard_ema, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 from ldm.train.health import NonFiniteGuard, batch_positions
@@ -102,6 +102,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                        epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     if shards > 1:
         optimizer = shard_optimizer(optimizer, shards)
+        shard_ema(ema, model, optimizer)
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
@@ -192,8 +193,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 guard.stop_if_exhausted(checkpointer.last)  # every rank at the same update: the verdict is shared
                 if objective.validation_due(step, last) and not stopping:
                     writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
-                if image_logging_steps and step % image_logging_steps == 0 and writer.active:
-                    objective.log_images(writer, step, batch)
+                if image_logging_steps and step % image_logging_steps == 0:
+                    objective.log_images(writer, step, batch)  # every rank: a sharded EMA is gathered first
                 if checkpointer.due(step, last=last, stopping=stopping):
                     checkpointer.save(step)
                     if step >= target and not stopping:  # an endless run: count toward the next checkpoint

@@ -82,7 +82,8 @@ class Objective:
         raise NotImplementedError
 
     def log_images(self, writer: NullWriter, step: int, batch: dict | None) -> None:
-        """Images for the trackers every `image_logging_steps` (rank 0's writer only)."""
+        """Images for the trackers every `image_logging_steps`: called on every rank (a sharded EMA is gathered
+        first), written by the rank whose writer is active."""
 
     def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
@@ -191,12 +192,15 @@ class TextToImage(Objective):
         metrics = {}
         if loss_due:
             metrics.update({f"eval_{name}": value for name, value in self.held_out.evaluate(self.model).items()})
-            if self.ema is not None:
-                with self.ema.swapped(self.model):
-                    ema = self.held_out.evaluate(self.model)
+        if self.ema is None:
+            if generated_due:
+                metrics.update(self.generated_metrics(dist))
+            return metrics
+        with self.ema.gathered(), self.ema.swapped(self.model):  # a sharded EMA whole for the evaluation
+            if loss_due:
+                ema = self.held_out.evaluate(self.model)
                 metrics.update({f"eval_ema_{name}": value for name, value in ema.items()})
-        if generated_due:
-            with self.ema.swapped(self.model) if self.ema is not None else contextlib.nullcontext():
+            if generated_due:
                 metrics.update(self.generated_metrics(dist))
         return metrics
 
@@ -273,8 +277,10 @@ class TextToImage(Objective):
         load_ldm_weights(folder, self.model)
 
     def log_images(self, writer, step, batch):
-        samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length, self.sampling,
-                               ema=self.ema, sizes=samples.validation_sizes(self.buckets))
+        with self.ema.gathered() if self.ema is not None else contextlib.nullcontext():  # on every rank
+            if writer.active:
+                samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length,
+                                       self.sampling, ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
     def finish(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:

@@ -29,7 +29,7 @@ from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import MetricsFile, NullWriter, Tracker, keep_wandb_run, tracker_name
 from ldm.train import setup
-from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, stateful
+from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, shard_ema, stateful
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import global_grad_norm
 from ldm.train.health import NonFiniteGuard, batch_positions
@@ -162,6 +162,8 @@ class LDMTrainer(Trainer):
             self.objective.load(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        # the Trainer has made (and under sharding wrapped) its optimizer: the EMA follows its partition
+        shard_ema(self.objective.ema, self.objective.model, self.optimizer)
         if checkpoint:
             self.checkpointer.load(checkpoint, ["optimizer", "lr_scheduler", "scaler", "ema"], weights=False)
 
