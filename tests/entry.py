@@ -125,11 +125,25 @@ def launch_report(result, cwd, tail: int = 2500) -> str:
     return "\n".join(parts)
 
 
+def part_weights(folder, stem):
+    """A model part's weights: one safetensors file, or the shards its index names."""
+    import json
+
+    index = os.path.join(folder, f"{stem}.safetensors.index.json")
+    if not os.path.isfile(index):
+        return load_file(os.path.join(folder, f"{stem}.safetensors"))
+    with open(index) as f:
+        files = set(json.load(f)["weight_map"].values())
+    out = {}
+    for name in sorted(files):
+        out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
 def weights(checkpoint):
     """Every UNet, LDMBert and EMA weight of a checkpoint by name, and the EMA update counter."""
-    out = {f"unet.{k}": v for k, v in load_file(os.path.join(checkpoint, "unet",
-                                                             "diffusion_paddle_model.safetensors")).items()}
-    out.update({f"bert.{k}": v for k, v in load_file(os.path.join(checkpoint, "bert", "model.safetensors")).items()})
+    out = {f"unet.{k}": v for k, v in part_weights(os.path.join(checkpoint, "unet"), "diffusion_paddle_model").items()}
+    out.update({f"bert.{k}": v for k, v in part_weights(os.path.join(checkpoint, "bert"), "model").items()})
     ema = load_state(str(checkpoint), "ema")
     out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
     return out, ema["num_updates"]

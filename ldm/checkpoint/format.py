@@ -74,17 +74,78 @@ def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
 
 
 # -- model parts -------------------------------------------------------------------------------------
+# The trained parts' weight files as their libraries name them, and the `format` each writes into the safetensors
+# metadata (ppdiffusers reads "pt" as PyTorch's layout and transposes: never write that here)
+WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np")}
+
+
+def share_out(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Tensors (name -> bytes) dealt to `world_size` writers, largest first to the least loaded: the same on
+    every rank, so each knows its share without asking."""
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [sorted(share) for share in shares]
+
+
+def weight_shard_file(part: str, rank: int, world_size: int) -> str:
+    stem = WEIGHT_FILES[part][0]
+    return f"{stem}-{rank + 1:05d}-of-{world_size:05d}.safetensors"  # Hugging Face's numbering, from 1
+
+
+def save_weight_shard(folder: str, parts: dict, rank: int, world_size: int) -> dict[str, list[str]]:
+    """This rank's share of the weights of each part (`{"unet": layer, "bert": layer}`), flushed to disk, as the
+    shards `from_pretrained` reads through an index (`save_model(..., shares=...)` writes it); returns the names
+    written per part."""
+    from safetensors.numpy import save_file
+
+    written = {}
+    for part, layer in parts.items():
+        state = layer.state_dict()
+        mine = share_out({n: int(t.numel()) * t.element_size() for n, t in state.items()}, world_size)[rank]
+        os.makedirs(os.path.join(folder, part), exist_ok=True)
+        path = os.path.join(folder, part, weight_shard_file(part, rank, world_size))
+        with writes_failing_as_os_errors(path):
+            save_file({n: state[n].numpy() for n in mine}, path, metadata={"format": WEIGHT_FILES[part][1]})
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        written[part] = mine
+    return written
+
+
+def _write_weight_index(folder: str, part: str, shares: list[list[str]]) -> None:
+    stem, world_size = WEIGHT_FILES[part][0], len(shares)
+    files = [weight_shard_file(part, rank, world_size) for rank in range(world_size)]
+    total = sum(os.path.getsize(os.path.join(folder, part, f)) for f in files)
+    index = {"metadata": {"total_size": total},
+             "weight_map": dict(sorted((n, files[r]) for r, names in enumerate(shares) for n in names))}
+    with open(os.path.join(folder, part, f"{stem}.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=1)
+
+
 def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str, vae_identity: dict,
-               final_folder: str | None = None) -> None:
+               final_folder: str | None = None, shares: list[dict[str, list[str]]] | None = None) -> None:
     """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
 
     `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
-    the autoencoder is written relative to it.
+    the autoencoder is written relative to it. `shares`: every rank wrote its share of the weights already
+    (`save_weight_shard`, each rank's names): only the configurations and the indexes are written here.
     """
     os.makedirs(folder, exist_ok=True)
-    with writes_failing_as_os_errors(folder):
-        unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
-        text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # PaddleNLP: pickle else
+    if shares is not None:
+        unet.save_config(os.path.join(folder, "unet"))
+        text_encoder.config.save_pretrained(os.path.join(folder, "bert"))
+        for part in WEIGHT_FILES:
+            _write_weight_index(folder, part, [share[part] for share in shares])
+    else:
+        with writes_failing_as_os_errors(folder):
+            unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
+            text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # else a pickle
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
     vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))

@@ -74,7 +74,7 @@ class Autoencoder(Objective):
         loss, l1, kl = net(batch["pixel_values"])
         return loss, {"reconstruction_l1": l1, "kl": kl}
 
-    def save(self, folder, final_folder):
+    def save(self, folder, final_folder, shares=None):
         with writes_failing_as_os_errors(folder):
             self.vae.save_pretrained(os.path.join(folder, "vqvae"), safe_serialization=True)
 

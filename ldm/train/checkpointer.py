@@ -40,6 +40,7 @@ from ldm.train.objective import Objective, rank_seed
 logger = logging.getLogger("ldm.train")
 
 OWN_FILES = (OPTIMIZER, EMA)  # parts written to a file of their own (inference reads the EMA alone)
+WEIGHTS = "weights"  # under sharding, every rank also writes a share of the trained weights
 
 
 @dataclass
@@ -196,18 +197,23 @@ class Checkpointer:
         if sharded:  # every rank writes its shards into the temporary folder first; rank 0 seals it after
             temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
             try:
-                written = ("ok", {name: save_state_shard(temp, name, self.parts[name].state(), self.dist.rank,
-                                                         self.dist.world_size) for name in sharded})
+                written = {name: save_state_shard(temp, name, self.parts[name].state(), self.dist.rank,
+                                                  self.dist.world_size) for name in sharded}
+                written[WEIGHTS] = self.objective.save_shard(temp, self.dist.rank, self.dist.world_size)
+                written = ("ok", written)
             except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
                 written = ("error", e)
             outcomes = self.dist.gather(written)
             failed = [value for kind, value in outcomes if kind == "error"]
-            shard_keys = {name: [value[name] for _, value in outcomes] for name in sharded} if not failed else {}
+            shard_keys = {name: [value[name] for _, value in outcomes] for name in [*sharded, WEIGHTS]} \
+                if not failed else {}
 
         def write(folder: str, final_folder: str) -> None:
             if sharded and failed:
                 raise failed[0]
-            self.objective.save(folder, final_folder)
+            weight_shares = shard_keys.get(WEIGHTS)
+            self.objective.save(folder, final_folder, None if weight_shares is None or None in weight_shares
+                                else weight_shares)
             state = {"step": step, "world_size": self.dist.world_size, **gathered}
             for name, part in self.parts.items():
                 if part.per_rank:

@@ -21,6 +21,7 @@ from ldm.checkpoint.format import (
     read_training_state,
     recorded_autoencoder,
     save_model,
+    save_weight_shard,
     write_frozen_autoencoder,
 )
 from ldm.checkpoint.run_folder import RunFolder
@@ -74,9 +75,15 @@ class Objective:
     def start(self, run_dir: RunFolder) -> None:
         """Write what the run needs before training (the folder exists now)."""
 
-    def save(self, folder: str, final_folder: str) -> None:
-        """Write the trained weights into a checkpoint folder (the rest of the run state is the checkpointer's)."""
+    def save(self, folder: str, final_folder: str, shares: list | None = None) -> None:
+        """Write the trained weights into a checkpoint folder (the rest of the run state is the checkpointer's);
+        `shares`: what every rank's `save_shard` returned, when the ranks wrote the weights in shares."""
         raise NotImplementedError
+
+    def save_shard(self, folder: str, rank: int, world_size: int):
+        """This rank's share of the trained weights, written into `folder` before `save`; None: `save` on rank 0
+        writes them all."""
+        return None
 
     def load(self, folder: str) -> None:
         raise NotImplementedError
@@ -268,10 +275,13 @@ class TextToImage(Objective):
             extra[f"loss_q{q + 1}"] = ((per_sample * mask).sum(), mask.sum())
         return loss, extra
 
-    def save(self, folder, final_folder):
+    def save(self, folder, final_folder, shares=None):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
                    noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
-                   vae_identity=self.vae_identity, final_folder=final_folder)
+                   vae_identity=self.vae_identity, final_folder=final_folder, shares=shares)
+
+    def save_shard(self, folder, rank, world_size):
+        return save_weight_shard(folder, {"unet": self.model.unet, "bert": self.model.text_encoder}, rank, world_size)
 
     def load(self, folder):
         load_ldm_weights(folder, self.model)
