@@ -27,7 +27,7 @@ def test_shards_read_back_whole_or_in_part_and_the_whole_file_reads_the_same_way
     write_state_index(str(tmp_path), "optimizer", keys)
     assert has_state(str(tmp_path), "optimizer")
     index = json.loads((tmp_path / "optimizer.index.json").read_text())
-    assert index["weight_map"]["linear_1.w_0_moment1_0"] == "optimizer-00001-of-00002.safetensors"
+    assert index["weight_map"]["linear_1.w_0_moment1_0"] == "optimizer-00002-of-00002.safetensors"
 
     whole = load_state(str(tmp_path), "optimizer")
     assert set(whole) == {"linear_0.w_0_moment1_0", "linear_0.b_0_moment1_0", "linear_1.w_0_moment1_0",
@@ -50,6 +50,6 @@ def test_a_shard_the_index_names_but_that_is_gone_is_an_error(tmp_path):
     keys = [save_state_shard(str(tmp_path), "ema", {"shadow.a": np.ones(2)}, 0, 2),
             save_state_shard(str(tmp_path), "ema", {"shadow.b": np.ones(2)}, 1, 2)]
     write_state_index(str(tmp_path), "ema", keys)
-    (tmp_path / "ema-00001-of-00002.json").write_text(json.dumps({"shadow.b": {"__array__": "shadow.c"}}))
+    (tmp_path / "ema-00002-of-00002.json").write_text(json.dumps({"shadow.b": {"__array__": "shadow.c"}}))
     with pytest.raises(StateFormatError, match="'shadow.c' is in no file"):
         load_state(str(tmp_path), "ema")

@@ -8,7 +8,7 @@ Paddle backend in the pinned stack, so arrays cross as numpy; bfloat16 (numpy ha
 as its raw 16 bits and its dtype recorded beside the key.
 
 A state held in shards (the optimizer state and EMA of a sharded run: each rank its own parameters') is written
-by every rank as `<name>-<rank>-of-<world>.json/.safetensors`, with `<name>.index.json` naming the file of every
+by every rank as `<name>-<rank + 1>-of-<world>.json/.safetensors`, with `<name>.index.json` naming the file of every
 array, as Hugging Face's `*.safetensors.index.json` does. `load_state` reads either layout, whole or only the
 arrays a rank asks for, each array read by name without loading its file.
 """
@@ -120,7 +120,7 @@ def save_state(folder: str, name: str, tree: Any) -> list[str]:
 
 
 def shard_name(name: str, rank: int, world_size: int) -> str:
-    return f"{name}-{rank:05d}-of-{world_size:05d}"
+    return f"{name}-{rank + 1:05d}-of-{world_size:05d}"  # numbered from 1, as Hugging Face's shards
 
 
 def save_state_shard(folder: str, name: str, tree: Any, rank: int, world_size: int) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,18 @@ def scaler_part(scaler) -> Part:
     return Part(part.state, load, missing=lambda state: None)
 
 
+def folder_bytes(checkpoint: str, rank: int, world_size: int) -> int:
+    """The bytes of `checkpoint` that `rank` wrote: its shards (`-<rank + 1>-of-<world>.`), and on rank 0 also
+    everything that is no rank's shard."""
+    tags = [f"-{r + 1:05d}-of-{world_size:05d}." for r in range(world_size)]
+    total = 0
+    for root, _, names in os.walk(checkpoint):
+        for name in names:
+            if tags[rank] in name or (rank == 0 and not any(tag in name for tag in tags)):
+                total += os.path.getsize(os.path.join(root, name))
+    return total
+
+
 class RandomState:
     """A rank's generators (Paddle's, numpy's, Python's) as JSON-able trees."""
 
@@ -190,6 +203,7 @@ class Checkpointer:
     def save(self, step: int, also: Callable[[str], None] | None = None) -> str:
         """checkpoint-<step> on every rank together (per-rank parts are gathered; rank 0 writes); `also(folder)`
         writes more files into it before the manifest seals it. Returns the checkpoint's path."""
+        started = time.perf_counter()
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
         sharded = [name for name, part in self.parts.items() if part.owned is not None and part.owned() is not None]
@@ -231,13 +245,19 @@ class Checkpointer:
                 also(folder)
 
         path = self.dist.from_main(lambda: self.run_dir.save(step, write, folder=temp))
-        logger.info("saved %s", path)
+        seconds = time.perf_counter() - started
+        written = self.dist.gather(folder_bytes(path, self.dist.rank, self.dist.world_size) if temp else None)
+        shares = "" if temp is None else " (bytes written by rank: " + ", ".join(f"{b / 2**20:.1f} MiB"
+                                                                              for b in written) + ")"
+        logger.info("saved %s in %.2f s%s", path, seconds, shares)
+        self.save_seconds = seconds
         self.last = path
         return path
 
     def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
         """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from
         `checkpoint`; returns its step."""
+        started = time.perf_counter()
         if self._read is None or self._read[0] != checkpoint:  # the Trainer path loads its parts in two calls
             self._read = (checkpoint, read_training_state(checkpoint))
         state = self._read[1]
@@ -260,4 +280,5 @@ class Checkpointer:
                 raise CheckpointError(f"{checkpoint} has no {name} state to resume")
             else:
                 part.load(state[name])
+        self.load_seconds = time.perf_counter() - started
         return state["step"]

@@ -27,7 +27,7 @@ from ldm.config.args import (
 )
 from ldm.config.record import describe_run, hyperparameters
 from ldm.models.flops import throughput_metrics
-from ldm.runtime.compat import shard_optimizer
+from ldm.runtime.compat import shard_optimizer, sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, sync_gradients
 from ldm.runtime.tracking import NullWriter, make_writer
@@ -36,6 +36,7 @@ from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, sh
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 from ldm.train.health import NonFiniteGuard, batch_positions
+from ldm.train.memory import log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import TextToImage, rank_seed, start_batches
 from ldm.train.optim import lr_schedule
@@ -103,6 +104,10 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     if shards > 1:
         optimizer = shard_optimizer(optimizer, shards)
         shard_ema(ema, model, optimizer)
+    owners = sharding_owners(optimizer)
+    record["memory"] = memory_by_rank(model, world_size=dist.world_size, sharding_degree=shards, ema=ema is not None,
+                                      owners=owners[0] if owners else None)
+    log_largest(record["memory"])
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
@@ -124,7 +129,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
         step = 0
         if resume:
             step = checkpointer.load(resume)
-            logger.info("resumed from %s at update %d", resume, step)
+            logger.info("resumed from %s at update %d (read in %.2f s)", resume, step, checkpointer.load_seconds)
             if samples.message:
                 logger.warning("%s", samples.message)
         else:

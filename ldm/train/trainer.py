@@ -33,6 +33,7 @@ from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, sh
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import global_grad_norm
 from ldm.train.health import NonFiniteGuard, batch_positions
+from ldm.train.memory import log_largest, memory_by_rank, sharding_layout
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import TextToImage, rank_seed, start_batches
 from ldm.train.preflight import check_before_writing
@@ -220,6 +221,10 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
                           num_workers=training_args.dataloader_num_workers, model=objective.identity(),
                           precision=precision)
+    degree, stage = sharding_layout(training_args.sharding, training_args.sharding_parallel_degree, dist.world_size)
+    record["memory"] = memory_by_rank(objective.model, world_size=dist.world_size, sharding_degree=degree,
+                                      stage=stage, ema=objective.ema is not None)
+    log_largest(record["memory"])
     data_stream = start_batches(objective, checkpoint, data, batch_size=training_args.per_device_train_batch_size,
                                 seed=training_args.seed, dist=dist, num_workers=training_args.dataloader_num_workers)
     writer, trainer = NullWriter(), None  # from here on, every exit stops the loader (`finally`)
