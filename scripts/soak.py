@@ -19,6 +19,10 @@ moment injects one fault:
   bad_shard      between two segments, a shard of the corpus cut in half (once a run): its records past the
                  break become unusable and are counted, the rest still read once
 
+A 2-process segment is sharded (`--sharding stage1`: optimizer state, EMA and the checkpoint's files split over
+the ranks) with probability --sharding, so runs resume sharded from unsharded checkpoints and back, and on 1
+process from sharded ones; every run keeps an EMA.
+
 (a segment gets one of the first five, with probability --clean none, and independently the others, each with
 its own probability). Afterwards it checks:
 
@@ -29,8 +33,8 @@ its own probability). Afterwards it checks:
 - no checkpoint holds non-finite weights; every segment ends within --segment_seconds (no hang); after each
   segment no process of it is left and no shared-memory segment is added; the run's exported pipeline loads.
 
-First, a run stopped by SIGTERM only, on one layout, must end with the weights of the same run uninterrupted,
-to the bit. Its last line: `soak: <segments> segments, <faults> faults, <records> records audited,
+First, a run stopped by SIGTERM only, on one layout (2 processes, sharded), must end with the weights of the same
+run uninterrupted, to the bit. Its last line: `soak: <segments> segments, <faults> faults, <records> records audited,
 <violations> violations`; it exits 1 when there is a violation. A stalled read is not injected (a shard that
 never answers would hang the start's check of the shards, which has no timeout; `--data_timeout` is tested on its
 own in the suite).
@@ -78,6 +82,7 @@ class Segment:
     ledger: str = ""
     fault_time: float | None = None
     buckets: bool = False  # trained in aspect-ratio buckets (`--aspect_buckets auto`)
+    sharded: bool = False  # optimizer state, EMA and checkpoint writing sharded over its 2 processes (`--sharding`)
 
 
 @dataclass
@@ -127,11 +132,12 @@ def cut_a_shard(listing: str, rng: random.Random) -> str:
 
 
 def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
-            log_dir: str, buckets: bool = False) -> list[str]:
+            log_dir: str, buckets: bool = False, sharded: bool = False) -> list[str]:
     common = ["--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", tokenizer,
               "--model_max_length", "16", "--resolution", "32", "--seed", "11", "--report_to", "none",
               "--output_dir", out, "--resume_from_checkpoint", "auto", "--shuffle_buffer", "4",
-              "--logging_steps", "1", "--progress", "none"] + (["--aspect_buckets", "auto"] if buckets else [])
+              "--logging_steps", "1", "--progress", "none", "--use_ema"] + \
+        (["--aspect_buckets", "auto"] if buckets else []) + (["--sharding", "stage1"] if sharded else [])
     if path == "loop":
         args = ["--pretrained_model_name_or_path", "ldm-tiny", "--train_batch_size", "2", "--num_workers",
                 str(workers), "--max_train_steps", str(last_step), "--save_steps", "1",
@@ -436,7 +442,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         fault = "none" if finishing or rng.random() < args.clean else "sigterm" if graceful else rng.choice(KILLS)
         segment = Segment(len(segments), path, processes, workers, start or 0, fault,
                           ledger=os.path.join(ledgers, f"segment{len(segments)}.log"),
-                          buckets=True if graceful else rng.random() < args.buckets)
+                          buckets=True if graceful else rng.random() < args.buckets,
+                          sharded=processes == 2 and (graceful is not None or rng.random() < args.sharding))
         log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
         env = {**os.environ, CONSUMED_LOG: segment.ledger, "PYTHONUNBUFFERED": "1"}
         nan_batches = []
@@ -451,7 +458,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         began, began_wall = time.monotonic(), time.time()
         with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
             process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir,
-                                               segment.buckets),
+                                               segment.buckets, segment.sharded),
                                        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
             deadline = began + args.segment_seconds
             seen: dict[int, str] = {}
@@ -506,8 +513,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
             recovery_from = None
         if segment.fault_time is not None:
             recovery_from = segment.fault_time
-        print(f"  segment {segment.index}: {processes}x{workers}{' in buckets' if segment.buckets else ''} from update "
-              f"{segment.start_step}, fault {fault}, "
+        print(f"  segment {segment.index}: {processes}x{workers}{' in buckets' if segment.buckets else ''}"
+              f"{' sharded' if segment.sharded else ''} from update {segment.start_step}, fault {fault}, "
               f"exit {segment.exit_code}, {segment.seconds:.1f} s, saved up to update {reached}", flush=True)
         check_finite(out, report, checked)
         # a SIGTERM before the handlers are set up, or after the run's last write (its final barrier and exit), ends
@@ -528,8 +535,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
 
 def graceful_run(work: str, corpus, args, rng: random.Random, report: Report, stop_at: float) -> None:
     """A run stopped only gracefully, on one layout, against the same run uninterrupted: bit-identical weights."""
-    layout, last_step = (rng.choice((1, 2)), rng.randint(0, 2)), rng.randint(*args.run_updates)
-    print(f"graceful: {layout[0]}x{layout[1]}, {last_step} updates, stopped by SIGTERM only, against one "
+    layout, last_step = (2, rng.randint(0, 2)), rng.randint(*args.run_updates)
+    print(f"graceful: {layout[0]}x{layout[1]} sharded, {last_step} updates, stopped by SIGTERM only, against one "
           "uninterrupted run", flush=True)
     stopped = run_chain(-1, "loop", work, corpus, argparse.Namespace(**{**vars(args), "clean": 0.0,
                                                                          "max_segments_per_run": 4}),
@@ -539,11 +546,15 @@ def graceful_run(work: str, corpus, args, rng: random.Random, report: Report, st
     import numpy as np
     from safetensors.numpy import load_file
 
+    def part_weights(folder: str) -> dict:  # one file, or every shard of a sharded save
+        out = {}
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(folder, name)))
+        return out
+
     for part in ("unet", "bert"):
-        a, b = (load_file(os.path.join(latest_checkpoint(run), part, name))
-                for run in (stopped, straight)
-                for name in [n for n in os.listdir(os.path.join(latest_checkpoint(run), part))
-                             if n.endswith(".safetensors")][:1])
+        a, b = (part_weights(os.path.join(latest_checkpoint(run), part)) for run in (stopped, straight))
         differing = [k for k in a if not np.array_equal(a[k], b[k])]
         if differing:
             report.violation(f"graceful stops changed the final {part} weights ({len(differing)} tensors, e.g. "
@@ -569,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="probability that a segment starts with a shard cut in half (once a run)")
     parser.add_argument("--buckets", type=float, default=0.5,
                         help="probability of a segment in aspect-ratio buckets (the graceful pair always is)")
+    parser.add_argument("--sharding", type=float, default=0.5,
+                        help="probability that a 2-process segment is sharded (--sharding stage1; the graceful pair "
+                             "always is)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
