@@ -96,3 +96,37 @@ def test_buckets_train_in_fp16_with_shapes_changing_between_updates(tmp_path, vo
     assert len(mix) == 8
     after, _ = weights(out / "checkpoint-8")
     assert all(after[name].dtype == np.float32 for name in after)
+
+
+needs_two = pytest.mark.skipif(not HAS_GPU or paddle.device.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@needs_two
+@pytest.mark.distributed
+def test_the_sharded_loop_under_fp16_equals_the_unsharded_one_on_two_cards(corpus, tmp_path):
+    common = corpus + ["--train_batch_size", "4", "--max_train_steps", "4", "--save_steps", "2", "--logging_steps",
+                       "1", "--mixed_precision", "fp16", "--num_workers", "0", "--use_ema"]
+    for name, extra in (("plain", []), ("sharded", ["--sharding", "stage1"])):
+        result = run_entry("train_txt2img_laion400m_no_trainer.py", common + ["--output_dir", str(tmp_path / name),
+                                                                              *extra], launch=True, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    expected, _ = weights(tmp_path / "plain" / "checkpoint-4")
+    got, _ = weights(tmp_path / "sharded" / "checkpoint-4")
+    assert max(float(np.abs(got[k] - expected[k]).max()) for k in expected) < 1e-5
+
+
+@needs_two
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", ["stage2", "stage3"])
+def test_the_trainer_path_trains_saves_and_resumes_with_sharded_gradients(corpus, tmp_path, stage):
+    args = ["--do_train", "--model_name_or_path", "ldm-tiny", *corpus[2:], "--per_device_train_batch_size", "4",
+            "--max_steps", "4", "--save_steps", "2", "--dataloader_num_workers", "0", "--sharding", stage,
+            "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+    result = run_entry("train_txt2img_laion400m_trainer.py", args, launch=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = run_entry("train_txt2img_laion400m_trainer.py", [*args[:args.index("--max_steps") + 1], "6",
+                                                               *args[args.index("--max_steps") + 2:],
+                                                               "--resume_from_checkpoint", "latest"],
+                        launch=True, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "run" / "pipeline" / "model_index.json").exists()

@@ -142,3 +142,20 @@ def test_skip_step_if_makes_adamw_leave_weights_moments_and_counters_alone(skip)
         assert unchanged is now
         if now:
             assert before and all(np.array_equal(before[k], after[k]) for k in before)  # moments and beta powers
+
+
+def test_fleets_strategy_has_a_repr_and_an_unsharded_optimizer_has_no_owners():
+    import paddle
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_optimizer_stage2 import (
+        GroupShardedOptimizerStage2,
+    )
+
+    compat.readable_strategy()
+    compat.readable_strategy()  # once: not wrapped twice
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 2}
+    assert "sharding_degree" in repr(strategy)
+    layer = paddle.nn.Linear(2, 2)
+    assert compat.sharding_owners(paddle.optimizer.AdamW(parameters=layer.parameters())) is None
+    assert isinstance(GroupShardedOptimizerStage2.param2rank, property)  # stage 2's partition, read on a GPU

@@ -90,16 +90,20 @@ def innermost_optimizer(optimizer):
 
 def sharding_owners(optimizer):
     """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank, the sharding
-    group) of fleet's sharding optimizer (stage 1, `DygraphShardingOptimizer`) wherever it sits among fleet's
-    wrappers; None when `optimizer` is not sharded. Its partition is private: the checkpointer writes and reads
-    each rank's part, and the EMA follows it."""
+    group) of fleet's sharding optimizer (stage 1, `DygraphShardingOptimizer`; stage 2's
+    `GroupShardedOptimizerStage2`) wherever it sits among fleet's wrappers; None when `optimizer` is not
+    sharded. Its partition is private: the checkpointer writes and reads each rank's part, and the EMA follows
+    it."""
+    use = "sharded optimizer state and EMA"
     while optimizer is not None:
-        if type(optimizer).__name__.startswith("DygraphShardingOptimizer"):
-            use = "sharded optimizer state and EMA"
+        kind = type(optimizer).__name__
+        if kind.startswith("DygraphShardingOptimizer"):
             owners = private(optimizer, "_param2rank", use)
             group = private(optimizer, "_hcg", use).get_sharding_parallel_group()
             return dict(owners), int(private(optimizer, "_sharding_rank", use)), group
-        optimizer = getattr(optimizer, "_inner_opt", None)
+        if kind == "GroupShardedOptimizerStage2":  # the Trainer path's stage 2 (a GPU)
+            return dict(optimizer.param2rank), int(private(optimizer, "_rank", use)), private(optimizer, "_group", use)
+        optimizer = getattr(optimizer, "_inner_opt", None) or getattr(optimizer, "_optim", None)
     return None
 
 
