@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from corpus import write_corpus
-from entry import launch_report, run_entry, weights
+from entry import launch_report, run_entry, run_python, weights
 
 from ldm.checkpoint.run_folder import MANIFEST, checkpoint_problem
 from ldm.checkpoint.serialization import load_state
@@ -110,6 +110,16 @@ def test_the_sharded_loop_equals_the_unsharded_one_and_resumes_on_any_layout(cor
         ones.append(os.path.join(out, "checkpoint-4"))
     assert_same_weights(ones[1], ones[0], tolerance=0)
     assert checkpoint_problem(ones[0]) is None and "optimizer.safetensors" in os.listdir(ones[0])
+
+    # the tools read a sharded checkpoint as users point them at it
+    generated = run_python(["-m", "ldm.generate", "--model", str(sharded), "--prompt", "a red circle",
+                            "--num_inference_steps", "2", "--seed", "0", "--output_dir", str(tmp_path / "gen")])
+    assert generated.returncode == 0 and (tmp_path / "gen" / "grid.png").exists(), generated.stderr[-3000:]
+    args = loop_args(corpus, tmp_path / "stage2", "--init_from_checkpoint", str(sharded))
+    args[args.index("--max_train_steps") + 1] = "1"
+    stage = run_entry(LOOP, args)
+    assert stage.returncode == 0 and "a new stage from" in stage.stderr, stage.stderr[-3000:]
+    assert "(checkpoint; EMA: " in stage.stderr
 
 
 @pytest.mark.distributed
