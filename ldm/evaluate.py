@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -136,7 +137,7 @@ def cmd_fid(args) -> int:
     a, b = sides[args.a], sides[args.b]
     notes = check_comparable(a, b, args.a, args.b)
     notes += [n for n in (small_sample_warning(a, args.a), small_sample_warning(b, args.b)) if n]
-    value = frechet_distance(a.mu, a.sigma, b.mu, b.sigma)
+    value = max(0.0, frechet_distance(a.mu, a.sigma, b.mu, b.sigma))  # a distance: rounding leaves equal ones at -1e-4
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     if args.json:
@@ -156,8 +157,13 @@ def read_captions(path: str) -> list[str]:
         raise EvalError(f"--captions {path}: no such file") from None
     except UnicodeDecodeError as e:
         raise EvalError(f"--captions {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not any(captions):
+    while captions and not captions[-1]:  # the blank lines an editor leaves at the end
+        captions.pop()
+    if not captions:
         raise EvalError(f"--captions {path} is empty: write one caption per line, in the images' file-name order")
+    if "" in captions:
+        raise EvalError(f"--captions {path}: line {captions.index('') + 1} is blank; every image needs its caption "
+                        "(one per line, in the images' file-name order)")
     return captions
 
 
@@ -207,6 +213,10 @@ def cmd_run(args) -> int:
     from ldm.models.build import model_resolution
     from ldm.runtime.distributed import Distributed
 
+    if args.num_samples < 2:  # FID's covariance needs two images: refused before anything is generated
+        raise EvalError("--num_samples must be at least 2 (a covariance needs two images; FID needs thousands)")
+    if not all(math.isfinite(g) for g in args.guidance_scale):
+        raise EvalError(f"--guidance_scale must be finite numbers, not {' '.join(map(str, args.guidance_scale))}")
     prompts = read_prompts(args.prompts)
     reference = Statistics.load(args.reference)
     inception = load_inception(args.inception, "run")
@@ -440,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name} must be at least 1")
+
     from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()

@@ -118,3 +118,13 @@ def test_clip_user_errors_are_one_line(folder, tmp_path, capsys):
     (misshapen / "config.json").write_text(json.dumps(config))
     code, _, err = run([*base[:4], str(misshapen), "--captions", str(folder / "captions.txt")], capsys)
     assert_user_error(code, err, "text_projection has shape (32, 16), its config.json gives (64, 16)")
+
+
+def test_captions_end_at_their_last_line_and_a_blank_one_inside_is_refused(tmp_path):
+    from ldm.evaluate import EvalError, read_captions
+
+    (tmp_path / "ok.txt").write_text("a red circle\na blue square\n\n\n")
+    assert read_captions(str(tmp_path / "ok.txt")) == ["a red circle", "a blue square"]
+    (tmp_path / "gap.txt").write_text("a red circle\n\na blue square\n")
+    with pytest.raises(EvalError, match="line 2 is blank"):
+        read_captions(str(tmp_path / "gap.txt"))

@@ -359,3 +359,25 @@ def test_the_module_runs_as_a_command_and_answers_a_user_error_in_one_line(tmp_p
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: {tmp_path / 'none.pth'}: no such file"] and "Traceback" not in result.stderr
+
+
+def test_equal_statistics_are_at_fid_0_and_non_finite_ones_are_one_line(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((64, 16))
+    np.savez(tmp_path / "a.npz", mu=features.mean(0), sigma=np.cov(features, rowvar=False))
+    code, out, err = run(["fid", str(tmp_path / "a.npz"), str(tmp_path / "a.npz")], capsys)
+    assert code == 0, err
+    assert out.startswith("FID 0.0000") and "-" not in out.split()[1]
+    mu = features.mean(0)
+    mu[3] = np.nan
+    np.savez(tmp_path / "nan.npz", mu=mu, sigma=np.cov(features, rowvar=False))
+    code, _, err = run(["fid", str(tmp_path / "a.npz"), str(tmp_path / "nan.npz")], capsys)
+    assert_user_error(code, err, "mu hold non-finite values")
+
+
+def test_a_grid_beside_the_samples_is_not_a_sample(tmp_path):
+    from ldm.evaluation.fid import list_images
+
+    for name in ("000000.png", "000001.png", "grid.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    assert [os.path.basename(p) for p in list_images(str(tmp_path))] == ["000000.png", "000001.png"]

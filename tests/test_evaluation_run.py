@@ -83,6 +83,8 @@ def test_run_refuses_bad_input_in_one_line_before_generating(setup, tmp_path):
         (["--model", str(tmp_path)], "neither a training checkpoint"),
         (["--inception", reference], "not Inception weights"),
         (["--output_dir", "/proc/no_such_dir"], "/proc/no_such_dir"),
+        (["--num_samples", "1"], "--num_samples must be at least 2"),
+        (["--guidance_scale", "nan"], "--guidance_scale must be finite"),
     ]:
         args = run_args(setup, tmp_path / "out")
         for flag, value in zip(argv[::2], argv[1::2], strict=True):

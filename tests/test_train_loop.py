@@ -541,7 +541,7 @@ class PixelRegression(Objective):
     def start(self, run_dir):
         pass
 
-    def save(self, folder, final_folder):
+    def save(self, folder, final_folder, shares=None):
         save_state(folder, "net", self.model.state_dict())
 
     def finish(self, checkpoint, batches, dist, run_dir):
@@ -698,7 +698,7 @@ class PoisonedPixelRegression(PixelRegression):
         loss, extra = super().loss(net, batch)
         return (loss * float("nan") if self.calls in self.poisoned else loss), extra
 
-    def save(self, folder, final_folder):
+    def save(self, folder, final_folder, shares=None):
         super().save(folder, final_folder)
 
 

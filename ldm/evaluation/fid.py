@@ -32,6 +32,7 @@ FEATURES = 2048
 # and figures are not comparable with published ones (which use 10k-50k images)
 UNBIASED_SAMPLES = 2048
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".ppm")
+NOT_SAMPLES = ("grid.png",)  # `ldm.generate` writes its grid beside the samples: not one of them
 
 
 class FIDError(ValueError):
@@ -44,7 +45,7 @@ def list_images(folder: str) -> list[str]:
     if not os.path.isdir(folder):
         raise FIDError(f"{folder}: no such folder")
     names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_EXTENSIONS)
-                   and os.path.isfile(os.path.join(folder, n)))
+                   and os.path.isfile(os.path.join(folder, n)) and n not in NOT_SAMPLES)
     return [os.path.join(folder, n) for n in names]
 
 
@@ -162,6 +163,10 @@ class Statistics:
         mu, sigma = np.asarray(arrays["mu"], np.float64), np.asarray(arrays["sigma"], np.float64)
         if mu.ndim != 1 or sigma.shape != (mu.shape[0], mu.shape[0]):
             raise FIDError(f"{path}: mu {mu.shape} and sigma {sigma.shape} do not fit (expected [D] and [D, D])")
+        bad = [name for name, value in (("mu", mu), ("sigma", sigma)) if not np.isfinite(value).all()]
+        if bad:
+            raise FIDError(f"{path}: {' and '.join(bad)} hold non-finite values: not usable FID statistics (write "
+                           "them again with `python -m ldm.evaluate stats`)")
 
         def meta(key, kind):
             return kind(arrays[key].item()) if key in arrays else None
@@ -237,8 +242,10 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
 
 
 def fid(a: Statistics, b: Statistics) -> float:
+    """The FID of two comparable statistics; a distance, so never below 0 (the square root's rounding leaves
+    equal statistics at about -1e-4: reported as 0)."""
     check_comparable(a, b)
-    return frechet_distance(a.mu, a.sigma, b.mu, b.sigma)
+    return max(0.0, frechet_distance(a.mu, a.sigma, b.mu, b.sigma))
 
 
 # -- image sources -----------------------------------------------------------------------------------
