@@ -19,6 +19,7 @@ import sys
 
 from ldm.data import remote
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.files import atomic_write
 
 
 def pattern_paths(pattern: str, count: int, start: int = 0) -> list[str]:
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = existing_paths(args.existing)
         except (OSError, ValueError, ImportError) as e:
             parser.exit(1, f"error: cannot list {args.existing}: {e}\n")
+        own = os.path.realpath(args.output)  # listed when it lies in the folder or matches the glob: not a shard
+        paths = [p for p in paths if "://" in p or os.path.realpath(p) != own]
         if not paths:
             parser.exit(1, f"error: no shard files under {args.existing}\n")
     else:
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if folder:
             os.makedirs(folder, exist_ok=True)
-        with open(args.output, "w") as f:
+        with atomic_write(args.output, "w") as f:
             f.writelines(p + "\n" for p in paths)
     except OSError as e:
         parser.exit(1, f"error: cannot write {args.output}: {e.strerror or e}\n")

@@ -30,6 +30,7 @@ from collections import Counter
 from ldm.evaluation.fid import MODES, FIDError, Statistics, check_comparable, small_sample_warning
 from ldm.models.buckets import add_bucket_flags
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.files import atomic_write, save_figure, save_image
 
 
 class EvalError(Exception):
@@ -253,7 +254,7 @@ def cmd_run(args) -> int:
               "prompts": len(prompts), "ranks": dist.world_size, "results": [r.as_dict() for r in scored],
               "warnings": notes}
     os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+    with atomic_write(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
     write_figures(scored, args.output_dir)
     if args.json:
@@ -282,8 +283,8 @@ def write_figures(scored, output_dir: str) -> None:
     if rows:
         width = min(len(r.images) for r in rows)
         grid = np.concatenate([r.images[:width] for r in rows])
-        labeled_grid(grid, [f"guidance {r.guidance_scale:g}" for r in rows]).save(
-            os.path.join(output_dir, "samples.png"))
+        save_image(labeled_grid(grid, [f"guidance {r.guidance_scale:g}" for r in rows]),
+                   os.path.join(output_dir, "samples.png"))
     figure, axes = plt.subplots(figsize=(5, 4))
     with_clip = all(r.clip_score is not None for r in scored)
     xs = [r.clip_score if with_clip else r.guidance_scale for r in scored]
@@ -296,7 +297,7 @@ def write_figures(scored, output_dir: str) -> None:
     axes.set_title(f"FID against {'CLIP score' if with_clip else 'guidance'} ({scored[0].samples} samples)")
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(os.path.join(output_dir, "fid_clip.png"), dpi=120)
+    save_figure(figure, os.path.join(output_dir, "fid_clip.png"), dpi=120)
     plt.close(figure)
 
 

@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                       seed=args.seed, batch_size=args.batch_size, height=args.height, width=args.width)
     from PIL import Image
 
+    from ldm.runtime.files import save_image
+
     os.makedirs(args.output_dir, exist_ok=True)
     for i, image in enumerate(images):
         p, k = divmod(i, args.num_images_per_prompt)
-        Image.fromarray(image).save(os.path.join(args.output_dir, f"{p:03d}-{k:02d}-{slug(prompts[p])}.png"))
-    labeled_grid(images, prompts, args.grid_cell).save(os.path.join(args.output_dir, "grid.png"))
+        save_image(Image.fromarray(image), os.path.join(args.output_dir, f"{p:03d}-{k:02d}-{slug(prompts[p])}.png"))
+    save_image(labeled_grid(images, prompts, args.grid_cell), os.path.join(args.output_dir, "grid.png"))
     print(f"wrote {len(images)} images and grid.png to {args.output_dir}")
     return 0
 

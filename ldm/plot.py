@@ -18,6 +18,7 @@ import math
 import os
 import sys
 
+from ldm.runtime.files import save_figure
 from ldm.runtime.tracking import METRICS_FILE
 
 DEFAULT_PANELS = (
@@ -99,7 +100,7 @@ def plot(runs: dict[str, dict], panels, output: str) -> list[tuple[str, list[str
         ax.legend(fontsize="small")
     fig.tight_layout()
     try:
-        fig.savefig(output, dpi=100)
+        save_figure(fig, output, dpi=100)
     finally:
         plt.close(fig)
     return drawn

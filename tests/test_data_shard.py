@@ -82,3 +82,39 @@ def test_shipped_file_list_resolves_from_the_repository_root(monkeypatch):
     monkeypatch.chdir(ROOT)
     shards = read_file_list("./data/filelist/train.filelist.list")
     assert [s.path for s in shards] == [f"/data/laion400m/part-{i:05d}.gz" for i in range(10)]
+
+
+def test_an_entry_that_names_two_different_files_is_refused_naming_both(tmp_path, monkeypatch):
+    """synth writes shapes.filelist and shapes-00000.gz into every corpus: run from inside c1 with c2's list, the
+    relative entry exists both from the current directory and beside the list."""
+    for corpus in ("c1", "c2"):
+        (tmp_path / corpus).mkdir()
+        gzip_lines(str(tmp_path / corpus / "shapes-00000.gz"), [corpus.encode()])
+        (tmp_path / corpus / "shapes.filelist").write_text("shapes-00000.gz\n")
+        (tmp_path / corpus / "shapes.filelist.list").write_text("shapes.filelist\n")
+    monkeypatch.chdir(tmp_path / "c1")
+    with pytest.raises(FileListError, match=rf"which is both {tmp_path / 'c1'}/shapes.filelist .* and "
+                                            rf"{tmp_path / 'c2'}/shapes.filelist"):
+        read_file_list(str(tmp_path / "c2" / "shapes.filelist.list"))
+    assert [s.path for s in read_file_list("shapes.filelist.list")] == ["shapes-00000.gz"]  # the same file: fine
+
+
+def test_a_list_or_filelist_naming_something_twice_is_refused_and_a_byte_order_mark_is_ignored(tmp_path):
+    (tmp_path / "a.filelist").write_text("\ufeffs1.gz\ns2.gz\n", encoding="utf-8")
+    (tmp_path / "list").write_text("\ufeffa.filelist\n", encoding="utf-8")
+    assert [s.path for s in read_file_list(str(tmp_path / "list"))] == [str(tmp_path / "s1.gz"),
+                                                                         str(tmp_path / "s2.gz")]
+    (tmp_path / "twice.list").write_text("a.filelist\n./a.filelist\n")
+    with pytest.raises(FileListError, match=r"twice.list:2 names ./a.filelist again \(line 1\).*weight"):
+        read_file_list(str(tmp_path / "twice.list"))
+    (tmp_path / "b.filelist").write_text("s1.gz\ns2.gz\ns1.gz\n")
+    (tmp_path / "b.list").write_text("b.filelist\n")
+    with pytest.raises(FileListError, match=r"b.filelist:3 names s1.gz again \(line 1\)"):
+        read_file_list(str(tmp_path / "b.list"))
+
+
+def test_a_shard_given_as_the_list_of_filelists_says_what_it_is(tmp_path):
+    gzip_lines(str(tmp_path / "s.gz"), [b"x"])
+    (tmp_path / "s.filelist").write_text("s.gz\n")
+    with pytest.raises(FileListError, match="is a gzipped shard, not a list of paths: --file_list takes a list"):
+        read_file_list(str(tmp_path / "s.filelist"))

@@ -147,3 +147,13 @@ def test_write_filelist_default_and_options(tmp_path):
     out = run(str(ROOT / "write_filelist.py"), "--pattern", "s3://bucket/{:03d}.gz", "--count", "2", "--output", "y",
               cwd=tmp_path)
     assert (tmp_path / "y").read_text().split() == ["s3://bucket/000.gz", "s3://bucket/001.gz"]
+
+
+def test_write_filelist_does_not_list_its_own_output_when_run_again(tmp_path):
+    for name in ("a.gz", "b.gz"):
+        (tmp_path / name).write_bytes(b"")
+    for _ in range(2):
+        out = run_python(["write_filelist.py", "--existing", f"{tmp_path}/*", "--output", tmp_path / "all.filelist"])
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "all.filelist").read_text().splitlines() == [str(tmp_path / "a.gz"), str(tmp_path / "b.gz")]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]

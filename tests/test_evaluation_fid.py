@@ -381,3 +381,30 @@ def test_a_grid_beside_the_samples_is_not_a_sample(tmp_path):
     for name in ("000000.png", "000001.png", "grid.png"):
         Image.new("RGB", (8, 8)).save(tmp_path / name)
     assert [os.path.basename(p) for p in list_images(str(tmp_path))] == ["000000.png", "000001.png"]
+
+
+def test_outputs_are_written_whole_and_a_damaged_or_wrong_input_is_one_line(tmp_path, capsys):
+    """A full disk mid-write keeps the good file; a truncated .npz, or a PNG named .npz, is one error line."""
+    import subprocess
+
+    rng = np.random.default_rng(1)
+    features = rng.standard_normal((32, 8))
+    good = tmp_path / "good.npz"
+    np.savez(good, mu=features.mean(0), sigma=np.cov(features, rowvar=False))
+    before = good.read_bytes()
+    from ldm.evaluation.fid import Statistics
+
+    code = ("import resource, signal, sys, numpy as np; from ldm.evaluation.fid import Statistics; "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000)); "
+            "s = Statistics(np.zeros(64), np.eye(64)); s.save(sys.argv[1])")
+    full = subprocess.run([sys.executable, "-c", code, str(good)], capture_output=True, text=True, cwd=ROOT)
+    assert full.returncode != 0
+    assert good.read_bytes() == before and not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]
+    assert Statistics.load(str(good)).mu.shape == (8,)
+
+    (tmp_path / "cut.npz").write_bytes(before[: len(before) // 2])
+    Image.new("RGB", (4, 4)).save(tmp_path / "image.png")
+    os.rename(tmp_path / "image.png", tmp_path / "image.npz")
+    for name, words in (("cut.npz", "a damaged statistics .npz"), ("image.npz", "a PNG image")):
+        code, _, err = run(["fid", str(good), str(tmp_path / name)], capsys)
+        assert_user_error(code, err, words)

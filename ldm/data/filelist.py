@@ -6,8 +6,8 @@ starting with `#` are ignored in both.
 
 Relative paths resolve against the current directory when they exist there (as in the original
 example, run from the repository root), and otherwise against the folder of the file that names
-them, so that a generated corpus can be moved as a whole. Entries of a filelist at a URL resolve
-against the URL's folder only.
+them, so that a generated corpus can be moved as a whole; one that exists both ways as different files is
+refused. Entries of a filelist at a URL resolve against the URL's folder only. A byte-order mark is ignored.
 """
 
 from __future__ import annotations
@@ -42,13 +42,38 @@ class Shard:
 
 
 def resolve(path: str, relative_to: str) -> str:
+    """`path` as named in the list `relative_to`: as it is when absolute or a URL; else from the current directory
+    when it exists there, else from the list's folder. An entry that exists both ways as two different files is
+    refused: which corpus was meant cannot be told."""
     if os.path.isabs(path) or remote.is_url(path):
         return path
     if remote.is_url(relative_to):
         return remote.join(relative_to, path)
+    beside = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(relative_to)), path))
     if os.path.exists(path):
+        if os.path.exists(beside) and os.path.realpath(beside) != os.path.realpath(path):
+            raise FileListError(f"{relative_to} names {path!r}, which is both {os.path.abspath(path)} (from the "
+                                f"current directory) and {beside} (beside the list): write the one you mean as an "
+                                "absolute path, or run from another directory")
         return path
-    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(relative_to)), path))
+    return beside
+
+
+# the first bytes of files that are shards, not lists (a list of filelists given where a filelist was, or the reverse)
+MAGIC = {b"\x1f\x8b": "a gzipped shard", b"PAR1": "a parquet file", b"\x89PNG": "a PNG image", b"\xff\xd8": "a JPEG"}
+
+
+def _decode(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark from an editor is not part of the first path
+    except UnicodeDecodeError as e:
+        kind = next((what for magic, what in MAGIC.items() if data.startswith(magic)), None)
+        if kind is None and len(data) > 262 and data[257:262] == b"ustar":
+            kind = "a tar file"
+        if kind:
+            raise FileListError(f"{path} is {kind}, not a list of paths: --file_list takes a list of filelists (one "
+                                "filelist per line), and each filelist names shards") from None
+        raise FileListError(f"cannot read file list {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _read(path: str) -> str:
@@ -57,9 +82,10 @@ def _read(path: str) -> str:
             remote.check_scheme(path)
         except ValueError as e:
             raise FileListError(f"cannot read file list {path}: {e}") from None
-        return remote.read_text(path)
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+        with remote.open_url(path) as f:
+            return _decode(f.read(), path)
+    with open(path, "rb") as f:
+        return _decode(f.read(), path)
 
 
 def _entries(path: str):
@@ -70,13 +96,15 @@ def _entries(path: str):
                 yield number, line
     except FileNotFoundError:
         raise FileListError(f"file list not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise FileListError(f"cannot read file list {path}: {e}") from None
 
 
 def read_file_list(path: str) -> list[Shard]:
-    """All shards named by the filelists of `path`, each with its filelist's weight."""
+    """All shards named by the filelists of `path`, each with its filelist's weight. A filelist named twice, or a
+    shard named twice by one filelist, is refused (the weight repeats a filelist on purpose)."""
     shards: list[Shard] = []
+    seen_lists: dict[str, int] = {}
     for number, line in _entries(path):
         fields = line.split()
         if len(fields) > 2:
@@ -90,8 +118,20 @@ def read_file_list(path: str) -> list[Shard]:
             if not weight > 0 or weight == float("inf"):
                 raise FileListError(f"{path}:{number}: weight must be a positive finite number, got {weight}")
         filelist = resolve(fields[0], path)
-        shards.extend(Shard(resolve(shard, filelist), weight, name=f"{fields[0]}:{shard}")
-                      for _, shard in _entries(filelist))
+        if filelist in seen_lists:
+            raise FileListError(f"{path}:{number} names {fields[0]} again (line {seen_lists[filelist]}): each pass "
+                                f"would read its shards twice. To sample it more often give it a weight ({fields[0]} "
+                                "2.0)")
+        seen_lists[filelist] = number
+        seen_shards: dict[str, int] = {}
+        for shard_number, shard in _entries(filelist):
+            resolved = resolve(shard, filelist)
+            if resolved in seen_shards:
+                raise FileListError(f"{filelist}:{shard_number} names {shard} again (line {seen_shards[resolved]}): "
+                                    "each pass would read it twice. To sample shards more often, weight their "
+                                    "filelist in the list of filelists")
+            seen_shards[resolved] = shard_number
+            shards.append(Shard(resolved, weight, name=f"{fields[0]}:{shard}"))
     if not shards:
         raise FileListError(f"no shards listed in {path}")
     return shards

@@ -143,20 +143,35 @@ class Statistics:
     def save(self, path: str) -> None:
         meta = {"mode": self.mode, "num_images": self.num_images, "weights_sha256": self.weights_sha256,
                 "resolution": self.resolution}
-        with open(path, "wb") as f:  # np.savez would add .npz to a name without it
+        from ldm.runtime.files import atomic_write
+
+        with atomic_write(path) as f:  # a file object: np.savez would add .npz to a name without it
             np.savez(f, mu=self.mu, sigma=self.sigma,
                      **{k: np.array(v) for k, v in meta.items() if v is not None})
 
     @classmethod
     def load(cls, path: str) -> Statistics:
         """Statistics of ours or pytorch-fid's `--save-stats` (mu and sigma only); never unpickles."""
+        import zipfile
+
         try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+            if not head.startswith(b"PK\x03\x04"):  # an .npz is a zip; anything else is not statistics
+                what = "an empty file" if not head else "a PNG image" if head.startswith(b"\x89PNG") else \
+                    "a JPEG" if head.startswith(b"\xff\xd8") else "not a zip archive"
+                raise FIDError(f"{path}: not a statistics .npz ({what}); write one with `python -m ldm.evaluate "
+                               "stats`")
             with np.load(path, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
+        except FIDError:
+            raise
         except FileNotFoundError:
             raise FIDError(f"{path}: no such statistics file") from None
-        except (ValueError, OSError, EOFError) as e:
-            raise FIDError(f"{path}: not a statistics .npz ({str(e).splitlines()[0]}); write one with "
+        except IsADirectoryError:
+            raise FIDError(f"{path}: a folder, not a statistics file") from None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise FIDError(f"{path}: a damaged statistics .npz ({str(e).splitlines()[0]}); write it again with "
                            "`python -m ldm.evaluate stats`") from None
         if "mu" not in arrays or "sigma" not in arrays:
             raise FIDError(f"{path}: holds no mu and sigma ({', '.join(arrays) or 'nothing'}): not FID statistics")

@@ -392,10 +392,13 @@ def convert_inception(src: str, dst: str) -> dict:
     """Write the FID Inception weights of `src` (pytorch-fid's .pth, PaddleMIX's .pdparams, or safetensors) to
     `dst` as safetensors under pytorch-fid's names, the classifier and batch counters left out. A pickled `src` is
     read by `ldm.checkpoint.pickled`, which refuses one that names anything but tensors."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
+
+    from ldm.runtime.files import atomic_write
 
     state, kind = read_original(src)
     weights = check_state(state, src)
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, dst)
+    with atomic_write(dst) as f:
+        f.write(save({k: np.ascontiguousarray(v) for k, v in weights.items()}))
     return {"source": src, "format": kind, "output": dst, "tensors": len(weights),
             "weights_sha256": weights_fingerprint(weights)}
