@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args) or 0
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except (EvalError, FIDError, WeightsError, ClipError, FileListError, CompatibilityError, OSError) as e:
         message = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}"
         print(f"error: {message}", file=sys.stderr)

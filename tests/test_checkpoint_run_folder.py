@@ -274,3 +274,29 @@ def test_a_refused_check_gives_the_lock_back(tmp_path):
     with pytest.raises(CheckpointError, match="is not empty"):
         RunFolder(str(out), Distributed()).check(None, overwrite=False)
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_a_pipeline_named_for_a_resume_is_sent_to_init_from_checkpoint(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "model_index.json").write_text("{}")
+    assert "--init_from_checkpoint" in checkpoint_problem(str(tmp_path / "pipeline"))
+    with pytest.raises(CheckpointError, match="an exported pipeline, not a training checkpoint"):
+        resolve_resume(str(tmp_path), str(tmp_path / "pipeline"))
+
+
+def test_a_checkpoint_that_disappears_while_read_says_so(tmp_path, monkeypatch):
+    from ldm.inference import load
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+
+    def rotated_away(path, use_ema):
+        shutil.rmtree(path)
+        raise FileNotFoundError(2, "No such file or directory", os.path.join(path, "unet", "config.json"))
+
+    monkeypatch.setattr(load, "_load_for_inference", rotated_away)
+    with pytest.raises(FileNotFoundError, match="disappeared while being read"):
+        load.load_for_inference(str(folder))
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="no such checkpoint or pipeline folder"):
+        load.load_for_inference(str(folder))

@@ -30,6 +30,7 @@ def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     ("- a\n- b\n", "expected a mapping of flag names to values, not a list"),
     ("seed: [1\n", "not valid YAML"),
     ("unet: {a: 1}\n", "unet is a mapping"),
+    ("seed: 1\nlearning_rate: 0.1\nseed: 2\n", "'seed' is given twice"),
 ])
 def test_an_unusable_config_file_is_one_readable_error(tmp_path, content, message):
     path = tmp_path / "c.yaml"
@@ -155,3 +156,19 @@ def test_the_metrics_window_logs_a_ratio_over_the_window_and_leaves_skipped_upda
     metrics = window.read(Distributed(), Batches())
     assert metrics["q1"] == pytest.approx(4.0 / 3) and math.isnan(metrics["q2"])
     assert metrics["loss"] == pytest.approx(1.0) and metrics["grad_norm"] == pytest.approx(2.0)
+
+
+def test_yaml_values_reach_the_flags_as_written_and_numbers_as_yaml_1_2_reads_them(tmp_path):
+    """A text flag keeps `0x18` (YAML 1.1 would make it 24); `010` is ten, not eight (1.1's octal); a JSON file
+    repeating a key is refused as a YAML one is."""
+    (tmp_path / "c.yaml").write_text("aspect_buckets: 0x18\nseed: 010\nlearning_rate: 1e-4\nmax_grad_norm: 1:30\n")
+    assert expand_config(["--config", str(tmp_path / "c.yaml")])[:8] == [
+        "--aspect_buckets", "0x18", "--seed", "010", "--learning_rate", "1e-4", "--max_grad_norm", "1:30"]
+    from ldm.config.args import LoopArguments, RunArguments, parse
+
+    (tmp_path / "loop.yaml").write_text("seed: 010\nlearning_rate: 1e-4\n")
+    loop, run = parse([LoopArguments, RunArguments], ["--config", str(tmp_path / "loop.yaml")])
+    assert loop.seed == 10 and loop.learning_rate == 1e-4
+    (tmp_path / "c.json").write_text('{"seed": 1, "seed": 2}')
+    with pytest.raises(ConfigError, match="'seed' given twice"):
+        expand_config(["--config", str(tmp_path / "c.json")])

@@ -135,3 +135,10 @@ def test_a_yaml_list_of_buckets_is_one_flag(tmp_path):
     (tmp_path / "run.yaml").write_text("aspect_buckets: [24x40, 40x24]\nresolution: 32\n")
     argv = expand_config(["--config", str(tmp_path / "run.yaml")])
     assert argv[argv.index("--aspect_buckets") + 1] == "24x40,40x24"
+
+
+def test_a_bucket_past_the_aspect_ratio_is_called_taller_or_wider_as_it_is():
+    with pytest.raises(BucketError, match="64x8 is taller than --max_aspect_ratio 2 allows"):
+        parse_buckets("64x8", 32, 8, 2.0)
+    with pytest.raises(BucketError, match="8x64 is wider than --max_aspect_ratio 2 allows"):
+        parse_buckets("8x64", 32, 8, 2.0)

@@ -130,6 +130,9 @@ def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
         legacy = os.path.isfile(os.path.join(folder, LEGACY_STATE_FILE))
         if legacy and is_legacy_run(os.path.dirname(os.path.abspath(folder))):
             return None  # written before checkpoints had manifests: complete as far as can be told
+        if os.path.isfile(os.path.join(folder, "model_index.json")):
+            return ("an exported pipeline, not a training checkpoint: it holds weights only. Start a new run from it "
+                    "with --init_from_checkpoint")
         return "incomplete: no manifest.json (its writing was interrupted)"
     try:
         with open(path) as f:

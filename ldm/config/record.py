@@ -54,7 +54,7 @@ def read_config_file(path: str) -> dict:
         raise ConfigError(f"--config {path}: {e.strerror or e}") from None
     if path.endswith(".json"):
         try:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=_no_repeats)
         except ValueError as e:
             raise ConfigError(f"--config {path}: not valid JSON: {e}") from None
     else:
@@ -72,20 +72,39 @@ def read_config_file(path: str) -> dict:
 
 
 def yaml12_loader():
-    """PyYAML's safe loader with YAML 1.2's booleans: only true and false. YAML 1.1 also reads yes, no, on and off
-    as booleans, so `mixed_precision: no` would become False, not the choice `no`."""
+    """PyYAML's safe loader, made to hand every value over as it is written: only `true`/`false` are booleans
+    and `null`/`~`/nothing is the flag's default (YAML 1.2's core schema); every other scalar stays its text, which
+    the flag's own type then reads. YAML 1.1 would read `no` as False, `010` as 8, `0x18` (a text flag's value) as
+    24 and `1:30` as 90. A key given twice is an error, not the last one silently."""
     import re
 
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
 
-    bool_tag = "tag:yaml.org,2002:bool"
-    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+    kept = ("tag:yaml.org,2002:null",)
+    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag in kept]
                                       for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
     return Loader
+
+
+def _no_repeats(pairs):
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(map(repr, repeated))} given twice")
+    return dict(pairs)
 
 
 JOINED = ("aspect_buckets",)  # flags whose one value is a comma-separated list: a YAML list of them is joined

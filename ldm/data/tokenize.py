@@ -25,9 +25,12 @@ def load_tokenizer(name_or_path: str, model_max_length: int = 77):
     try:
         return AutoTokenizer.from_pretrained(name_or_path, model_max_length=model_max_length)
     except Exception as e:  # noqa: BLE001 - PaddleNLP raises several types for "cannot download"
+        cause = " ".join(str(e).split())
+        end = cause.find(". ")
+        cause = cause[:end + 1] if 0 <= end < 300 else cause  # its first sentence, else whole: never cut mid-word
         raise TokenizerError(
-            f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {str(e)[:200]}). "
-            "Offline, pass --tokenizer_name a local folder that holds vocab.txt."
+            f"cannot load tokenizer {name_or_path!r} ({type(e).__name__}: {cause}) Offline, pass --tokenizer_name a "
+            "local folder that holds vocab.txt."
         ) from None
 
 

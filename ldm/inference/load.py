@@ -29,7 +29,20 @@ def apply_ema(state: dict, unet, text_encoder) -> None:
 
 
 def load_for_inference(path: str, use_ema: bool = True):
-    """(unet, text_encoder, vae, tokenizer, noise_scheduler_config, used_ema) from a checkpoint or pipeline folder."""
+    """(unet, text_encoder, vae, tokenizer, noise_scheduler_config, used_ema) from a checkpoint or pipeline folder.
+    A checkpoint that disappears while being read (a live run's rotation) is said to have, in one line."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint or pipeline folder")
+    try:
+        return _load_for_inference(path, use_ema)
+    except OSError:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path} disappeared while being read (a live run's rotation removes old "
+                                    "checkpoints: read one it keeps, or copy it first)") from None
+        raise
+
+
+def _load_for_inference(path: str, use_ema: bool):
     if not (is_pipeline(path) or is_checkpoint(path)):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")

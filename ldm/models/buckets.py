@@ -95,7 +95,8 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
     check_max_aspect_ratio(max_aspect_ratio)
     for bucket in buckets:
         if max(bucket) / min(bucket) > max_aspect_ratio + 1e-9:
-            raise BucketError(f"--aspect_buckets: {bucket_name(bucket)} is wider than --max_aspect_ratio "
+            shape = "taller" if bucket[0] > bucket[1] else "wider"  # height x width
+            raise BucketError(f"--aspect_buckets: {bucket_name(bucket)} is {shape} than --max_aspect_ratio "
                               f"{max_aspect_ratio:g} allows (raise it to train such shapes)")
     return by_ratio(buckets)
 
