@@ -388,9 +388,17 @@ def test_overwrite_starts_afresh_and_resuming_refuses_another_autoencoder(corpus
     for folder in (out / "vqvae", out / "pipeline" / "vqvae"):
         assert autoencoder_identity(AutoencoderKL.from_pretrained(str(folder))) == wanted, folder
 
-    refused = run(args + ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])  # the preset's autoencoder
+    # without --vae_name_or_path a resume continues with the autoencoder the checkpoint was trained with
+    resumed = run(args + ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"with the autoencoder it was trained with, {out / 'vqvae'}" in resumed.stderr
+    third = AutoencoderKL.from_config(AutoencoderKL.load_config(str(PRESETS_DIR / "ldm-tiny" / "vqvae")))
+    third.save_pretrained(str(tmp_path / "third_vae"))
+    refused = run(args + ["--max_train_steps", "4", "--resume_from_checkpoint", "latest", "--vae_name_or_path",
+                          str(tmp_path / "third_vae")])
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "was trained with another autoencoder" in refused.stderr
+    assert f"the run's own is {out / 'vqvae'}: pass --vae_name_or_path" in refused.stderr
     with open(out / "checkpoint-2" / "optimizer.safetensors", "r+b") as f:
         f.truncate(100)
     named = run(args + ["--max_train_steps", "3", "--vae_name_or_path", str(tmp_path / "other_vae"),
@@ -564,7 +572,7 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
                              gradient_accumulation_steps=accumulation, max_train_steps=4, learning_rate=0.05,
                              lr_scheduler="linear", lr_warmup_steps=2, max_grad_norm=0.02, num_workers=0,
                              save_steps=100, logging_steps=1)
-        assert run(loop, data, lambda dist: objective)["step"] == 4
+        assert run(loop, data, lambda dist, resume: objective)["step"] == 4
         logged = {tag: read_scalars(str(out / "visualdl"), tag)[1]
                   for tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
         return load_state(str(out / "checkpoint-4"), "net"), logged
@@ -713,7 +721,7 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                 "lr_scheduler": "linear", "lr_warmup_steps": 0, "num_workers": 0, "save_steps": 1,
                 "logging_steps": 1, "report_to": ["none"], **loop_overrides}
     max_in_row = settings.pop("max_nonfinite_updates", 20)
-    return run(LoopArguments(**settings), data, lambda dist: objective,
+    return run(LoopArguments(**settings), data, lambda dist, resume: objective,
                run_args=RunArguments(max_nonfinite_updates=max_in_row))
 
 

@@ -178,6 +178,16 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
     return folder
 
 
+def recorded_autoencoder_folder(path: str) -> str | None:
+    """The folder of the autoencoder checkpoint `path` was trained with (its run's `vqvae/`), if it is there."""
+    try:
+        with open(os.path.join(path, MODEL_JSON)) as f:
+            folder = os.path.normpath(os.path.join(path, json.load(f)["vae"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return folder if os.path.isfile(os.path.join(folder, "config.json")) else None
+
+
 def checkpoint_autoencoder(path: str):
     """The frozen autoencoder a checkpoint was trained with, refused if it is not the recorded one."""
     from ppdiffusers import AutoencoderKL
@@ -203,8 +213,10 @@ def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, so
     if recorded != identity:
         changed = " and ".join(k.split("_")[0] for k in ("config_sha256", "weights_sha256")
                                if recorded.get(k) != identity.get(k))
+        own = recorded_autoencoder_folder(checkpoint)
+        way_out = f"; the run's own is {own}: pass --vae_name_or_path {own}" if own else ""
         raise CheckpointError(f"{checkpoint} was trained with another autoencoder than {source} (its {changed} "
-                              "differ): the UNet learned that autoencoder's latents")
+                              f"differ): the UNet learned that autoencoder's latents{way_out}")
 
 
 def recorded_autoencoder(path: str) -> dict | None:

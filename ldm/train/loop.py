@@ -70,15 +70,15 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
           run_args: RunArguments | None = None, validation: ValidationArguments | None = None) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
     run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
-    return run(loop, data, lambda dist: TextToImage(model_args, data, sampling, recompute=loop.recompute,
-                                                    seed=loop.seed, validation=validation),
+    return run(loop, data, lambda dist, resume: TextToImage(model_args, data, sampling, recompute=loop.recompute,
+                                                            seed=loop.seed, validation=validation, resume=resume),
                image_logging_steps=sampling.image_logging_steps, run_args=run_args,
                groups=(model_args, data, sampling, loop, run_args, validation))
 
 
 def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0,
         run_args: RunArguments | None = None, groups=()) -> dict:
-    """Train `build_objective(dist)` on the streamed shards; returns {"step", "checkpoint", "exit_code"}.
+    """Train `build_objective(dist, resume)` on the streamed shards; returns {"step", "checkpoint", "exit_code"}.
     `groups`: every argument group of the entry point, for the run's record (default: `loop`, `data`, `run_args`).
 
     Every input (folder policy, checkpoint, recorded configuration, model, tokenizer, file list) is checked
@@ -93,7 +93,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
     precision = resolve_precision(loop.mixed_precision)
 
-    objective = build_objective(dist)
+    objective = build_objective(dist, resume)
     record = describe_run(groups or (loop, data, run_args), dist=dist, num_workers=loop.num_workers,
                           model=objective.identity(), precision=precision)
     model, ema = objective.model, objective.ema

@@ -20,6 +20,7 @@ from ldm.checkpoint.format import (
     load_ldm_weights,
     read_training_state,
     recorded_autoencoder,
+    recorded_autoencoder_folder,
     save_model,
     save_weight_shard,
     write_frozen_autoencoder,
@@ -119,11 +120,16 @@ class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
-                 recompute: bool, seed: int, validation: ValidationArguments | None = None):
+                 recompute: bool, seed: int, validation: ValidationArguments | None = None, resume: str | None = None):
+        """`resume`: the checkpoint this run continues; without --vae_name_or_path it continues with the autoencoder
+        that checkpoint was trained with (its run's `vqvae/`), not the model source's."""
         self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
         self.tokenizer = setup.build_tokenizer(data)
+        vae = model_args.vae_name_or_path or (recorded_autoencoder_folder(resume) if resume else None)
+        if vae and not model_args.vae_name_or_path:
+            logger.info("resuming %s with the autoencoder it was trained with, %s", resume, vae)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
-                                                         seed=seed)
+                                                         seed=seed, vae_name_or_path=vae)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)

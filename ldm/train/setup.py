@@ -48,7 +48,8 @@ def build_tokenizer(data: DataArguments):
     return load_tokenizer(data.tokenizer_name, data.model_max_length)
 
 
-def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int):
+def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int,
+                vae_name_or_path: str | None = None):
     """The LatentDiffusion wrapper and its components, identical on every rank for a seed.
 
     Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
@@ -57,7 +58,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     with paddle.utils.unique_name.guard():
         components = build_components(
             model_args.model_name_or_path,
-            vae_name_or_path=model_args.vae_name_or_path,
+            vae_name_or_path=vae_name_or_path or model_args.vae_name_or_path,
             vocab_size=tokenizer.vocab_size,
             model_max_length=data.model_max_length,
             pad_token_id=tokenizer.pad_token_id,

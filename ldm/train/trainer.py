@@ -217,6 +217,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     training_args.disable_tqdm = progress != "bar"  # PaddleNLP's bar, or its plain log lines and ours
 
     objective = TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=training_args.seed,
+                            resume=checkpoint,
                             validation=validation)
     record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
                           num_workers=training_args.dataloader_num_workers, model=objective.identity(),
