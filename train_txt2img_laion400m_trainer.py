@@ -6,14 +6,21 @@
 
 import sys
 
-from ldm.config.args import DataArguments, ModelArguments, RunArguments, SamplingArguments, ValidationArguments, parse
+from ldm.config.args import (
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    SamplingArguments,
+    ValidationArguments,
+    parse,
+    trainer_arguments,
+)
 
 
 def main(argv=None) -> int:
-    from paddlenlp.trainer import TrainingArguments
-
     model_args, data_args, sampling_args, training_args, run_args, validation_args = parse(
-        [ModelArguments, DataArguments, SamplingArguments, TrainingArguments, RunArguments, ValidationArguments], argv)
+        [ModelArguments, DataArguments, SamplingArguments, trainer_arguments(), RunArguments, ValidationArguments],
+        argv)
     if not training_args.do_train:
         sys.exit("error: nothing to do: pass --do_train")
     from ldm.runtime.device import use_fast_cpu_kernels

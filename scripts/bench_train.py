@@ -100,7 +100,7 @@ def main() -> None:
                                   adam_weight_decay=0.01, num_workers=args.num_workers, seed=0,
                                   report_to=["visualdl"])
         run(loop_args, run_data,
-            lambda dist, resume: TextToImage(model_args, run_data, sampling, recompute=False, seed=0))
+            lambda dist, resume, resolved: TextToImage(model_args, run_data, sampling, recompute=False, seed=0))
         steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/global_samples_per_second")
         return args.batch / rates[steps.index(2 * args.updates)]
 

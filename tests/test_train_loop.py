@@ -572,7 +572,7 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
                              gradient_accumulation_steps=accumulation, max_train_steps=4, learning_rate=0.05,
                              lr_scheduler="linear", lr_warmup_steps=2, max_grad_norm=0.02, num_workers=0,
                              save_steps=100, logging_steps=1)
-        assert run(loop, data, lambda dist, resume: objective)["step"] == 4
+        assert run(loop, data, lambda dist, resume, resolved: objective)["step"] == 4
         logged = {tag: read_scalars(str(out / "visualdl"), tag)[1]
                   for tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
         return load_state(str(out / "checkpoint-4"), "net"), logged
@@ -721,7 +721,7 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                 "lr_scheduler": "linear", "lr_warmup_steps": 0, "num_workers": 0, "save_steps": 1,
                 "logging_steps": 1, "report_to": ["none"], **loop_overrides}
     max_in_row = settings.pop("max_nonfinite_updates", 20)
-    return run(LoopArguments(**settings), data, lambda dist, resume: objective,
+    return run(LoopArguments(**settings), data, lambda dist, resume, resolved: objective,
                run_args=RunArguments(max_nonfinite_updates=max_in_row))
 
 
@@ -1061,3 +1061,25 @@ def test_a_32_then_64_curriculum_starts_from_the_checkpoint_records_its_lineage_
     target = run(args + ["--prediction_type", "v_prediction", "--max_train_steps", "1", "--output_dir",
                          str(tmp_path / "v")])
     assert target.returncode == 2 and "predicts epsilon" in target.stderr.strip().splitlines()[-1], target.stderr
+
+
+def test_a_resume_keeps_the_checkpoints_seed_unless_one_is_given(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = corpus + ["--max_train_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--num_workers", "0",
+                     "--output_dir", str(out)]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = json.loads((out / "run.json").read_text())
+    assert record["arguments"]["LoopArguments"]["seed"] == 23  # the recipe's, unless given
+    (out / "seed.yaml").write_text("seed: 5\n")
+    resumed = run(args + ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming {out / 'checkpoint-2'} with its seed 23" in resumed.stderr
+    assert "resume changes --seed" not in resumed.stderr
+    other = run(args + ["--max_train_steps", "4", "--resume_from_checkpoint", "latest", "--config",
+                        str(out / "seed.yaml")])
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "--seed 5 is not the seed 23 of" in other.stderr and "the next pass starts in the order of seed 5" in \
+        other.stderr
+    assert [r["arguments"]["LoopArguments"]["seed"] for r in json.loads((out / "run.json").read_text())["resumes"]] \
+        == [23, 5]

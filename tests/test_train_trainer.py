@@ -231,6 +231,7 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
                                           "RunArguments", "ValidationArguments"}
     training = recorded["arguments"]["TrainingArguments"]
     assert training["learning_rate"] == 1e-3 and training["max_steps"] == 2 and "adam_beta2" in training
+    assert training["seed"] == 23  # the recipe's, as on the loop (PaddleNLP's own default is 42)
     assert len(training) > 50  # every field of PaddleNLP's TrainingArguments, defaults included
     assert json.loads((out / "checkpoint-2" / "run_config.json").read_text())["arguments"] == recorded["arguments"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

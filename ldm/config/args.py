@@ -186,7 +186,8 @@ class LoopArguments:
     save_steps: int = arg(5000, "save a checkpoint every N updates")
     checkpoints_total_limit: Optional[int] = arg(None, "keep the N newest checkpoints",
                                                  aliases=["--save_total_limit"])
-    seed: int = arg(23, "seed of the model init, the noise and the data stream")
+    seed: Optional[int] = arg(None, "seed of the model init, the noise and the data stream (default 23; resuming, "
+                                    "the checkpoint's)")
     num_workers: int = arg(6, "data loader processes per card")
     mixed_precision: str = arg("no", "no, fp16 (dynamic loss scaling) or bf16")
     recompute: bool = arg(False, "gradient checkpointing of UNet and text encoder")
@@ -345,6 +346,19 @@ def make_parser(dataclass_types):
 def known_flags(dataclass_types) -> list[str]:
     return [flag for dc in dataclass_types for f in dataclasses.fields(dc)
             for flag in (f"--{f.name}", *f.metadata.get("aliases", ()))]
+
+
+def trainer_arguments():
+    """PaddleNLP's `TrainingArguments` with --seed unset by default: the recipe's 23, or, resuming, the checkpoint's
+    (`ldm.config.record.resolve_seed`), as on the hand-written loop (PaddleNLP's own default is 42)."""
+    from paddlenlp.trainer import TrainingArguments as PaddleNLPTrainingArguments
+
+    @dataclass
+    class TrainingArguments(PaddleNLPTrainingArguments):  # the same name: run records name their groups
+        seed: Optional[int] = field(default=None, metadata={"help": "seed of the model init, the noise and the data "
+                                                                    "stream (default 23; resuming, the checkpoint's)"})
+
+    return TrainingArguments
 
 
 def parse(dataclass_types, argv: list[str] | None = None):

@@ -226,6 +226,37 @@ def git_commit(folder: str = PROJECT_ROOT) -> dict | None:
     return {"commit": commit, "dirty": dirty}
 
 
+DEFAULT_SEED = 23  # the recipe's
+
+
+def recorded_seed(checkpoint: str) -> int | None:
+    """The --seed the run of `checkpoint` trained with, as its record says (either entry point's)."""
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
+            groups = json.load(f).get("arguments", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    seeds = [group["seed"] for group in groups.values()
+             if isinstance(group, dict) and isinstance(group.get("seed"), int)]
+    return seeds[0] if seeds else None
+
+
+def resolve_seed(given: int | None, checkpoint: str | None) -> int:
+    """The run's seed: `given` (--seed on the command line or in --config); else, resuming, the checkpoint's, so the
+    interrupted pass goes on in its order; else the recipe's 23. A given seed that differs from the checkpoint's is
+    kept, with one warning: the interrupted pass ends there and the next starts in the new order."""
+    recorded = recorded_seed(checkpoint) if checkpoint else None
+    if given is None:
+        if recorded is not None:
+            logger.info("resuming %s with its seed %d", checkpoint, recorded)
+            return recorded
+        return DEFAULT_SEED
+    if recorded is not None and recorded != given:
+        logger.warning("--seed %d is not the seed %d of %s: the interrupted pass ends there and the next pass starts "
+                       "in the order of seed %d", given, recorded, checkpoint, given)
+    return given
+
+
 def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None,
                  precision: str | None = None) -> dict:
     """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses;

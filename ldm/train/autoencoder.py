@@ -114,7 +114,7 @@ class Autoencoder(Objective):
 def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments,
           run_args: RunArguments | None = None) -> dict:
     run_args = run_args or RunArguments()
-    result = run(loop, data, lambda dist, resume: Autoencoder(args, loop, data),
+    result = run(loop, data, lambda dist, resume, resolved: Autoencoder(args, resolved, data),
                  image_logging_steps=args.image_logging_steps, run_args=run_args, groups=(args, data, loop, run_args))
     result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
     return result

@@ -12,6 +12,7 @@ The `Checkpointer` owns the rest of the run state and when it is saved.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import paddle
@@ -25,7 +26,7 @@ from ldm.config.args import (
     SamplingArguments,
     ValidationArguments,
 )
-from ldm.config.record import describe_run, hyperparameters
+from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime.compat import shard_optimizer, sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
@@ -70,15 +71,17 @@ def train(loop: LoopArguments, model_args: ModelArguments, data: DataArguments, 
           run_args: RunArguments | None = None, validation: ValidationArguments | None = None) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
     run_args, validation = run_args or RunArguments(), validation or ValidationArguments()
-    return run(loop, data, lambda dist, resume: TextToImage(model_args, data, sampling, recompute=loop.recompute,
-                                                            seed=loop.seed, validation=validation, resume=resume),
+    return run(loop, data, lambda dist, resume, resolved: TextToImage(
+                   model_args, data, sampling, recompute=resolved.recompute, seed=resolved.seed,
+                   validation=validation, resume=resume),
                image_logging_steps=sampling.image_logging_steps, run_args=run_args,
                groups=(model_args, data, sampling, loop, run_args, validation))
 
 
 def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logging_steps: int = 0,
         run_args: RunArguments | None = None, groups=()) -> dict:
-    """Train `build_objective(dist, resume)` on the streamed shards; returns {"step", "checkpoint", "exit_code"}.
+    """Train `build_objective(dist, resume, loop)` (`loop` with its seed resolved) on the streamed shards; returns
+    {"step", "checkpoint", "exit_code"}.
     `groups`: every argument group of the entry point, for the run's record (default: `loop`, `data`, `run_args`).
 
     Every input (folder policy, checkpoint, recorded configuration, model, tokenizer, file list) is checked
@@ -91,9 +94,12 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     shards = setup.sharding_degree(loop.sharding, loop.sharding_parallel_degree, dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
+    given = loop
+    loop = dataclasses.replace(loop, seed=resolve_seed(loop.seed, resume))
+    groups = tuple(loop if group is given else group for group in groups)
     precision = resolve_precision(loop.mixed_precision)
 
-    objective = build_objective(dist, resume)
+    objective = build_objective(dist, resume, loop)
     record = describe_run(groups or (loop, data, run_args), dist=dist, num_workers=loop.num_workers,
                           model=objective.identity(), precision=precision)
     model, ema = objective.model, objective.ema

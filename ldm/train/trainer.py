@@ -22,7 +22,7 @@ from paddlenlp.utils.log import logger as paddlenlp_logger
 from ldm.checkpoint.format import read_training_state
 from ldm.checkpoint.run_folder import RunFolder, checkpoint_problem, checkpoint_step
 from ldm.config.args import RunArguments, ValidationArguments
-from ldm.config.record import describe_run, hyperparameters
+from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
 from ldm.runtime.device import check_sharding, resolve_precision
@@ -207,6 +207,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
         resume = "latest"
     run_dir = RunFolder(training_args.output_dir, dist, training_args.save_total_limit)
     checkpoint = run_dir.check(resume, training_args.overwrite_output_dir)
+    training_args.seed = resolve_seed(training_args.seed, checkpoint)
     precision = resolve_precision("fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no")
     if precision == "no":
         training_args.fp16 = training_args.bf16 = False
