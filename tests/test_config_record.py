@@ -172,3 +172,23 @@ def test_yaml_values_reach_the_flags_as_written_and_numbers_as_yaml_1_2_reads_th
     (tmp_path / "c.json").write_text('{"seed": 1, "seed": 2}')
     with pytest.raises(ConfigError, match="'seed' given twice"):
         expand_config(["--config", str(tmp_path / "c.json")])
+
+
+def test_a_resume_on_the_other_entry_point_names_only_the_shared_settings_that_changed():
+    from ldm.config.record import differences, one_sided
+
+    saved = {"arguments": {"LoopArguments": {"seed": 5, "learning_rate": 1e-3, "max_train_steps": 10,
+                                             "train_batch_size": 4, "adam_beta1": 0.9, "checkpoints_total_limit": 2},
+                           "DataArguments": {"resolution": 32}},
+             "model": {"prediction_type": "epsilon"}}
+    current = {"arguments": {"TrainingArguments": {"seed": 6, "learning_rate": 1e-3, "max_steps": 12,
+                                                   "per_device_train_batch_size": 4, "adam_beta1": 0.9,
+                                                   "save_total_limit": 2, "logging_first_step": False,
+                                                   "fp16_opt_level": "O1"},
+                             "DataArguments": {"resolution": 32}},
+               "model": {"prediction_type": "epsilon"}}
+    assert differences(saved, current) == [("arguments.max_train_steps", 10, 12), ("arguments.seed", 5, 6)]
+    assert one_sided(saved, current) == ["fp16_opt_level", "logging_first_step"]
+    # the same entry point: every difference, as before
+    assert differences(saved, {**saved, "model": {"prediction_type": "v_prediction"}}) == [
+        ("model.prediction_type", "epsilon", "v_prediction")]

@@ -227,6 +227,11 @@ def git_commit(folder: str = PROJECT_ROOT) -> dict | None:
 
 
 DEFAULT_SEED = 23  # the recipe's
+# settings both entry points have, under the Trainer path's name -> the loop's
+TRAINER_TO_LOOP = {"per_device_train_batch_size": "train_batch_size", "max_steps": "max_train_steps",
+                   "dataloader_num_workers": "num_workers", "lr_scheduler_type": "lr_scheduler",
+                   "warmup_steps": "lr_warmup_steps", "save_total_limit": "checkpoints_total_limit",
+                   "weight_decay": "adam_weight_decay"}
 
 
 def recorded_seed(checkpoint: str) -> int | None:
@@ -306,12 +311,39 @@ def hyperparameters(record: dict) -> dict[str, object]:
             for name, value in flatten(record).items()}
 
 
+def other_entry_point(saved: dict, current: dict) -> bool:
+    """Whether two records come from different entry points (the loop's argument groups against the Trainer's)."""
+    return set(saved.get("arguments", {})) != set(current.get("arguments", {}))
+
+
+def _shared_names(flat: dict) -> dict:
+    """The loop's names for the settings the Trainer path spells otherwise (`--max_steps` is `--max_train_steps`)."""
+    return {f"arguments.{TRAINER_TO_LOOP.get(name[10:], name[10:])}" if name.startswith("arguments.") else name: value
+            for name, value in flat.items()}
+
+
+def _same(a, b) -> bool:
+    return a == b or (a in ("", None, [], ()) and b in ("", None, [], ()))  # unset, however a path spells it
+
+
 def differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
-    """(name, saved value, current value) of every setting that differs, sorted by name."""
+    """(name, saved value, current value) of every setting that differs, sorted by name. Across entry points only
+    the settings both have are compared (under the loop's names); `one_sided` counts the rest."""
     old, new = flatten(saved), flatten(current)
     missing = "(absent)"
-    return [(name, old.get(name, missing), new.get(name, missing)) for name in sorted(set(old) | set(new))
-            if not name.startswith(NOT_SETTINGS) and old.get(name, missing) != new.get(name, missing)]
+    names = set(old) | set(new)
+    if other_entry_point(saved, current):
+        old, new = _shared_names(old), _shared_names(new)
+        names = set(old) & set(new)
+    return [(name, old.get(name, missing), new.get(name, missing)) for name in sorted(names)
+            if not name.startswith(NOT_SETTINGS) and not _same(old.get(name, missing), new.get(name, missing))]
+
+
+def one_sided(saved: dict, current: dict) -> list[str]:
+    """The settings of a resume on the other entry point that only one of the two paths has."""
+    old, new = _shared_names(flatten(saved)), _shared_names(flatten(current))
+    return sorted(name.partition(".")[2] for name in set(old) ^ set(new)
+                  if name.startswith("arguments.") and not name.startswith(NOT_SETTINGS))
 
 
 def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: bool = True) -> list[str]:
@@ -335,6 +367,11 @@ def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: boo
     if log:
         for line in lines:
             logger.warning("%s", line)
+        if other_entry_point(saved, current):
+            others = one_sided(saved, current)
+            logger.info("resuming on the other entry point: %d settings exist on one path only (%s%s); the shared "
+                        "ones that changed are listed above", len(others), ", ".join(others[:6]),
+                        ", ..." if len(others) > 6 else "")
     if refused and not allow_change:
         raise ConfigError(f"{checkpoint} was trained with other settings that a run cannot change halfway: "
                           f"{'; '.join(refused)}. Pass the checkpoint's values, or --allow_config_change to continue "
