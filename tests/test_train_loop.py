@@ -205,6 +205,7 @@ def test_an_untrained_autoencoder_is_refused_with_what_to_pass_instead(corpus, t
     assert last.startswith("error: the autoencoder from") and "has no trained weights" in last
     assert "--vae_name_or_path" in last and "train_autoencoder.py" in last and "--allow_untrained_vae" in last
     assert not (tmp_path / "x").exists()
+    assert "model from" not in result.stderr  # refused before the model is built (ldm-32layer: most of a minute)
 
 
 def test_unusable_data_fails_the_start_with_one_line_and_writes_nothing(corpus, tmp_path):

@@ -300,6 +300,20 @@ def build_components(
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})
 
 
+def check_autoencoder_source(model_name_or_path: str, vae_name_or_path: str | None, allowed: bool) -> None:
+    """Before anything is built (a 1.4 B-parameter model takes most of a minute on a CPU): refuse a local
+    autoencoder that has no trained weights (a preset's, a folder of configs), as `check_autoencoder_trained` would
+    once it is built. A hub name is left to the build, which downloads it."""
+    source = vae_name_or_path or model_name_or_path
+    if allowed or not (source in PRESETS or os.path.isdir(source)):
+        return
+    try:
+        folder = vae_folder(source)
+    except ModelSourceError:
+        return  # the build names what is wrong with the source
+    check_autoencoder_trained(has_weights(folder), source, allowed)
+
+
 def check_autoencoder_trained(loaded: bool, source: str, allowed: bool) -> None:
     """Refuse a frozen autoencoder with no trained weights (a multi-day run would learn nothing), unless
     `--allow_untrained_vae` says it is meant."""

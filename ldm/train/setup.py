@@ -11,7 +11,7 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
-from ldm.models.build import build_components, check_autoencoder_trained
+from ldm.models.build import build_components, check_autoencoder_source, check_autoencoder_trained
 from ldm.models.diffusion import LatentDiffusion
 from ldm.runtime.device import resolve_vae_dtype
 from ldm.runtime.distributed import Distributed
@@ -55,6 +55,8 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
     do not depend on what the process built before.
     """
+    check_autoencoder_source(model_args.model_name_or_path, vae_name_or_path or model_args.vae_name_or_path,
+                             model_args.allow_untrained_vae)
     with paddle.utils.unique_name.guard():
         components = build_components(
             model_args.model_name_or_path,
