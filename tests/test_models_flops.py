@@ -115,3 +115,26 @@ def test_throughput_metrics():
     assert throughput_metrics(2e12, 10.0, 2, None) == {"tflops_per_device": 10.0}
     assert throughput_metrics(2e12, 10.0, 2, 40.0) == {"tflops_per_device": 10.0, "mfu": 0.25}
     assert throughput_metrics(None, 10.0, 1, 40.0) == {}
+
+
+def test_mfu_counts_each_bucket_at_its_shape_by_its_share_of_the_window():
+    from ldm.models.flops import SampleFlops
+
+    flops = SampleFlops(square=100, by_bucket={"32x64": 120, "32x32": 100, "64x32": 120})
+    assert flops.mean({}) == 100  # no bucket shares logged: the square count
+    assert flops.mean({"data_bucket_32x64": 0.5, "data_bucket_32x32": 0.5, "data_bucket_64x32": 0.0}) == 110
+    assert SampleFlops(square=100).mean({"data_bucket_32x64": 1.0}) == 100
+
+
+def test_a_bucket_is_counted_at_its_own_shape():
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.flops import ldm_training_flops
+
+    parts = build_components("ldm-tiny", vocab_size=64, model_max_length=8)
+    model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler)
+    square = ldm_training_flops(model, resolution=32, text_length=8)
+    wide = ldm_training_flops(model, resolution=(32, 64), text_length=8)
+    for part in ("vae_encode", "unet"):  # convolutions: linear in the area; attention grows faster
+        assert 2 * square[part] <= wide[part] < 2.3 * square[part], part
+    assert wide["text_encoder"] == square["text_encoder"]

@@ -16,6 +16,7 @@ shards, cost their forward alone.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import paddle
 from paddle import nn
@@ -99,10 +100,13 @@ def _tokens_of(shape) -> int:
     return total
 
 
-def ldm_training_flops(model, *, resolution: int, text_length: int, on_latents: bool = False) -> dict[str, int]:
-    """FLOPs of one training sample of a `LatentDiffusion` at `resolution`: {"unet", "text_encoder", "vae_encode",
-    "total"}, each with its backward where it trains. The random state is left as it was."""
-    pixels = paddle.zeros([1, 3, resolution, resolution], dtype="float32")
+def ldm_training_flops(model, *, resolution: int | tuple[int, int], text_length: int,
+                       on_latents: bool = False) -> dict[str, int]:
+    """FLOPs of one training sample of a `LatentDiffusion` at `resolution` (a side, or (height, width) for an
+    aspect-ratio bucket): {"unet", "text_encoder", "vae_encode", "total"}, each with its backward where it trains.
+    The random state is left as it was."""
+    height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+    pixels = paddle.zeros([1, 3, height, width], dtype="float32")
     ids = paddle.zeros([1, text_length], dtype="int64")
     forward = forward_flops(model, lambda: model(pixels, ids))
     text_trains = any(not p.stop_gradient for p in model.text_encoder.parameters())
@@ -113,6 +117,22 @@ def ldm_training_flops(model, *, resolution: int, text_length: int, on_latents: 
     }
     flops["total"] = sum(flops.values())
     return flops
+
+
+@dataclass
+class SampleFlops:
+    """FLOPs of one training sample: at the run's square resolution, and at each aspect-ratio bucket's shape."""
+
+    square: int
+    by_bucket: dict[str, int] = field(default_factory=dict)
+
+    def mean(self, metrics: dict) -> float:
+        """Per sample of a logged window: each bucket's FLOPs weighted by its share of the window's samples
+        (`data_bucket_<name>`, `ldm.train.metrics`); the square count without buckets."""
+        shares = {name: metrics.get(f"data_bucket_{name}") or 0.0 for name in self.by_bucket}
+        if not sum(shares.values()):
+            return float(self.square)
+        return sum(self.by_bucket[name] * share for name, share in shares.items()) / sum(shares.values())
 
 
 def throughput_metrics(flops_per_sample: float | None, samples_per_second: float, world_size: int,

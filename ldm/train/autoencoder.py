@@ -60,9 +60,9 @@ class Autoencoder(Objective):
                     args.model_name_or_path, count / 1e6, "loaded" if loaded else "from scratch",
                     self.latent_scale, vae.config.latent_channels)
 
-    def flops_per_sample(self, on_latents):
-        resolution = self.resolution
-        pixels = paddle.zeros([1, 3, resolution, resolution], dtype="float32")
+    def flops_per_sample(self, on_latents, shape=None):
+        height, width = shape or (self.resolution, self.resolution)
+        pixels = paddle.zeros([1, 3, height, width], dtype="float32")
         forward = sum(forward_flops(self.model, lambda: self.model(pixels)).values())
         return {"autoencoder": 3 * forward, "total": 3 * forward}  # every part trains: forward and backward
 

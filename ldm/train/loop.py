@@ -194,7 +194,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
 
                 if logging_step:
                     metrics = {"learning_rate": optimizer.get_lr(), **window.read(dist, data_stream), **guard.read()}
-                    metrics.update(throughput_metrics(flops, metrics["global_samples_per_second"], dist.world_size,
+                    metrics.update(throughput_metrics(flops and flops.mean(metrics),
+                                                      metrics["global_samples_per_second"], dist.world_size,
                                                       run_args.peak_tflops))
                     writer.scalars(metrics, step)
                     progress.show({"loss": f"{metrics['loss']:.4f}",

@@ -106,8 +106,9 @@ class Objective:
         """Held-out metrics under the trackers' names (`eval_<name>`), the same on every rank; {}: none."""
         return {}
 
-    def flops_per_sample(self, on_latents: bool) -> dict[str, int] | None:
-        """FLOPs of one training sample by part, with "total" (`ldm.models.flops`); None: not counted."""
+    def flops_per_sample(self, on_latents: bool, shape: tuple[int, int] | None = None) -> dict[str, int] | None:
+        """FLOPs of one training sample by part, with "total" (`ldm.models.flops`), at `shape` (height, width; default
+        the square resolution); None: not counted."""
         return None
 
     def identity(self) -> dict:
@@ -240,9 +241,9 @@ class TextToImage(Objective):
             out["eval_clip_score"] = scored.clip_score
         return out
 
-    def flops_per_sample(self, on_latents):
-        return ldm_training_flops(self.model, resolution=self.data.resolution, text_length=self.data.model_max_length,
-                                  on_latents=on_latents)
+    def flops_per_sample(self, on_latents, shape=None):
+        return ldm_training_flops(self.model, resolution=shape or self.data.resolution,
+                                  text_length=self.data.model_max_length, on_latents=on_latents)
 
     def identity(self):
         return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,

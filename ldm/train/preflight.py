@@ -8,6 +8,8 @@ import logging
 import os
 
 from ldm.config.record import RUN_CONFIG, check_resume
+from ldm.models.buckets import bucket_name
+from ldm.models.flops import SampleFlops
 from ldm.runtime.distributed import Distributed
 from ldm.train.batches import TimedBatches
 from ldm.train.objective import Objective
@@ -15,16 +17,23 @@ from ldm.train.objective import Objective
 logger = logging.getLogger("ldm.train")
 
 
-def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> int | None:
-    """FLOPs of one training sample of `objective` (on the batches' kind), logged and added to the run's record
-    (`record["model"]["flops_per_sample"]`); None when the objective does not count them."""
+def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> SampleFlops | None:
+    """FLOPs of one training sample of `objective` (on the batches' kind), at `--resolution` and, with aspect-ratio
+    buckets, at each bucket's shape (MFU is counted at the shapes trained), logged and added to the run's record
+    (`record["model"]["flops_per_sample"]`, `...["flops_per_sample_by_bucket"]`); None when not counted."""
     flops = objective.flops_per_sample(batches.on_latents)
     if not flops:
         return None
     record.setdefault("model", {})["flops_per_sample"] = flops
     logger.info("FLOPs per training sample (forward and backward): %.4g G (%s)", flops["total"] / 1e9,
                 ", ".join(f"{part} {value / 1e9:.4g} G" for part, value in flops.items() if part != "total"))
-    return flops["total"]
+    by_bucket = {bucket_name(bucket): objective.flops_per_sample(batches.on_latents, shape=bucket)["total"]
+                 for bucket in objective.buckets or ()}
+    if by_bucket:
+        record["model"]["flops_per_sample_by_bucket"] = by_bucket
+        logger.info("FLOPs per training sample by bucket: %s", ", ".join(f"{name} {value / 1e9:.4g} G"
+                                                                          for name, value in by_bucket.items()))
+    return SampleFlops(flops["total"], by_bucket)
 
 
 def recorded_lineage(checkpoint: str) -> dict | None:
@@ -37,7 +46,7 @@ def recorded_lineage(checkpoint: str) -> dict | None:
 
 
 def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
-                         allow_config_change: bool, dist: Distributed) -> int | None:
+                         allow_config_change: bool, dist: Distributed) -> SampleFlops | None:
     """What both paths check once the batches have started and before the first write: the held-out data,
     the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
     stops the loader workers, which are running already, when this fails."""

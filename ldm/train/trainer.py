@@ -149,8 +149,8 @@ class LDMTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.window.read(self.dist, self.data_stream, with_loss=False))
             logs.update(self.guard.read())
-            logs.update(throughput_metrics(self.flops, logs["global_samples_per_second"], self.dist.world_size,
-                                           self.peak_tflops))
+            logs.update(throughput_metrics(self.flops and self.flops.mean(logs), logs["global_samples_per_second"],
+                                           self.dist.world_size, self.peak_tflops))
         super().log(logs, **kwargs)
         if self.metrics is not None:  # every scalar the trackers got, under the names they show
             scalars = {tracker_name(k): v for k, v in logs.items()
