@@ -221,8 +221,8 @@ def check_comparable(a: Statistics, b: Statistics, name_a: str = "A", name_b: st
         va, vb = getattr(a, field), getattr(b, field)
         if va is not None and vb is not None and va != vb:
             shown = (va[:12], vb[:12]) if field == "weights_sha256" else (va, vb)
-            raise FIDError(f"{name_a} and {name_b} were computed with different {field} ({shown[0]} and "
-                           f"{shown[1]}): FIDs of differently computed statistics are not comparable; {fix}")
+            raise FIDError(f"{name_a} (with {field} {shown[0]}) and {name_b} (with {field} {shown[1]}) were computed "
+                           f"differently: FIDs of differently computed statistics are not comparable; {fix}")
     notes = []
     for name, stats in ((name_a, a), (name_b, b)):
         if stats.mode is None:
