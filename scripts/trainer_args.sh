@@ -14,7 +14,6 @@ ARGS=(
     --logging_steps "${LOGGING_STEPS:-50}"
     --save_steps "${SAVE_STEPS:-5000}"
     --save_total_limit "${SAVE_TOTAL_LIMIT:-50}"
-    --seed "${SEED:-23}"
     --dataloader_num_workers "${DATALOADER_NUM_WORKERS:-6}"
     --model_name_or_path "${MODEL:-ldm-32layer}"
     --file_list "${FILE_LIST:-./data/filelist/train.filelist.list}"
@@ -23,3 +22,5 @@ ARGS=(
     --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
 )
 source scripts/common_args.sh
+# SEED only when set: unset, a run starts with the recipe's 23 and a resume keeps its checkpoint's seed
+if [[ -n "${SEED:-}" ]]; then ARGS+=(--seed "$SEED"); fi
