@@ -120,7 +120,7 @@ def cmd_stats(args) -> int:
 
 # -- fid ---------------------------------------------------------------------------------------------
 def cmd_fid(args) -> int:
-    from ldm.evaluation.fid import frechet_distance
+    from ldm.evaluation.fid import fid_value
 
     sides = {}
     for path in (args.a, args.b):
@@ -138,7 +138,7 @@ def cmd_fid(args) -> int:
     a, b = sides[args.a], sides[args.b]
     notes = check_comparable(a, b, args.a, args.b)
     notes += [n for n in (small_sample_warning(a, args.a), small_sample_warning(b, args.b)) if n]
-    value = max(0.0, frechet_distance(a.mu, a.sigma, b.mu, b.sigma))  # a distance: rounding leaves equal ones at -1e-4
+    value = fid_value(a, b)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     if args.json:

@@ -36,6 +36,7 @@ from ldm.checkpoint.run_folder import (
     VAE_FOLDER,
     CheckpointError,
     atomic_folder,
+    fsync_path,
     write_manifest,
 )
 from ldm.checkpoint.serialization import has_state, load_state, save_state, writes_failing_as_os_errors
@@ -109,11 +110,7 @@ def save_weight_shard(folder: str, parts: dict, rank: int, world_size: int) -> d
         path = os.path.join(folder, part, weight_shard_file(part, rank, world_size))
         with writes_failing_as_os_errors(path):
             save_file({n: state[n].numpy() for n in mine}, path, metadata={"format": WEIGHT_FILES[part][1]})
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
         written[part] = mine
     return written
 

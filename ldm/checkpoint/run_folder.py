@@ -83,7 +83,8 @@ def sha256_file(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file (or a folder's entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -97,7 +98,7 @@ def write_manifest(folder: str) -> dict:
                    if os.path.relpath(os.path.join(root, name), folder) != MANIFEST)
 
     def describe(path: str) -> dict:
-        _fsync(path)
+        fsync_path(path)
         return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
 
     # hashlib and fsync release the GIL: the big files of a checkpoint are hashed side by side
@@ -111,7 +112,7 @@ def write_manifest(folder: str) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temp, os.path.join(folder, MANIFEST))
-    _fsync(folder)
+    fsync_path(folder)
     return manifest
 
 
@@ -379,7 +380,7 @@ class RunFolder:
         with self.no_space_ends_the_run(final), atomic_folder(final, folder) as folder:
             write(folder, final)
             write_manifest(folder)
-        _fsync(self.output_dir)
+        fsync_path(self.output_dir)
         self.rotate(keep=final)
         return final
 

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from ldm.checkpoint.run_folder import fsync_path
+
 ARRAY = "__array__"
 TUPLE = "__tuple__"
 
@@ -131,11 +133,7 @@ def save_state_shard(folder: str, name: str, tree: Any, rank: int, world_size: i
     for suffix in (".json", ".safetensors"):
         path = os.path.join(folder, shard + suffix)
         if os.path.isfile(path):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
     return keys
 
 

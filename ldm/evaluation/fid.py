@@ -256,11 +256,15 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
     return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
 
 
-def fid(a: Statistics, b: Statistics) -> float:
-    """The FID of two comparable statistics; a distance, so never below 0 (the square root's rounding leaves
-    equal statistics at about -1e-4: reported as 0)."""
-    check_comparable(a, b)
+def fid_value(a: Statistics, b: Statistics) -> float:
+    """The FID of statistics already checked comparable; a distance, so never below 0 (the square root's rounding
+    leaves equal statistics at about -1e-4: reported as 0)."""
     return max(0.0, frechet_distance(a.mu, a.sigma, b.mu, b.sigma))
+
+
+def fid(a: Statistics, b: Statistics) -> float:
+    check_comparable(a, b)
+    return fid_value(a, b)
 
 
 # -- image sources -----------------------------------------------------------------------------------

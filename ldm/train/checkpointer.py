@@ -135,16 +135,21 @@ def scaler_part(scaler) -> Part:
     return Part(part.state, load, missing=lambda state: None)
 
 
-def folder_bytes(checkpoint: str, rank: int, world_size: int) -> int:
-    """The bytes of `checkpoint` that `rank` wrote: its shards (`-<rank + 1>-of-<world>.`), and on rank 0 also
-    everything that is no rank's shard."""
-    tags = [f"-{r + 1:05d}-of-{world_size:05d}." for r in range(world_size)]
-    total = 0
-    for root, _, names in os.walk(checkpoint):
-        for name in names:
-            if tags[rank] in name or (rank == 0 and not any(tag in name for tag in tags)):
-                total += os.path.getsize(os.path.join(root, name))
-    return total
+def folder_bytes(folder: str, rank: int, world_size: int) -> int:
+    """The bytes of the shards `rank` wrote into `folder` (named `-<rank + 1>-of-<world>.`)."""
+    tag = f"-{rank + 1:05d}-of-{world_size:05d}."
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder)
+               for name in names if tag in name)
+
+
+@dataclass
+class Shards:
+    """What every rank wrote of a sharded checkpoint: {part: each rank's keys}, each rank's bytes, or the first
+    rank's error."""
+
+    keys: dict[str, list]
+    sizes: list[int]
+    error: Exception | None = None
 
 
 class RandomState:
@@ -207,33 +212,20 @@ class Checkpointer:
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
         sharded = [name for name, part in self.parts.items() if part.owned is not None and part.owned() is not None]
-        temp, shard_keys = None, {}
-        if sharded:  # every rank writes its shards into the temporary folder first; rank 0 seals it after
-            temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
-            try:
-                written = {name: save_state_shard(temp, name, self.parts[name].state(), self.dist.rank,
-                                                  self.dist.world_size) for name in sharded}
-                written[WEIGHTS] = self.objective.save_shard(temp, self.dist.rank, self.dist.world_size)
-                written = ("ok", written)
-            except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
-                written = ("error", e)
-            outcomes = self.dist.gather(written)
-            failed = [value for kind, value in outcomes if kind == "error"]
-            shard_keys = {name: [value[name] for _, value in outcomes] for name in [*sharded, WEIGHTS]} \
-                if not failed else {}
+        temp, shards = self._write_shards(step, sharded) if sharded else (None, None)
 
         def write(folder: str, final_folder: str) -> None:
-            if sharded and failed:
-                raise failed[0]
-            weight_shares = shard_keys.get(WEIGHTS)
+            if shards is not None and shards.error is not None:
+                raise shards.error
+            weight_shares = shards.keys[WEIGHTS] if shards is not None else None
             self.objective.save(folder, final_folder, None if weight_shares is None or None in weight_shares
                                 else weight_shares)
             state = {"step": step, "world_size": self.dist.world_size, **gathered}
             for name, part in self.parts.items():
                 if part.per_rank:
                     continue
-                if name in shard_keys:
-                    write_state_index(folder, name, shard_keys[name])
+                if name in sharded:
+                    write_state_index(folder, name, shards.keys[name])
                 elif name in OWN_FILES:
                     save_state(folder, name, part.state())
                 else:
@@ -245,14 +237,30 @@ class Checkpointer:
                 also(folder)
 
         path = self.dist.from_main(lambda: self.run_dir.save(step, write, folder=temp))
-        seconds = time.perf_counter() - started
-        written = self.dist.gather(folder_bytes(path, self.dist.rank, self.dist.world_size) if temp else None)
-        shares = "" if temp is None else " (bytes written by rank: " + ", ".join(f"{b / 2**20:.1f} MiB"
-                                                                              for b in written) + ")"
-        logger.info("saved %s in %.2f s%s", path, seconds, shares)
-        self.save_seconds = seconds
+        shares = "" if shards is None else " (bytes written by rank: " + ", ".join(
+            f"{size / 2**20:.1f} MiB" for size in shards.sizes) + ")"
+        logger.info("saved %s in %.2f s%s", path, time.perf_counter() - started, shares)
         self.last = path
         return path
+
+    def _write_shards(self, step: int, sharded: list[str]) -> tuple[str, Shards]:
+        """Under sharding, before rank 0 seals the checkpoint: every rank writes its shards of the parts `sharded`
+        and its share of the weights into the temporary folder (returned, with what each rank wrote; a rank's
+        failure is handed to rank 0, which raises it where the folder is cleaned up)."""
+        temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
+        rank, world = self.dist.rank, self.dist.world_size
+        try:
+            keys = {name: save_state_shard(temp, name, self.parts[name].state(), rank, world) for name in sharded}
+            keys[WEIGHTS] = self.objective.save_shard(temp, rank, world)
+            outcome = ("ok", keys, folder_bytes(temp, rank, world))
+        except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
+            outcome = ("error", e, 0)
+        outcomes = self.dist.gather(outcome)
+        errors = [value for kind, value, _ in outcomes if kind == "error"]
+        if errors:
+            return temp, Shards({}, [], errors[0])
+        return temp, Shards({name: [value[name] for _, value, _ in outcomes] for name in [*sharded, WEIGHTS]},
+                            [size for _, _, size in outcomes])
 
     def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
         """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from

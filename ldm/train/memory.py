@@ -51,10 +51,10 @@ def memory_by_rank(model, *, world_size: int, sharding_degree: int = 1, stage: i
     partition = "optimizer" if owners is not None or degree == 1 else "rule"
     if degree > 1 and owners is None:
         owners = fleet_partition([(p.name, int(p.numel())) for p in trained], degree)
-    ranks = []
+    every, ranks = sum(nbytes(p) for p in trained), []
     for rank in range(world_size):
         owned = [p for p in trained if degree == 1 or owners[p.name] == rank % degree]
-        every, mine = sum(nbytes(p) for p in trained), sum(nbytes(p) for p in owned)
+        mine = sum(nbytes(p) for p in owned)
         ranks.append({
             "weights": mine if stage >= 3 else every,
             "gradients": mine if stage >= 2 else every,
