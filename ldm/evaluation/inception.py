@@ -29,7 +29,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ldm.checkpoint.pickled import PickleError, is_pickle, read_pickled_weights
+from ldm.models.pickled import PickleError, is_pickle, read_pickled_weights
 
 FEATURES = 2048
 SIZE = 299  # the network's input side

@@ -1,5 +1,5 @@
-"""Loading a training checkpoint or an exported pipeline folder for sampling, export and evaluation
-(with the EMA weights when the checkpoint has them)."""
+"""Loading a training checkpoint or a pipeline folder (ppdiffusers' or diffusers') for sampling, export and
+evaluation (with the EMA weights when the checkpoint has them)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
 from ldm.checkpoint.format import MODEL_JSON, checkpoint_autoencoder, is_checkpoint, read_ema, refuse_pickles
+from ldm.checkpoint.run_folder import CheckpointError
 from ldm.models.build import read_config
+from ldm.models.torch_layout import TorchLayoutError, load_pretrained
 
 
 def is_pipeline(path: str) -> bool:
@@ -35,6 +37,8 @@ def load_for_inference(path: str, use_ema: bool = True):
         raise FileNotFoundError(f"{path}: no such checkpoint or pipeline folder")
     try:
         return _load_for_inference(path, use_ema)
+    except TorchLayoutError as e:
+        raise CheckpointError(str(e)) from None
     except OSError:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path} disappeared while being read (a live run's rotation removes old "
@@ -47,12 +51,12 @@ def _load_for_inference(path: str, use_ema: bool):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")
     refuse_pickles(path, "pipeline" if is_pipeline(path) else "checkpoint")
-    unet = UNet2DConditionModel.from_pretrained(os.path.join(path, "unet"))
-    text_encoder = LDMBertModel.from_pretrained(os.path.join(path, "bert"))
+    unet = load_pretrained(UNet2DConditionModel, os.path.join(path, "unet"))
+    text_encoder = load_pretrained(LDMBertModel, os.path.join(path, "bert"))
     tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     if is_pipeline(path):
-        vae = AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))
+        vae = load_pretrained(AutoencoderKL, os.path.join(path, "vqvae"))
     else:
         vae = checkpoint_autoencoder(path)
     ema = read_ema(path) if use_ema else None

@@ -1,6 +1,8 @@
 """The model side: presets and building (`build`), PyTorch-matching initialisation (`init`), the diffusion
 objective (`diffusion`), the autoencoder's loss and scale (`autoencoder`), attention kernels (`attention`), EMA
-(`ema`), aspect-ratio buckets at the model's size step (`buckets`) and FLOPs per sample (`flops`).
+(`ema`), aspect-ratio buckets at the model's size step (`buckets`), FLOPs per sample (`flops`), weights published
+as pickles read without running their code (`pickled`), and parts in PyTorch's layout (diffusers' and transformers'
+files), read and written (`torch_layout`).
 
 May use `ldm.runtime` only.
 """

@@ -1,8 +1,9 @@
 """Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
 
 A source is laid out like a ppdiffusers pipeline folder: `unet/`, `bert/`, `vqvae/`, `scheduler/`
-(and `tokenizer/` when exported). A part whose folder holds weights is loaded; a part with a
-config only is built and initialised from scratch (`init.init_ldm_weights`).
+(and `tokenizer/` when exported). A part whose folder holds weights is loaded, in Paddle's layout or in
+PyTorch's (a diffusers pipeline: `torch_layout`); a part with a config only is built and initialised from
+scratch (`init.init_ldm_weights`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ldm.models.torch_layout import is_torch_layout, load_pretrained
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
@@ -31,7 +34,7 @@ class ModelSourceError(RuntimeError):
 
 
 def has_weights(folder: str | os.PathLike) -> bool:
-    return any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES)
+    return any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES) or is_torch_layout(str(folder))
 
 
 def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
@@ -203,7 +206,7 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
 
     if has_weights(folder):
-        model = LDMBertModel.from_pretrained(folder)
+        model = load_pretrained(LDMBertModel, folder)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise ModelSourceError(f"the tokenizer has {vocab_size} tokens but the text encoder in {folder} "
                                    f"knows {model.config.vocab_size}")
@@ -222,7 +225,7 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 def load_part(model_class, folder: str):
     """(model, loaded): a ppdiffusers model from its weights, or built from its config alone."""
     if has_weights(folder):
-        return model_class.from_pretrained(folder), True
+        return load_pretrained(model_class, folder), True
     return model_class.from_config(read_config(folder)), False
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from ldm.checkpoint.pickled import TORCH_LEGACY_MAGIC, PickleError, read_pickled_weights
+from ldm.models.pickled import TORCH_LEGACY_MAGIC, PickleError, read_pickled_weights
 
 FIXTURES = ROOT / "tests" / "fixtures" / "eval"
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())

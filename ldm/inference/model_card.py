@@ -1,0 +1,114 @@
+"""The model card (`README.md`) of an exported pipeline: what the model is, what it was trained on and for how
+long, where it came from, how it scored and how to load it, from what the run recorded (the checkpoint's
+`run_config.json` and `training_state.json`, the run folder's `run.json` and `metrics.jsonl`). What a source does
+not record is said to be unknown rather than left out, so a reader can tell "not measured" from "forgotten"."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ldm.config.record import RUN_CONFIG
+from ldm.runtime.tracking import METRICS_FILE
+
+UNKNOWN = "not recorded where this was exported from"
+
+
+def _json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
+    """The last FID and CLIP score of a run's metrics.jsonl: {name: (step, value)}."""
+    found = {}
+    try:
+        with open(os.path.join(run_folder, METRICS_FILE), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                for name in ("eval/fid", "eval/clip_score"):
+                    if isinstance(record, dict) and name in record:
+                        found[name] = (int(record.get("step", 0)), float(record[name]))
+    except OSError:
+        pass
+    return found
+
+
+def training_record(source: str) -> dict:
+    """What a checkpoint or a run's exported pipeline records of its training."""
+    run_folder = os.path.dirname(os.path.abspath(source))
+    run = _json(os.path.join(run_folder, "run.json"))
+    config = _json(os.path.join(source, RUN_CONFIG)) or run
+    samples = _json(os.path.join(source, "training_state.json")).get("samples") or {}
+    return {"config": config, "samples": samples, "scores": last_scores(run_folder) if run else {},
+            "run_folder": run_folder if run else None}
+
+
+def _parameters(model) -> str:
+    return f"{sum(int(p.numel()) for p in model.parameters()) / 1e6:.2f} M parameters"
+
+
+def _training_lines(record: dict) -> list[str]:
+    config, samples = record["config"], record["samples"]
+    arguments = config.get("arguments", {})
+    data, model_args = arguments.get("DataArguments", {}), arguments.get("ModelArguments", {})
+    lineage, git = config.get("lineage"), config.get("git") or {}
+    return [
+        f"- data (file lists): {data.get('file_list', '?')}",
+        f"- resolution: {data.get('resolution', '?')}; caption dropout {data.get('caption_dropout_prob', '?')}",
+        f"- updates: {samples.get('updates', config.get('step', '?'))}; samples seen: {samples.get('samples', '?')}",
+        f"- started from: {model_args.get('model_name_or_path', '?')}"
+        + (f" (autoencoder {model_args['vae_name_or_path']})" if model_args.get("vae_name_or_path") else ""),
+        f"- lineage: {json.dumps(lineage) if lineage else 'a first stage (no --init_from_checkpoint)'}",
+        f"- run: {record['run_folder'] or '?'}, created {config.get('created', '?')}, git commit "
+        f"{git.get('commit', '?')}{' (uncommitted changes)' if git.get('dirty') else ''}",
+    ]
+
+
+def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, used_ema: bool,
+               origin: str | None = None) -> str:
+    """`origin`: what the weights were converted from, when they were not trained here."""
+    record = training_record(source)
+    made = f"converted from {origin}" if origin else "trained with ldm-laion (PaddlePaddle)"
+    config, scores = record["config"], record["scores"]
+    u, b, v = unet.config, text_encoder.config, vae.config
+    score_lines = [f"- {name.split('/')[1]} {value:.4g} (held-out evaluation at update {step})"
+                   for name, (step, value) in sorted(scores.items())] or ["- FID, CLIP score: not measured during "
+                                                                          "training (`python -m ldm.evaluate run`)"]
+    lines = [
+        "---", "library_name: diffusers", "pipeline_tag: text-to-image", "tags: [latent-diffusion, text-to-image]",
+        "---", "", "# Text-to-image latent diffusion model", "",
+        f"A `LDMTextToImagePipeline` {made} and exported in diffusers' layout: PyTorch safetensors for the UNet, "
+        "the LDMBert text encoder and the KL autoencoder.", "",
+        "## Architecture", "",
+        f"- UNet2DConditionModel: {_parameters(unet)}, channels {list(u.block_out_channels)}, "
+        f"{u.layers_per_block} ResNet layers per block, {u.attention_head_dim} attention heads, cross-attention "
+        f"width {u.cross_attention_dim}, latents {u.in_channels}x{u.sample_size}x{u.sample_size}, predicts "
+        f"{scheduler_config.get('prediction_type', 'epsilon')}",
+        f"- LDMBert text encoder: {_parameters(text_encoder)}, {b.encoder_layers} layers of width {b.d_model}, "
+        f"{b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens",
+        f"- AutoencoderKL (frozen): {_parameters(vae)}, channels {list(v.block_out_channels)}, "
+        f"{v.latent_channels} latent channels, scaling factor {v.scaling_factor}",
+        f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
+        f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
+        "with DDIM",
+        f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
+        "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
+        "## Evaluation", "", *score_lines, "",
+        "## Loading", "", "diffusers (PyTorch):", "", "```python",
+        "from diffusers import LDMTextToImagePipeline", "",
+        'pipeline = LDMTextToImagePipeline.from_pretrained("THIS_FOLDER")',
+        'image = pipeline("a red circle on a blue background", num_inference_steps=50).images[0]', "```", "",
+        "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout (ppdiffusers' own "
+        "`from_pretrained(..., from_diffusers=True)` fails for the LDMBert text encoder in 0.29):", "",
+        "```bash", 'python -m ldm.generate --model THIS_FOLDER --prompt "a red circle on a blue background"',
+        "python -m ldm.export --checkpoint THIS_FOLDER --output PADDLE_FOLDER   # ppdiffusers' own layout", "```", "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""The seeded tiny pipeline the interop fixtures are made from (tests/reference/make_interop_fixtures.py runs this
+in the project's venv; tests/test_inference_interop.py makes the same one): the same weights on every machine,
+set from numpy's generator rather than Paddle's initialisers, and none of them zero (the training initialisation
+zeroes the UNet's output layers, which would make its prediction 0 whatever the layout).
+
+    .venv/bin/python tests/interop_models.py FOLDER    writes FOLDER/ppdiffusers (the pipeline) and FOLDER/vocab
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ["a", "an", "the", "photo", "of", "red", "green", "blue", "circle", "square", "on", "background"]
+MAX_LENGTH = 16
+PROMPT = "a red circle on a blue background"
+
+
+def fill_seeded(layer, seed: int) -> None:
+    """Every parameter from numpy's generator, in name order: matrices N(0, 0.1), norm scales 1 + N(0, 0.1),
+    vectors N(0, 0.1)."""
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    with paddle.no_grad():
+        for name, parameter in sorted(layer.named_parameters()):
+            shape = tuple(parameter.shape)
+            value = rng.normal(0, 0.1, shape)
+            if len(shape) == 1 and name.endswith("weight"):
+                value += 1
+            parameter.set_value(value.astype("float32"))
+
+
+def tiny_pipeline(folder: str) -> str:
+    """The ldm-tiny pipeline with seeded weights and a 12-word vocabulary, as a ppdiffusers folder: its path."""
+    sys.path.insert(0, ROOT)
+    from ldm.data.tokenize import load_tokenizer, write_vocab
+    from ldm.inference.export import export_pipeline
+    from ldm.models.build import build_components
+
+    vocab = os.path.join(folder, "vocab")
+    write_vocab(WORDS, vocab)
+    tokenizer = load_tokenizer(vocab, MAX_LENGTH)
+    c = build_components("ldm-tiny", vocab_size=tokenizer.vocab_size, model_max_length=MAX_LENGTH)
+    for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
+        fill_seeded(part, seed)
+    return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer, dict(c.noise_scheduler.config),
+                           os.path.join(folder, "ppdiffusers"))
+
+
+if __name__ == "__main__":
+    print(tiny_pipeline(sys.argv[1]))
