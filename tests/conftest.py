@@ -48,3 +48,12 @@ def img2dataset_corpus(tmp_path_factory):
     from img2dataset_corpus import build
 
     return build(tmp_path_factory.mktemp("img2dataset"))
+
+
+def metrics_lines(folder) -> list[dict]:
+    """The training and evaluation records of a run's metrics.jsonl; each save's own record (`checkpoint/*`) is
+    left out."""
+    import json
+
+    lines = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if not any(key.startswith("checkpoint/") for key in line)]

@@ -9,7 +9,7 @@ import json
 import eval_weights as ew
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, metrics_lines
 from corpus import write_corpus
 from entry import launch_report, run_entry, run_python
 from PIL import Image
@@ -109,7 +109,7 @@ def test_fid_during_training_is_logged_from_the_ema_and_drawn(setup, vocab_dir, 
                                 "--fid_inference_steps", "2", "--fid_reference", reference, "--inception", weights,
                                 "--clip", CLIP, "--fid_prompts", prompts, "--output_dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_lines(out)
     evals = [line for line in logged if "eval/fid" in line]
     assert [line["step"] for line in evals] == [2]
     assert np.isfinite(evals[0]["eval/fid"]) and 0 <= evals[0]["eval/clip_score"] <= 100

@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import paddle
 import pytest
-from conftest import ROOT
+from conftest import ROOT, metrics_lines
 from corpus import write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
@@ -326,7 +326,7 @@ def test_latent_shards_train_on_the_trainer_path(encoded, vae, vocab_dir, tmp_pa
     # the autoencoder does not run: its encode is no part of a sample's FLOPs
     assert "vae_encode 0 G" in result.stderr
     # the held-out loss on latent shards, as `python -m ldm.evaluate loss` computes it for the checkpoint
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_lines(tmp_path / "run")
     logged = [line for line in logged if "eval/loss" in line]
     assert [line["step"] for line in logged] == [2]
     offline = run_python(["-m", "ldm.evaluate", "loss", "--model", str(tmp_path / "run" / "checkpoint-2"),

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+from conftest import metrics_lines
 from corpus import aspect_sizes, write_aspect_corpus
 from entry import launch_report, run_entry, run_python, weights
 
@@ -64,7 +65,7 @@ def test_two_ranks_train_different_buckets_in_one_update_and_read_the_pass_once(
     assert len(pass0) == RECORDS  # the pass ended: all of it, partly filled buckets included
     assert len({shape for s in shapes.values() for shape in s}) >= 4
 
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_lines(out)
     last = [line for line in lines if "train/loss" in line][-1]
     mix = {name: value for name, value in last.items() if name.startswith("train/data_bucket_")}
     held_out = [line["eval/loss"] for line in lines if "eval/loss" in line]
@@ -151,6 +152,6 @@ def test_the_trainer_path_trains_in_buckets_too(corpus, tmp_path, monkeypatch):
     rows = [line.split() for line in log.read_text().splitlines()]
     assert len(rows) == 18 and all(shape == expected_bucket(shard, int(line)) for _, _, shard, line, shape, *_ in rows)
     assert len({shape for *_, shape, _, _ in rows}) >= 2
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_lines(tmp_path / "run")
     mix = [{k: v for k, v in line.items() if k.startswith("train/data_bucket_")} for line in lines]
     assert any(m for m in mix) and all(sum(m.values()) == pytest.approx(1.0) for m in mix if m)

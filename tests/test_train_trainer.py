@@ -7,7 +7,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, metrics_lines
 from corpus import write_corpus
 from entry import guard_stop_errors, launch_report, run_entry, run_until, weights
 
@@ -205,7 +205,7 @@ def test_the_guard_skips_non_finite_updates_and_stops_the_run(corpus, tmp_path, 
     errors = guard_stop_errors(result, tmp_path, launch)
     assert errors and all(line.startswith("error: 3 updates in a row (the last at update 4)") for line in errors)
     assert all(str(out / "checkpoint-2") in line for line in errors)
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_lines(out)
     assert [(line["step"], line["train/nonfinite_skips"]) for line in lines] == [(1, 0), (2, 1), (3, 1), (4, 1)]
     rates = [line["train/learning_rate"] for line in lines]
     assert rates[1] == rates[2] == rates[3]  # linear decay, not stepped on skipped updates
@@ -234,7 +234,7 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert training["seed"] == 23  # the recipe's, as on the loop (PaddleNLP's own default is 42)
     assert len(training) > 50  # every field of PaddleNLP's TrainingArguments, defaults included
     assert json.loads((out / "checkpoint-2" / "run_config.json").read_text())["arguments"] == recorded["arguments"]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_lines(out)
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2]
     assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/nonfinite_skips",
             "train/tflops_per_device"} <= set(metrics[0])
@@ -247,7 +247,7 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume changes --max_steps: 2 -> 3" in resumed.stderr
     assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_lines(out)
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
 
 

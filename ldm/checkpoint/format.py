@@ -30,16 +30,22 @@ import shutil
 import sys
 import tempfile
 
+from ldm.checkpoint.background import FileJob, HostBuffers
 from ldm.checkpoint.run_folder import (
     LEGACY_STATE_FILE,
     TEMP_PREFIX,
     VAE_FOLDER,
     CheckpointError,
     atomic_folder,
-    fsync_path,
     write_manifest,
 )
-from ldm.checkpoint.serialization import has_state, load_state, save_state, writes_failing_as_os_errors
+from ldm.checkpoint.serialization import (
+    has_state,
+    host_array,
+    load_state,
+    save_state,
+    writes_failing_as_os_errors,
+)
 
 logger = logging.getLogger("ldm.train")
 
@@ -77,7 +83,8 @@ def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
 # -- model parts -------------------------------------------------------------------------------------
 # The trained parts' weight files as their libraries name them, and the `format` each writes into the safetensors
 # metadata (ppdiffusers reads "pt" as PyTorch's layout and transposes: never write that here)
-WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np")}
+WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np"),
+                "vqvae": ("diffusion_paddle_model", "pd")}
 
 
 def share_out(sizes: dict[str, int], world_size: int) -> list[list[str]]:
@@ -92,33 +99,43 @@ def share_out(sizes: dict[str, int], world_size: int) -> list[list[str]]:
 
 
 def weight_shard_file(part: str, rank: int, world_size: int) -> str:
+    """The weights of `part` as `from_pretrained` finds them: one file, or Hugging Face's numbered shares."""
     stem = WEIGHT_FILES[part][0]
-    return f"{stem}-{rank + 1:05d}-of-{world_size:05d}.safetensors"  # Hugging Face's numbering, from 1
+    return f"{stem}.safetensors" if world_size == 1 else f"{stem}-{rank + 1:05d}-of-{world_size:05d}.safetensors"
 
 
-def save_weight_shard(folder: str, parts: dict, rank: int, world_size: int) -> dict[str, list[str]]:
-    """This rank's share of the weights of each part (`{"unet": layer, "bert": layer}`), flushed to disk, as the
-    shards `from_pretrained` reads through an index (`save_model(..., shares=...)` writes it); returns the names
-    written per part."""
-    from safetensors.numpy import save_file
-
-    written = {}
+def weight_jobs(parts: dict, rank: int, world_size: int, buffers: HostBuffers) -> tuple[list[FileJob], dict]:
+    """This rank's share of the weights of each part (`{"unet": layer, "bert": layer}`), snapshot into `buffers`,
+    as files to write; and the names in each part's share, for `write_part_configs`."""
+    jobs, written = [], {}
     for part, layer in parts.items():
         state = layer.state_dict()
         mine = share_out({n: int(t.numel()) * t.element_size() for n, t in state.items()}, world_size)[rank]
-        os.makedirs(os.path.join(folder, part), exist_ok=True)
-        path = os.path.join(folder, part, weight_shard_file(part, rank, world_size))
-        with writes_failing_as_os_errors(path):
-            save_file({n: state[n].numpy() for n in mine}, path, metadata={"format": WEIGHT_FILES[part][1]})
-        fsync_path(path)
+        path = f"{part}/{weight_shard_file(part, rank, world_size)}"
+        take = buffers.taker(path)
+        jobs.append(FileJob(path, {n: take(n, host_array(state[n])) for n in mine}, {"format": WEIGHT_FILES[part][1]}))
         written[part] = mine
-    return written
+    return jobs, written
 
 
-def _write_weight_index(folder: str, part: str, shares: list[list[str]]) -> None:
+def write_part_configs(folder: str, parts: dict, shares: list[dict[str, list[str]]]) -> None:
+    """The configurations of the parts whose weights every rank wrote (`weight_jobs`; `shares`: each rank's names),
+    and with several ranks each part's index of its shares."""
+    for part, layer in parts.items():
+        target = os.path.join(folder, part)
+        os.makedirs(target, exist_ok=True)
+        if hasattr(layer, "save_config"):  # ppdiffusers' models
+            layer.save_config(target)
+        else:  # PaddleNLP's
+            layer.config.save_pretrained(target)
+        if len(shares) > 1:
+            _write_weight_index(folder, part, [share[part] for share in shares], parts[part])
+
+
+def _write_weight_index(folder: str, part: str, shares: list[list[str]], layer) -> None:
     stem, world_size = WEIGHT_FILES[part][0], len(shares)
     files = [weight_shard_file(part, rank, world_size) for rank in range(world_size)]
-    total = sum(os.path.getsize(os.path.join(folder, part, f)) for f in files)
+    total = sum(int(t.numel()) * t.element_size() for t in layer.state_dict().values())
     index = {"metadata": {"total_size": total},
              "weight_map": dict(sorted((n, files[r]) for r, names in enumerate(shares) for n in names))}
     with open(os.path.join(folder, part, f"{stem}.safetensors.index.json"), "w") as f:
@@ -130,15 +147,12 @@ def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, v
     """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
 
     `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
-    the autoencoder is written relative to it. `shares`: every rank wrote its share of the weights already
-    (`save_weight_shard`, each rank's names): only the configurations and the indexes are written here.
+    the autoencoder is written relative to it. `shares`: the ranks write the weights (`weight_jobs`, each rank's
+    names): only the configurations and indexes are written here.
     """
     os.makedirs(folder, exist_ok=True)
     if shares is not None:
-        unet.save_config(os.path.join(folder, "unet"))
-        text_encoder.config.save_pretrained(os.path.join(folder, "bert"))
-        for part in WEIGHT_FILES:
-            _write_weight_index(folder, part, [share[part] for share in shares])
+        write_part_configs(folder, {"unet": unet, "bert": text_encoder}, shares)
     else:
         with writes_failing_as_os_errors(folder):
             unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)

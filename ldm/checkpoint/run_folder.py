@@ -49,7 +49,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -92,10 +91,12 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(folder: str) -> dict:
-    """Record every file of `folder` (size, sha256), flushed to disk, then write the manifest last."""
+def write_manifest(folder: str, known: dict[str, dict] | None = None) -> dict:
+    """Record every file of `folder` (size, sha256), flushed to disk, then write the manifest last. `known`: entries
+    of files flushed and hashed as they were written (`ldm.checkpoint.background`), taken as they are."""
+    known = known or {}
     paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
-                   if os.path.relpath(os.path.join(root, name), folder) != MANIFEST)
+                   if os.path.relpath(os.path.join(root, name), folder) not in (MANIFEST, *known))
 
     def describe(path: str) -> dict:
         fsync_path(path)
@@ -105,6 +106,10 @@ def write_manifest(folder: str) -> dict:
     with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
         infos = list(pool.map(describe, paths))
     files = {os.path.relpath(path, folder): info for path, info in zip(paths, infos, strict=True)}
+    for rel, entry in known.items():
+        if os.path.getsize(os.path.join(folder, rel)) != entry["size"]:
+            raise OSError(f"{rel} changed after it was written")
+        files[rel] = entry
     manifest = {"files": dict(sorted(files.items())), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     temp = os.path.join(folder, MANIFEST + ".partial")
     with open(temp, "w") as f:
@@ -369,17 +374,16 @@ class RunFolder:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def begin_save(self, step: int) -> str:
-        """The temporary folder of checkpoint-<step>, for files other ranks write before `save` seals it."""
+        """The temporary folder of checkpoint-<step>, which every rank fills before `seal`."""
         return temporary_sibling(self.path(f"{CHECKPOINT_PREFIX}{step}"))
 
-    def save(self, step: int, write: Callable[[str, str], None], folder: str | None = None) -> str:
-        """checkpoint-<step>: `write(folder, final_folder)` fills a temporary folder (`folder`: the one
-        `begin_save` made, holding other ranks' files), then the manifest over every file, the rename and the
-        rotation. Rank 0 only."""
+    def seal(self, step: int, folder: str, known: dict[str, dict] | None = None) -> str:
+        """checkpoint-<step> from the temporary `folder` that `begin_save` made and every rank filled: the manifest
+        over every file (`known`: entries of the files hashed as written), the rename, the rotation. Rank 0 only;
+        on error the folder is removed."""
         final = self.path(f"{CHECKPOINT_PREFIX}{step}")
         with self.no_space_ends_the_run(final), atomic_folder(final, folder) as folder:
-            write(folder, final)
-            write_manifest(folder)
+            write_manifest(folder, known)
         fsync_path(self.output_dir)
         self.rotate(keep=final)
         return final
@@ -393,11 +397,21 @@ class RunFolder:
         except OSError as e:
             if e.errno not in NO_SPACE:
                 raise
-            newest = latest_checkpoint(self.output_dir)
-            raise CheckpointError(
-                f"no space to write {os.path.basename(folder)} in {self.output_dir} ({e.strerror}); nothing of it "
+            raise self.save_failed(folder, e.strerror, no_space=True) from None
+
+    def save_failed(self, folder: str, cause: str, rank: int | None = None, no_space: bool = False) -> CheckpointError:
+        """The one line that ends a run whose checkpoint `folder` could not be written (by `rank`, with several)."""
+        newest = latest_checkpoint(self.output_dir)
+        where = f" (rank {rank})" if rank is not None else ""
+        if no_space:
+            return CheckpointError(
+                f"no space to write {os.path.basename(folder)} in {self.output_dir}{where} ({cause}); nothing of it "
                 f"was kept. The newest complete checkpoint is {newest or 'none'}: free space, then run again with "
-                "--resume_from_checkpoint auto") from None
+                "--resume_from_checkpoint auto")
+        return CheckpointError(
+            f"writing {os.path.basename(folder)} in {self.output_dir} failed{where}: {cause}; nothing of it was kept. "
+            f"The newest complete checkpoint is {newest or 'none'}: run again with --resume_from_checkpoint auto "
+            "once the cause is fixed")
 
     def rotate(self, keep: str | None = None) -> None:
         """Delete all but the `limit` newest complete checkpoints (incomplete ones older than those go too);

@@ -16,15 +16,16 @@ arrays a rank asks for, each array read by name without loading its file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
-
-from ldm.checkpoint.run_folder import fsync_path
 
 ARRAY = "__array__"
 TUPLE = "__tuple__"
@@ -38,27 +39,53 @@ def _is_tensor(value) -> bool:
     return hasattr(value, "numpy") and hasattr(value, "dtype") and hasattr(value, "place")
 
 
-def flatten(tree: Any, arrays: dict[str, np.ndarray], key: str = "") -> Any:
-    """`tree` with every array (numpy or Paddle) moved into `arrays` and replaced by a reference."""
+def host_array(tensor) -> np.ndarray:
+    """A Paddle tensor's values as a numpy array: on the CPU a view of its memory (DLPack, no copy), elsewhere a copy
+    to the host; bfloat16 (which numpy lacks) as its raw 16 bits."""
+    try:
+        return np.from_dlpack(tensor)
+    except (BufferError, RuntimeError, TypeError):  # another device, or a dtype DLPack's numpy side lacks
+        return tensor.numpy()
+
+
+def flatten(tree: Any, arrays: dict[str, np.ndarray], key: str = "", take: Callable | None = None,
+            mine: Callable[[str], bool] | None = None) -> Any:
+    """`tree` with every array (numpy or Paddle) moved into `arrays` and replaced by a reference.
+
+    `take(key, array)`: what is kept of each array (default: the array itself, contiguous; a snapshot passes a copy
+    into a reused buffer). `mine(key)`: only the arrays it accepts are taken; the others' references stay in the
+    structure (`select` drops them)."""
     if isinstance(tree, dict):
-        return {str(k): flatten(v, arrays, f"{key}/{k}" if key else str(k)) for k, v in tree.items()}
+        return {str(k): flatten(v, arrays, f"{key}/{k}" if key else str(k), take, mine) for k, v in tree.items()}
     if isinstance(tree, tuple):
-        return {TUPLE: [flatten(v, arrays, f"{key}/{i}") for i, v in enumerate(tree)]}
+        return {TUPLE: [flatten(v, arrays, f"{key}/{i}", take, mine) for i, v in enumerate(tree)]}
     if isinstance(tree, list):
-        return [flatten(v, arrays, f"{key}/{i}") for i, v in enumerate(tree)]
-    if _is_tensor(tree):
+        return [flatten(v, arrays, f"{key}/{i}", take, mine) for i, v in enumerate(tree)]
+    if _is_tensor(tree) or isinstance(tree, np.ndarray):
         dtype = str(tree.dtype).replace("paddle.", "")
-        array = tree.numpy()
-        arrays[key] = np.ascontiguousarray(array)
+        if mine is None or mine(key):
+            array = host_array(tree) if _is_tensor(tree) else tree
+            arrays[key] = take(key, array) if take is not None else np.ascontiguousarray(array)
         return {ARRAY: key, "dtype": dtype} if dtype == "bfloat16" else {ARRAY: key}
-    if isinstance(tree, np.ndarray):
-        arrays[key] = np.ascontiguousarray(tree)
-        return {ARRAY: key}
     if isinstance(tree, np.generic):
         return tree.item()
     if tree is None or isinstance(tree, bool | int | float | str):
         return tree
     raise TypeError(f"cannot store {type(tree).__name__} at {key!r} without pickling it")
+
+
+def array_sizes(tree: Any, key: str = "") -> dict[str, int]:
+    """The bytes of every array of `tree`, by the key `flatten` gives it (nothing is copied)."""
+    if isinstance(tree, dict):
+        return {k: v for name, value in tree.items()
+                for k, v in array_sizes(value, f"{key}/{name}" if key else str(name)).items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, value in enumerate(tree) for k, v in array_sizes(value, f"{key}/{i}").items()}
+    if _is_tensor(tree):
+        return {key: int(tree.numel()) * tree.element_size()}
+    if isinstance(tree, np.ndarray):
+        return {key: tree.nbytes}
+    return {}
 
 
 class Bfloat16(np.ndarray):
@@ -105,19 +132,87 @@ def writes_failing_as_os_errors(path: str):
         raise converted from e
 
 
-def save_state(folder: str, name: str, tree: Any) -> list[str]:
-    """`<folder>/<name>.json` and, if the tree holds arrays, `<folder>/<name>.safetensors`; returns the arrays'
-    keys."""
+# safetensors' order of the arrays in a file: by dtype, widest first (its `Dtype` enum reversed), then by name
+DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
+SAFETENSORS_DTYPE = {np.dtype(numpy): name for numpy, name in (
+    ("uint64", "U64"), ("int64", "I64"), ("float64", "F64"), ("float32", "F32"), ("uint32", "U32"), ("int32", "I32"),
+    ("float16", "F16"), ("uint16", "U16"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"))}
+WRITE_PIECE = 16 << 20  # hashed, then written, a piece at a time: the hash follows the bytes while they are hot
+
+
+@dataclass(frozen=True)
+class Written:
+    """A file as it was written: its size and the sha256 of its bytes (a manifest's entry)."""
+
+    size: int
+    sha256: str
+
+    def entry(self) -> dict:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+def write_safetensors(path: str, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Written:
+    """`arrays` as a safetensors file, flushed to disk, hashed as it is written; the same bytes as safetensors'
+    `save_file`. Written here because `save_file` first copies every array into a bytes object and cannot report
+    the hash: a checkpoint would then be copied once more and read back in full to be sealed."""
+    order = sorted(arrays, key=lambda k: (DTYPE_ORDER.index(SAFETENSORS_DTYPE[arrays[k].dtype]), k))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        array = arrays[key]
+        header[key] = {"dtype": SAFETENSORS_DTYPE[array.dtype], "shape": list(array.shape),
+                       "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    try:
+        with open(path, "wb") as f:
+            for piece in (struct.pack("<Q", len(text)), text):
+                digest.update(piece)
+                f.write(piece)
+            for key in order:
+                data = memoryview(np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8))
+                for start in range(0, len(data), WRITE_PIECE):
+                    piece = data[start:start + WRITE_PIECE]
+                    digest.update(piece)  # hashlib and file writes release the GIL: training goes on beside them
+                    f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:
+            e.filename = path
+        raise
+    return Written(8 + len(text) + offset, digest.hexdigest())
+
+
+def write_bytes(path: str, data: bytes) -> Written:
+    """A small file (a state's JSON structure), flushed to disk; its manifest entry."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return Written(len(data), hashlib.sha256(data).hexdigest())
+
+
+def split_state(tree: Any, take: Callable | None = None, mine: Callable[[str], bool] | None = None,
+                ) -> tuple[bytes, dict[str, np.ndarray]]:
+    """A state tree as the two things `save_state` writes: its structure as JSON and its arrays (only those
+    `mine(key)` accepts, the structure then without the others; `take`: see `flatten`)."""
     arrays: dict[str, np.ndarray] = {}
-    structure = flatten(tree, arrays)
+    structure = flatten(tree, arrays, take=take, mine=mine)
+    if mine is not None:
+        structure = select(structure, mine)
+    return json.dumps(structure).encode(), arrays
+
+
+def save_state(folder: str, name: str, tree: Any) -> list[str]:
+    """`<folder>/<name>.json` and, if the tree holds arrays, `<folder>/<name>.safetensors`, flushed to disk;
+    returns the arrays' keys."""
+    structure, arrays = split_state(tree)
     if arrays:
-        path = os.path.join(folder, f"{name}.safetensors")
-        try:
-            save_file(arrays, path)
-        except Exception as e:  # noqa: BLE001 - narrowed below
-            raise as_os_error(e, path) from None
-    with open(os.path.join(folder, f"{name}.json"), "w") as f:
-        json.dump(structure, f)
+        write_safetensors(os.path.join(folder, f"{name}.safetensors"), arrays)
+    write_bytes(os.path.join(folder, f"{name}.json"), structure)
     return sorted(arrays)
 
 
@@ -126,15 +221,9 @@ def shard_name(name: str, rank: int, world_size: int) -> str:
 
 
 def save_state_shard(folder: str, name: str, tree: Any, rank: int, world_size: int) -> list[str]:
-    """This rank's shard of state `name`, flushed to disk (another rank seals the checkpoint); returns the keys
-    of its arrays, for the index."""
-    shard = shard_name(name, rank, world_size)
-    keys = save_state(folder, shard, tree)
-    for suffix in (".json", ".safetensors"):
-        path = os.path.join(folder, shard + suffix)
-        if os.path.isfile(path):
-            fsync_path(path)
-    return keys
+    """This rank's shard of state `name` (another rank seals the checkpoint); returns the keys of its arrays, for
+    the index."""
+    return save_state(folder, shard_name(name, rank, world_size), tree)
 
 
 def write_state_index(folder: str, name: str, keys_by_rank: list[list[str]]) -> None:
@@ -169,14 +258,14 @@ def _merge(into: Any, other: Any) -> Any:
     return into
 
 
-def _select(tree: Any, wanted) -> Any:
+def select(tree: Any, wanted) -> Any:
     """`tree` without the array references `wanted(key)` declines (dict entries dropped)."""
     if isinstance(tree, dict) and ARRAY not in tree and TUPLE not in tree:
         out = {}
         for key, value in tree.items():
             if isinstance(value, dict) and ARRAY in value and not wanted(value[ARRAY]):
                 continue
-            out[key] = _select(value, wanted)
+            out[key] = select(value, wanted)
         return out
     return tree
 
@@ -208,7 +297,7 @@ def load_state(folder: str, name: str, wanted=None) -> Any:
         path = os.path.join(folder, f"{name}.safetensors")
         files = {key: f"{name}.safetensors" for key in _array_keys(structure)} if os.path.isfile(path) else {}
     if wanted is not None:
-        structure = _select(structure, wanted)
+        structure = select(structure, wanted)
     by_file: dict[str, list[str]] = {}
     for key in _array_keys(structure):
         if key not in files:

@@ -281,6 +281,8 @@ class RunArguments:
                                          "gradient norm (each one is skipped and logged)")
     peak_tflops: Optional[float] = arg(None, "peak dense TFLOP/s of one device in the training precision: logs "
                                              "train/mfu (model FLOPs utilisation)")
+    async_save: bool = arg(True, "write checkpoints beside training: the updates wait only for a copy of the state "
+                                 "to host memory (false: every save is waited for)")
 
     def __post_init__(self):
         _check(self.progress in PROGRESS, f"--progress must be one of {', '.join(PROGRESS)}, not {self.progress!r}")

@@ -26,8 +26,6 @@ SCHEDULE_BUFFERS = {"betas", "alphas_cumprod", "alphas_cumprod_prev", "sqrt_alph
                     "sqrt_recipm1_alphas_cumprod", "posterior_variance", "posterior_log_variance_clipped",
                     "posterior_mean_coef1", "posterior_mean_coef2", "logvar", "lvlb_weights", "scale_factor"}
 UNET, VAE, BERT, EMA = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer.", "model_ema."
-# the embedder's language-model head: BERTEmbedder returns the embeddings (`return_embeddings=True`), never logits
-UNUSED_BERT = ("to_logits.weight", "to_logits.bias")
 PREDICTION = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 
 
@@ -166,7 +164,8 @@ BERT_LAYER = {(0, "0"): "self_attn_layer_norm", (0, "1.to_q"): "self_attn.q_proj
 def bert_key(key: str) -> str | None:
     """x-transformers' Encoder holds (norm, layer, residual) triples, attention and feed-forward in turn."""
     fixed = {"token_emb.weight": "model.embed_tokens.weight", "pos_emb.emb.weight": "model.embed_positions.weight",
-             "norm.weight": "model.layer_norm.weight", "norm.bias": "model.layer_norm.bias"}
+             "norm.weight": "model.layer_norm.weight", "norm.bias": "model.layer_norm.bias",
+             "to_logits.weight": "to_logits.weight", "to_logits.bias": "to_logits.bias"}  # a head forward never uses
     if key in fixed:
         return fixed[key]
     if m := re.fullmatch(r"attn_layers\.layers\.(\d+)\.(.+)\.(weight|bias)", key):
@@ -200,8 +199,6 @@ def split_checkpoint(state: dict[str, np.ndarray], layers: int, levels: int, use
             if name and name.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight")):
                 value = value.reshape(value.shape[:2])  # 1x1 convolutions there, linear layers in diffusers
         elif key.startswith(BERT):
-            if key[len(BERT):] in UNUSED_BERT:
-                continue
             name, part = bert_key(key[len(BERT):]), "bert"
         elif key.startswith(EMA) or key in SCHEDULE_BUFFERS:
             continue

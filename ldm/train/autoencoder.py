@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from ppdiffusers import AutoencoderKL
 
-from ldm.checkpoint.format import refuse_pickles
+from ldm.checkpoint.format import refuse_pickles, write_part_configs
 from ldm.checkpoint.run_folder import atomic_folder
 from ldm.checkpoint.serialization import writes_failing_as_os_errors
 from ldm.config.args import AutoencoderArguments, DataArguments, LoopArguments, RunArguments
@@ -74,9 +74,11 @@ class Autoencoder(Objective):
         loss, l1, kl = net(batch["pixel_values"])
         return loss, {"reconstruction_l1": l1, "kl": kl}
 
-    def save(self, folder, final_folder, shares=None):
-        with writes_failing_as_os_errors(folder):
-            self.vae.save_pretrained(os.path.join(folder, "vqvae"), safe_serialization=True)
+    def trained_parts(self):
+        return {"vqvae": self.vae}
+
+    def save(self, folder, final_folder, shares):
+        write_part_configs(folder, self.trained_parts(), shares)
 
     def load(self, folder):
         refuse_pickles(folder)

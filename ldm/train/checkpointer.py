@@ -22,13 +22,15 @@ from typing import Any
 import numpy as np
 import paddle
 
-from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, read_training_state
-from ldm.checkpoint.run_folder import CheckpointError, RunFolder, write_json
+from ldm.checkpoint.background import BackgroundWriter, FileJob, HostBuffers, read_receipts, write_files
+from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, read_training_state, share_out, weight_jobs
+from ldm.checkpoint.run_folder import NO_SPACE, CheckpointError, RunFolder, checkpoint_problem, remove, write_json
 from ldm.checkpoint.serialization import (
+    array_sizes,
     has_state,
     load_state,
-    save_state,
-    save_state_shard,
+    shard_name,
+    split_state,
     to_paddle,
     write_state_index,
 )
@@ -135,21 +137,22 @@ def scaler_part(scaler) -> Part:
     return Part(part.state, load, missing=lambda state: None)
 
 
-def folder_bytes(folder: str, rank: int, world_size: int) -> int:
-    """The bytes of the shards `rank` wrote into `folder` (named `-<rank + 1>-of-<world>.`)."""
-    tag = f"-{rank + 1:05d}-of-{world_size:05d}."
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder)
-               for name in names if tag in name)
+def state_jobs(file: str, tree: Any, buffers: HostBuffers, mine: Callable[[str], bool] | None = None) -> list[FileJob]:
+    """A state tree (or the arrays of it `mine` accepts) as the files `<file>.json` and `<file>.safetensors`, its
+    arrays copied into `buffers`."""
+    structure, arrays = split_state(tree, buffers.taker(file), mine)
+    return [FileJob(f"{file}.json", data=structure)] + ([FileJob(f"{file}.safetensors", arrays)] if arrays else [])
 
 
-@dataclass
-class Shards:
-    """What every rank wrote of a sharded checkpoint: {part: each rank's keys}, each rank's bytes, or the first
-    rank's error."""
+def state_keys(tree: Any, mine: Callable[[str], bool] | None) -> list[str]:
+    return sorted(key for key in array_sizes(tree) if mine is None or mine(key))
 
-    keys: dict[str, list]
-    sizes: list[int]
-    error: Exception | None = None
+
+def readable(error: BaseException | None):
+    """An error as it can travel to rank 0 (pickled by the gather): itself, or its message."""
+    if error is None or isinstance(error, OSError | CheckpointError):
+        return error
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class RandomState:
@@ -181,17 +184,43 @@ class RandomState:
         random.setstate((version, tuple(internal), gauss))
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint being written: every rank writes its files (`phase` "write"), then rank 0 seals it ("seal")."""
+
+    step: int
+    temp: str
+    final: str
+    started: float  # when `save` was called
+    snapshot_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    phase: str = "write"
+    sealed_at: float | None = None  # rank 0: when the manifest and the rename were done
+    bytes: int = 0  # rank 0: the checkpoint's size, once sealed
+
+    @property
+    def seconds(self) -> float:
+        """From the call of `save` to the seal (as far as this rank knows)."""
+        return (self.sealed_at or time.perf_counter()) - self.started
+
+    @property
+    def write_seconds(self) -> float:
+        """From the end of the snapshot to the seal (as far as this rank knows)."""
+        return (self.sealed_at or time.perf_counter()) - self.started - self.snapshot_seconds
+
+
 class Checkpointer:
     def __init__(self, run_dir: RunFolder, dist: Distributed, objective: Objective, *, save_steps: int,
                  parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
-                 data_position: Callable[[], dict], record: dict | None = None):
+                 data_position: Callable[[], dict], record: dict | None = None, async_save: bool = True):
         """`parts` beyond the ones every run has: the random state, the data position (restored when the
         batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA.
-        `record`: the run's configuration (`ldm.config.record.describe_run`), written into every checkpoint."""
+        `record`: the run's configuration (`ldm.config.record.describe_run`), written into every checkpoint.
+        `async_save`: files are written beside training (`ldm.checkpoint.background`); else each save is waited for."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
         self._read: tuple[str, dict] | None = None  # (checkpoint, its training state) last read
         self.record = record
-        self.last: str | None = None  # the newest checkpoint saved or resumed by this run
+        self.last: str | None = None  # the newest checkpoint sealed or resumed by this run
         self.random = RandomState(dist, seed)
         self.parts = {
             **parts,
@@ -201,66 +230,223 @@ class Checkpointer:
         }
         if objective.ema is not None:
             self.parts[EMA] = ema_part(objective.ema)
+        self.async_save = async_save
+        self.buffers = HostBuffers()  # the snapshot's, reused from save to save
+        self.writer = BackgroundWriter()
+        self.pending: PendingSave | None = None
+        self._finished: list[dict] = []  # metrics of sealed saves, for `take_metrics`
 
     def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
         return step % self.save_steps == 0 or last or stopping
 
+    @property
+    def in_flight(self) -> str:
+        """The checkpoint being written in the background ("" when none), for the progress line."""
+        return os.path.basename(self.pending.final) if self.pending is not None else ""
+
+    def has(self, step: int) -> bool:
+        """Whether checkpoint-<step> was saved (or is being saved) by this run, or is complete on disk."""
+        if self.pending is not None and self.pending.step == step:
+            return True
+        folder = self.run_dir.path(f"checkpoint-{step}")
+        return self.dist.from_main(lambda: checkpoint_problem(folder, checksums=False) is None)
+
+    # -- saving ------------------------------------------------------------------------------------------
     def save(self, step: int, also: Callable[[str], None] | None = None) -> str:
-        """checkpoint-<step> on every rank together (per-rank parts are gathered; rank 0 writes); `also(folder)`
-        writes more files into it before the manifest seals it. Returns the checkpoint's path."""
+        """checkpoint-<step>, on every rank together; `also(folder)` writes more files into it (rank 0).
+
+        The loop waits for the previous save still in flight (at most one), then for the snapshot: every rank
+        copies what it writes into host buffers (per-rank parts are gathered, and rank 0 writes the small files:
+        configurations, indexes, the run's record). The files are then written in the background and the
+        checkpoint is sealed once every rank wrote its own (`settle`); with `async_save` off, here. Returns the
+        checkpoint's path (complete once sealed: `self.last`)."""
         started = time.perf_counter()
+        self.wait()
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
-        sharded = [name for name, part in self.parts.items() if part.owned is not None and part.owned() is not None]
-        temp, shards = self._write_shards(step, sharded) if sharded else (None, None)
-
-        def write(folder: str, final_folder: str) -> None:
-            if shards is not None and shards.error is not None:
-                raise shards.error
-            weight_shares = shards.keys[WEIGHTS] if shards is not None else None
-            self.objective.save(folder, final_folder, None if weight_shares is None or None in weight_shares
-                                else weight_shares)
-            state = {"step": step, "world_size": self.dist.world_size, **gathered}
-            for name, part in self.parts.items():
-                if part.per_rank:
-                    continue
-                if name in sharded:
-                    write_state_index(folder, name, shards.keys[name])
-                elif name in OWN_FILES:
-                    save_state(folder, name, part.state())
-                else:
-                    state[name] = part.state()
-            save_state(folder, TRAINING_STATE, state)
-            if self.record is not None:
-                write_json(os.path.join(folder, RUN_CONFIG), {**self.record, "step": step})
-            if also is not None:
-                also(folder)
-
-        path = self.dist.from_main(lambda: self.run_dir.save(step, write, folder=temp))
-        shares = "" if shards is None else " (bytes written by rank: " + ", ".join(
-            f"{size / 2**20:.1f} MiB" for size in shards.sizes) + ")"
-        logger.info("saved %s in %.2f s%s", path, time.perf_counter() - started, shares)
-        self.last = path
-        return path
-
-    def _write_shards(self, step: int, sharded: list[str]) -> tuple[str, Shards]:
-        """Under sharding, before rank 0 seals the checkpoint: every rank writes its shards of the parts `sharded`
-        and its share of the weights into the temporary folder (returned, with what each rank wrote; a rank's
-        failure is handed to rank 0, which raises it where the folder is cleaned up)."""
         temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
         rank, world = self.dist.rank, self.dist.world_size
         try:
-            keys = {name: save_state_shard(temp, name, self.parts[name].state(), rank, world) for name in sharded}
-            keys[WEIGHTS] = self.objective.save_shard(temp, rank, world)
-            outcome = ("ok", keys, folder_bytes(temp, rank, world))
+            jobs, keys = self._snapshot(step, gathered)
+            outcome = ("ok", keys)
         except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
-            outcome = ("error", e, 0)
+            outcome = ("error", e)
         outcomes = self.dist.gather(outcome)
-        errors = [value for kind, value, _ in outcomes if kind == "error"]
-        if errors:
-            return temp, Shards({}, [], errors[0])
-        return temp, Shards({name: [value[name] for _, value, _ in outcomes] for name in [*sharded, WEIGHTS]},
-                            [size for _, _, size in outcomes])
+        final = self.run_dir.path(f"checkpoint-{step}")
+        errors = [value for kind, value in outcomes if kind == "error"]
+
+        def small_files() -> None:
+            if errors:
+                remove(temp)
+                raise errors[0]
+            try:
+                self._write_small_files(temp, final, step, [keys for _, keys in outcomes], also)
+            except BaseException:
+                remove(temp)
+                raise
+
+        with self.run_dir.no_space_ends_the_run(final):
+            self.dist.from_main(small_files)
+        pending = self.pending = PendingSave(step, temp, final, started, time.perf_counter() - started)
+        self.writer.start(f"checkpoint-{step}", lambda: write_files(temp, jobs, rank, world))
+        if not self.async_save:
+            self.wait()
+        pending.stall_seconds = time.perf_counter() - started
+        return final
+
+    def _snapshot(self, step: int, gathered: dict) -> tuple[list[FileJob], dict]:
+        """This rank's files of checkpoint-<step>, their arrays copied into host buffers, and the keys of what it
+        holds of each part written in shares. Every rank writes a share of the weights and of each state part
+        (its own shard under sharding; the same state dealt among the ranks otherwise); rank 0 also writes the
+        training state (step, gathered per-rank parts, the small parts)."""
+        rank, world = self.dist.rank, self.dist.world_size
+        jobs, keys = weight_jobs(self.objective.trained_parts(), rank, world, self.buffers)
+        keys = {WEIGHTS: keys}
+        state = {"step": step, "world_size": world, **gathered}
+        for name, part in self.parts.items():
+            if part.per_rank:
+                continue
+            if name not in OWN_FILES:
+                state[name] = part.state()
+                continue
+            tree = part.state()
+            if part.owned is not None and part.owned() is not None:  # a shard of its own: all of this rank's
+                file, mine = shard_name(name, rank, world), None
+            elif world > 1:  # the same on every rank: each writes its share
+                share = set(share_out(array_sizes(tree), world)[rank])
+                file, mine = shard_name(name, rank, world), share.__contains__
+            else:
+                file, mine = name, None
+            jobs += state_jobs(file, tree, self.buffers, mine)
+            keys[name] = None if world == 1 else state_keys(tree, mine)
+        if rank == 0:
+            jobs += state_jobs(TRAINING_STATE, state, self.buffers)
+        return jobs, keys
+
+    def _write_small_files(self, folder: str, final: str, step: int, keys: list[dict], also) -> None:
+        """Rank 0, at the snapshot: the model's configurations, the indexes of what the ranks write in shares,
+        the run's record, `also`'s files."""
+        self.objective.save(folder, final, [k[WEIGHTS] for k in keys])
+        for name in OWN_FILES:
+            if name in keys[0] and keys[0][name] is not None:
+                write_state_index(folder, name, [k[name] for k in keys])
+        if self.record is not None:
+            write_json(os.path.join(folder, RUN_CONFIG), {**self.record, "step": step})
+        if also is not None:
+            also(folder)
+
+    def _seal(self, pending: PendingSave) -> None:
+        """Rank 0: the manifest from every rank's receipt, the rename, the rotation."""
+        known = read_receipts(pending.temp, self.dist.world_size)
+        with self.run_dir.no_space_ends_the_run(pending.final):
+            self.run_dir.seal(pending.step, pending.temp, known)
+        pending.sealed_at = time.perf_counter()
+        pending.bytes = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(pending.final)
+                            for n in names)
+
+    # -- the background save, agreed at every update -------------------------------------------------
+    def vote(self) -> tuple[float, float]:
+        """This rank's part of the update's vote (`ldm.train.health.NonFiniteGuard.check`): whether its writer is
+        busy, and its rank + 1 when its writing failed (0 otherwise)."""
+        if self.pending is None:
+            return 0.0, 0.0
+        task = self.writer.task
+        failed = not self.writer.busy and task is not None and task.error is not None
+        return float(self.writer.busy), float(self.dist.rank + 1 if failed else 0)
+
+    def settle(self, busy: bool, failed_rank: int) -> None:
+        """After the vote, on every rank with the same figures: a failed write ends the run (one line naming the
+        newest complete checkpoint); once every rank wrote its files, rank 0 seals in the background; once no
+        rank is busy after that, the checkpoint is complete."""
+        if self.pending is None:
+            return
+        if failed_rank:
+            self._fail(failed_rank - 1)
+        if busy:
+            return
+        if self.pending.phase == "write":
+            self.pending.phase = "seal"
+            if self.dist.is_main:
+                pending = self.pending
+                self.writer.start(f"seal of checkpoint-{pending.step}", lambda: self._seal(pending))
+        else:
+            self._done()
+
+    def wait(self) -> PendingSave | None:
+        """Every rank together: the save in flight finished and sealed (the next save, the end of the run, a stop
+        on a signal); it is returned, None when there was none."""
+        pending = self.pending
+        if pending is None:
+            return None
+        task = self.writer.wait()
+        errors = self.dist.gather(readable(task.error) if task is not None else None)
+        failed = [rank for rank, error in enumerate(errors) if error is not None]
+        if failed:
+            self._fail(failed[0], errors[failed[0]])
+        if pending.phase == "write":
+            try:
+                self.dist.from_main(lambda: self._seal(pending))
+            except BaseException:
+                self.pending = None
+                raise
+        return self._done()
+
+    def _done(self) -> PendingSave:
+        pending, self.pending = self.pending, None
+        self.last = pending.final
+        if self.dist.is_main:
+            self._finished.append({"checkpoint/stall_seconds": pending.stall_seconds,
+                                   "checkpoint/write_seconds": pending.write_seconds,
+                                   "checkpoint/bytes": pending.bytes})
+            logger.info("saved %s (%.2f GiB): snapshot %.2f s, written and sealed %.2f s later; the updates waited "
+                        "%.2f s", pending.final, pending.bytes / 2**30, pending.snapshot_seconds,
+                        pending.write_seconds, pending.stall_seconds)
+        return pending
+
+    def _fail(self, rank: int, error: BaseException | None = None) -> None:
+        pending, self.pending = self.pending, None
+        task = self.writer.wait()
+        if rank == self.dist.rank and task is not None and task.error is not None:
+            error = task.error
+        if self.dist.is_main:
+            remove(pending.temp)
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is None:
+            cause = f"see the log of rank {rank}"
+        else:
+            cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise self.run_dir.save_failed(pending.final, cause, rank if self.dist.world_size > 1 else None,
+                                       no_space=isinstance(error, OSError) and error.errno in NO_SPACE)
+
+    def take_metrics(self) -> list[dict]:
+        """The metrics of the saves sealed since the last call (rank 0), for the trackers."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def close(self) -> None:
+        """At any exit, on each rank alone (no collective: another rank may be gone): wait for the save in flight;
+        rank 0 seals it when every rank's files are there, else it is removed (it never counts as a checkpoint)."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        task = self.writer.wait()
+        if not self.dist.is_main:
+            return
+        if task is None or task.error is not None:
+            remove(pending.temp)
+            return
+        if pending.phase == "seal":
+            self.last = pending.final
+            return
+        try:
+            self._seal(pending)
+            self.last = pending.final
+            logger.warning("sealed %s on the way out", pending.final)
+        except Exception as e:  # noqa: BLE001 - the run is ending on another error: this one is reported only
+            remove(pending.temp)
+            logger.warning("%s was not completed (%s): it is not a checkpoint", pending.final, e)
 
     def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
         """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from

@@ -47,7 +47,7 @@ class NonFiniteGuard:
         self.last_step = 0
 
     @paddle.no_grad()
-    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None, clip_factor=None) -> bool:
+    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None, clip_factor=None, saves=None) -> bool:
         """Whether to skip this update, the same on every rank: `loss` is this rank's loss of the update (its
         micro-steps summed), `grad_norm` the norm of the synchronised gradients. With several ranks the verdict
         travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
@@ -55,23 +55,27 @@ class NonFiniteGuard:
 
         `clip_factor` (`ldm.train.gradients.clip_factor`, on the device) is read along, as `self.clip_factor`
         (the smallest over ranks; 1.0 without one): the loop rescales the gradients only when it is below 1,
-        by a number already on the host."""
+        by a number already on the host. `saves` (the checkpointer) votes along on its background save: whether a
+        rank is still writing, which one failed (`Checkpointer.vote` and `settle`)."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
                                  & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("float32")
         # negated, so that the all-reduce's MAX gives every rank the smallest factor
         negated = -clip_factor.astype("float32").reshape([1]) if clip_factor is not None else \
             paddle.full([1], -1.0, dtype="float32")
         signalled = stop.signalled() if stop is not None else False
+        busy, failed = saves.vote() if saves is not None else (0.0, 0.0)
         if self.dist.world_size > 1:
-            flags = paddle.concat([bad, negated, paddle.full([1], float(signalled), dtype="float32")])
+            flags = paddle.concat([bad, negated, paddle.to_tensor([float(signalled), busy, failed], dtype="float32")])
             paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
-            found, negated_factor, vote = flags.numpy().tolist()
+            found, negated_factor, vote, busy, failed = flags.numpy().tolist()
             signalled = bool(vote)
-        else:  # the signal is this process's own
+        else:  # the signal and the save are this process's own
             found, negated_factor = paddle.concat([bad, negated]).numpy().tolist()
         skipped, self.clip_factor = bool(found), -negated_factor
         if stop is not None:
             stop.settle(signalled)
+        if saves is not None:
+            saves.settle(bool(busy), int(failed))
         return skipped
 
     def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:

@@ -117,14 +117,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     scaler = paddle.amp.GradScaler(enable=precision == "fp16", init_loss_scaling=2.0**16)
     data_stream = start_batches(objective, resume, data, batch_size=loop.train_batch_size, seed=loop.seed,
                                 dist=dist, num_workers=loop.num_workers)
-    writer, progress = NullWriter(), None  # from here on, every exit stops the loader (`finally`)
+    writer, progress, checkpointer = NullWriter(), None, None  # from here on, every exit stops the loader (`finally`)
     try:
         accumulation = loop.gradient_accumulation_steps
         samples = SampleClock(loop.train_batch_size * accumulation * dist.world_size, dist.world_size,
                               loop.max_train_steps)
         checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=loop.save_steps, seed=loop.seed, trained=trained,
-            data_position=data_stream.tracker.state_dict, record=record,
+            data_position=data_stream.tracker.state_dict, record=record, async_save=run_args.async_save,
             parts={"optimizer": optimizer_part(lambda: optimizer), "lr_scheduler": stateful(lr),
                    "scaler": scaler_part(scaler), "samples": samples.part()})
         guard = NonFiniteGuard(dist, run_args.max_nonfinite_updates)
@@ -169,7 +169,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                 update_loss = window.update_loss()
                 # the update's one host read: the non-finite verdict, the stop vote and the clip factor, agreed
                 # by every rank; a norm within the maximum has a factor of exactly 1: no rescaling pass
-                verdict = guard.check(update_loss, grad_norm, stop, clip_factor=clip_factor(grad_norm, max_norm))
+                verdict = guard.check(update_loss, grad_norm, stop, clip_factor=clip_factor(grad_norm, max_norm),
+                                      saves=checkpointer)
                 if guard.clip_factor < 1 and not verdict:
                     scale_gradients(trained, guard.clip_factor)
                 stopping = stop.agreed
@@ -201,7 +202,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                     progress.show({"loss": f"{metrics['loss']:.4f}",
                                    "samples_s": f"{metrics['global_samples_per_second']:.1f}",
                                    "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
-                progress.update(step, logging_step=logging_step)
+                progress.update(step, logging_step=logging_step, saving=checkpointer.in_flight)
                 guard.stop_if_exhausted(checkpointer.last)  # every rank at the same update: the verdict is shared
                 if objective.validation_due(step, last) and not stopping:
                     writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
@@ -212,9 +213,14 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                     if step >= target and not stopping:  # an endless run: count toward the next checkpoint
                         target, label = progress_target(step, max_steps, loop.save_steps)
                         progress.retarget(target, label)
+                for values in checkpointer.take_metrics():
+                    writer.scalars(values, step)
+            final = checkpointer.wait()  # the last save, written by every rank, sealed before anything reads it
+            for values in checkpointer.take_metrics():
+                writer.scalars(values, step)
             progress.close()
             if stopping:
-                stop.announce(step, checkpointer.last)
+                stop.announce(step, checkpointer.last, final)
             else:
                 objective.finish(checkpointer.last, batches, dist, run_dir)
     except Exception as e:
@@ -223,6 +229,8 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     finally:
         if progress is not None:
             progress.close()  # an error's message then starts on a line of its own
+        if checkpointer is not None:
+            checkpointer.close()  # never leave with a save in flight
         data_stream.close()  # loader workers and reader thread stop here, not during interpreter exit
         writer.close()
         run_dir.release()

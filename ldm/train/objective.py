@@ -22,7 +22,6 @@ from ldm.checkpoint.format import (
     recorded_autoencoder,
     recorded_autoencoder_folder,
     save_model,
-    save_weight_shard,
     write_frozen_autoencoder,
 )
 from ldm.checkpoint.run_folder import RunFolder
@@ -76,15 +75,15 @@ class Objective:
     def start(self, run_dir: RunFolder) -> None:
         """Write what the run needs before training (the folder exists now)."""
 
-    def save(self, folder: str, final_folder: str, shares: list | None = None) -> None:
-        """Write the trained weights into a checkpoint folder (the rest of the run state is the checkpointer's);
-        `shares`: what every rank's `save_shard` returned, when the ranks wrote the weights in shares."""
+    def trained_parts(self) -> dict:
+        """The parts whose weights a checkpoint holds, by folder (`{"unet": layer, ...}`): the checkpointer writes
+        their weights, every rank a share (`ldm.checkpoint.format.weight_jobs`)."""
         raise NotImplementedError
 
-    def save_shard(self, folder: str, rank: int, world_size: int):
-        """This rank's share of the trained weights, written into `folder` before `save`; None: `save` on rank 0
-        writes them all."""
-        return None
+    def save(self, folder: str, final_folder: str, shares: list) -> None:
+        """Write the rest of the model into a checkpoint folder: the parts' configurations, the tokenizer, ...
+        (`shares`: the names of the weights each rank wrote)."""
+        raise NotImplementedError
 
     def load(self, folder: str) -> None:
         raise NotImplementedError
@@ -282,13 +281,13 @@ class TextToImage(Objective):
             extra[f"loss_q{q + 1}"] = ((per_sample * mask).sum(), mask.sum())
         return loss, extra
 
-    def save(self, folder, final_folder, shares=None):
+    def trained_parts(self):
+        return {"unet": self.model.unet, "bert": self.model.text_encoder}
+
+    def save(self, folder, final_folder, shares):
         save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
                    noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
                    vae_identity=self.vae_identity, final_folder=final_folder, shares=shares)
-
-    def save_shard(self, folder, rank, world_size):
-        return save_weight_shard(folder, {"unet": self.model.unet, "bert": self.model.text_encoder}, rank, world_size)
 
     def load(self, folder):
         load_ldm_weights(folder, self.model)

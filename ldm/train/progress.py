@@ -45,11 +45,17 @@ class Progress:
         self.bar = tqdm(total=total, initial=initial, desc=label, unit=unit) if self.mode == "bar" else None
         self.started, self.start_step = time.monotonic(), initial
         self.last_line = self.started
+        self.postfix: dict[str, str] = {}
+        self.saving = ""  # the checkpoint being written in the background, shown beside the figures
 
-    def update(self, step: int, *, logging_step: bool = False) -> None:
-        """After update `step`; `logging_step`: metrics were logged at it (a line is due in `lines` mode)."""
+    def update(self, step: int, *, logging_step: bool = False, saving: str = "") -> None:
+        """After update `step`; `logging_step`: metrics were logged at it (a line is due in `lines` mode); `saving`:
+        the checkpoint being written in the background, if any."""
         if self.bar is not None:
+            if saving != self.saving:
+                self.bar.set_postfix({**self.postfix, "saving": saving} if saving else self.postfix, refresh=False)
             self.bar.update(step - self.step)
+        self.saving = saving
         self.step = step
         if self.mode == "lines":
             now = time.monotonic()
@@ -63,12 +69,13 @@ class Progress:
         left = self.total - self.step
         eta = duration(left / rate) if rate > 0 else "?"
         return (f"progress {self.label}: update {self.step}/{self.total} ({100 * self.step / max(self.total, 1):.1f}%)"
-                f", {rate:.3g} upd/s, {left} to go, ETA {eta}")
+                f", {rate:.3g} upd/s, {left} to go, ETA {eta}" + (f", saving {self.saving}" if self.saving else ""))
 
     def show(self, values: dict[str, str]) -> None:
         """Figures beside the bar (the logged metrics are printed by the tracker in `lines` mode)."""
+        self.postfix = values
         if self.bar is not None:
-            self.bar.set_postfix(values)
+            self.bar.set_postfix({**values, "saving": self.saving} if self.saving else values)
 
     def retarget(self, total: int, label: str) -> None:
         self.total, self.label = total, label

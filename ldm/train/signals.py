@@ -115,6 +115,9 @@ class GracefulStop:
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else 0
 
-    def announce(self, step: int, checkpoint: str | None) -> None:
-        logger.warning("%s: stopped after update %d and saved %s; continue with --resume_from_checkpoint latest",
-                       self.name, step, checkpoint)
+    def announce(self, step: int, checkpoint: str | None, save=None) -> None:
+        """The stop's last line; `save` (`ldm.train.checkpointer.PendingSave`): the stop save, timed from the signal's
+        update to its seal."""
+        took = f" in {save.seconds:.1f} s" if save is not None else ""
+        logger.warning("%s: stopped after update %d and saved %s%s; continue with --resume_from_checkpoint latest",
+                       self.name, step, checkpoint, took)

@@ -20,7 +20,7 @@ from paddlenlp.trainer.trainer import TRAINER_STATE_NAME
 from paddlenlp.utils.log import logger as paddlenlp_logger
 
 from ldm.checkpoint.format import read_training_state
-from ldm.checkpoint.run_folder import RunFolder, checkpoint_problem, checkpoint_step
+from ldm.checkpoint.run_folder import RunFolder, checkpoint_step
 from ldm.config.args import RunArguments, ValidationArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
@@ -70,7 +70,7 @@ class LDMCallback(TrainerCallback):
         norm = global_grad_norm(t.trained)  # PaddleNLP clips (with --max_grad_norm) in its step
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
         # the update's one host read: the non-finite verdict and the stop vote, agreed by every rank
-        t.guard.hand_to(t.optimizer, t.guard.check(t.update_loss, self.grad_norm, t.stop), scaler)
+        t.guard.hand_to(t.optimizer, t.guard.check(t.update_loss, self.grad_norm, t.stop, saves=t.checkpointer), scaler)
 
     def on_optimizer_end(self, args, state, control, scaler=None, **kwargs):
         t = self.trainer
@@ -94,8 +94,11 @@ class LDMCallback(TrainerCallback):
             t.clock.advance()
         if t.objective.ema is not None and not self.skipped:
             t.objective.ema.update()
+        for values in t.checkpointer.take_metrics():
+            t.log(values)
         if t.progress is not None:
-            t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0)
+            t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0,
+                              saving=t.checkpointer.in_flight)
         if t.objective.validation_due(state.global_step, state.global_step == state.max_steps) and not t.stop.agreed:
             should_log = control.should_log  # PaddleNLP's on_log clears it: the update's own log still follows
             t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock, t.data_stream))
@@ -128,7 +131,7 @@ class LDMTrainer(Trainer):
         # the optimizer, schedule and scaler exist once `train()` made them: the parts ask for them then
         self.checkpointer = Checkpointer(
             run_dir, dist, objective, save_steps=args.save_steps, seed=args.seed, trained=self.trained,
-            data_position=data_stream.tracker.state_dict, record=record,
+            data_position=data_stream.tracker.state_dict, record=record, async_save=run_args.async_save,
             parts={"optimizer": optimizer_part(lambda: self.optimizer),
                    "lr_scheduler": stateful(Deferred(lambda: self.lr_scheduler)),
                    "samples": clock.part()})
@@ -175,8 +178,7 @@ class LDMTrainer(Trainer):
         """The run folder rotates, counting complete checkpoints only."""
 
     def _save_checkpoint(self, model, metrics=None):
-        folder = self.run_dir.path(f"checkpoint-{self.state.global_step}")
-        if self.dist.from_main(lambda: checkpoint_problem(folder, checksums=False) is None):
+        if self.checkpointer.has(self.state.global_step):
             return  # already saved at this update (a stop at the last update, or a resume of the last checkpoint)
         self.checkpointer.save(self.state.global_step,
                                also=lambda f: self.state.save_to_json(os.path.join(f, TRAINER_STATE_NAME)))
@@ -273,14 +275,19 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
             stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update changed nothing
             if not stopped:
                 save_trainer_checkpoint(trainer)  # returns at once if saved already
+            final = trainer.checkpointer.wait()  # every rank's files written and sealed before anything reads them
+            for values in trainer.checkpointer.take_metrics():
+                trainer.log(values)
         if stopped:
-            stop.announce(step, last)
+            stop.announce(step, last, final)
         else:
             objective.finish(last, data_stream, dist, run_dir)
     except Exception as e:
         run_dir.record_failure(e)
         raise
     finally:
+        if trainer is not None:
+            trainer.checkpointer.close()  # never leave with a save in flight
         data_stream.close()
         writer.close()
         if trainer is not None and trainer.metrics is not None:

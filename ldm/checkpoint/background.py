@@ -1,0 +1,154 @@
+"""Checkpoint files written beside training: a snapshot into host buffers, then a writer thread.
+
+A save stops the update loop only for the snapshot: every array a rank writes is copied into a host buffer
+allocated at the first save and reused at every later one (a CPU tensor is read through DLPack, without a
+copy of its own: one memory copy per array; a GPU tensor is one device-to-host copy). The files are then
+written, hashed while written (`ldm.checkpoint.serialization.write_safetensors`) and flushed by one thread.
+
+Why a thread, measured on a 2-core CPU (`scripts/bench_checkpoint.py`): file writes, fsync and sha256 release
+the GIL, so the thread costs the training thread only CPU time, not the interpreter. A forked writer would have
+copy-on-write snapshot for free on a CPU, but the fork copies the page tables of a process holding tens of GB,
+a child of a process with Paddle's, the loader's and the collectives' threads may inherit a lock held by one
+of them, and it cannot see a GPU's memory; Paddle's and PaddleNLP's own asynchronous saves pickle the state to
+a spawned process, which blocked the caller 5-11 s per GiB here.
+
+Each rank's writer reports what it wrote in a receipt, `.written-<rank>-of-<world>.json` in the checkpoint's
+temporary folder, once every file is on disk: the rank that seals the checkpoint builds the manifest from the
+receipts (no file is read back) and removes them. A rank that never finished leaves no receipt, so the seal
+refuses; a folder without a manifest is never a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ldm.checkpoint.serialization import Written, write_bytes, write_safetensors
+
+RECEIPT_PREFIX = ".written-"
+
+
+class HostBuffers:
+    """Host arrays kept from save to save, one per array a rank writes (named by file and key)."""
+
+    def __init__(self):
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+
+    def taker(self, file: str) -> Callable[[str, np.ndarray], np.ndarray]:
+        """`take(key, array)` for `flatten`: `array` copied into the buffer of (`file`, `key`)."""
+        def take(key: str, array: np.ndarray) -> np.ndarray:
+            buffer = self._arrays.get((file, key))
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+                buffer = self._arrays[(file, key)] = np.empty(array.shape, array.dtype)
+            np.copyto(buffer, array)
+            return buffer
+        return take
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
+
+
+@dataclass
+class FileJob:
+    """One file of a checkpoint to write: arrays (safetensors) or bytes, at `path` relative to the folder."""
+
+    path: str
+    arrays: dict[str, np.ndarray] | None = None
+    metadata: dict[str, str] | None = None
+    data: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) if self.data is not None else sum(a.nbytes for a in (self.arrays or {}).values())
+
+    def write(self, folder: str) -> Written:
+        path = os.path.join(folder, self.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if self.data is not None:
+            return write_bytes(path, self.data)
+        return write_safetensors(path, self.arrays or {}, self.metadata)
+
+
+def receipt_name(rank: int, world_size: int) -> str:
+    return f"{RECEIPT_PREFIX}{rank + 1:05d}-of-{world_size:05d}.json"
+
+
+def write_files(folder: str, jobs: list[FileJob], rank: int, world_size: int) -> dict[str, dict]:
+    """Write `jobs` into `folder`, then this rank's receipt (their manifest entries), last and flushed."""
+    entries = {job.path: job.write(folder).entry() for job in jobs}
+    write_bytes(os.path.join(folder, receipt_name(rank, world_size)), json.dumps(entries).encode())
+    return entries
+
+
+def read_receipts(folder: str, world_size: int) -> dict[str, dict]:
+    """Every rank's receipt, merged, then removed; an error naming the ranks whose receipt is missing."""
+    entries, missing = {}, []
+    for rank in range(world_size):
+        path = os.path.join(folder, receipt_name(rank, world_size))
+        try:
+            with open(path) as f:
+                entries.update(json.load(f))
+        except FileNotFoundError:
+            missing.append(rank)
+        except ValueError as e:
+            raise OSError(f"the receipt of rank {rank} is damaged ({e})") from None
+    if missing:
+        raise OSError(f"rank(s) {', '.join(map(str, missing))} did not finish writing their files")
+    for rank in range(world_size):
+        os.remove(os.path.join(folder, receipt_name(rank, world_size)))
+    return entries
+
+
+@dataclass
+class Task:
+    """What a writer thread did: its outcome and when it ended."""
+
+    name: str
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    error: BaseException | None = None
+    result: object = None
+
+
+class BackgroundWriter:
+    """One task at a time on a thread of its own (not a daemon: the interpreter waits for it at exit, so a
+    process that ends by an exception still finishes the file it was writing)."""
+
+    def __init__(self):
+        self.task: Task | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, name: str, fn: Callable[[], object]) -> Task:
+        """Run `fn` in the background; the previous task must have ended (`wait`)."""
+        if self.busy:
+            raise RuntimeError(f"{self.task.name} is still running")
+        task = self.task = Task(name)
+
+        def run() -> None:
+            try:
+                task.result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+                task.error = e
+            finally:
+                task.ended = time.perf_counter()
+
+        self._thread = threading.Thread(target=run, name=f"ldm-{name}")
+        self._thread.start()
+        return task
+
+    def wait(self) -> Task | None:
+        """The last task, once it has ended (None if there was none)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.task
