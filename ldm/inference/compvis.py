@@ -240,7 +240,7 @@ def convert_compvis(checkpoint: str, config_path: str, tokenizer_folder: str, ou
     from ppdiffusers import AutoencoderKL, UNet2DConditionModel
     from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
 
-    from ldm.data.tokenize import load_tokenizer
+    from ldm.data.tokenize import TokenizerError, load_tokenizer
     from ldm.inference.export import export_pipeline
     from ldm.inference.model_card import model_card
     from ldm.models.pickled import PickleError, read_pickled_weights
@@ -267,7 +267,10 @@ def convert_compvis(checkpoint: str, config_path: str, tokenizer_folder: str, ou
             set_torch_state(model, parts[name], f"{checkpoint} ({name})", config_path)
         except TorchLayoutError as e:
             raise CompVisError(str(e)) from None
-    tokenizer = load_tokenizer(tokenizer_folder, models["bert"].config.max_position_embeddings)
+    try:
+        tokenizer = load_tokenizer(tokenizer_folder, models["bert"].config.max_position_embeddings)
+    except TokenizerError as e:
+        raise CompVisError(f"--tokenizer: {e}") from None
     if len(tokenizer) != models["bert"].config.vocab_size:
         raise CompVisError(f"--tokenizer {tokenizer_folder} has {len(tokenizer)} tokens and the BERT embedder "
                            f"{models['bert'].config.vocab_size}: not its vocabulary")

@@ -3,7 +3,9 @@ evaluation (with the EMA weights when the checkpoint has them)."""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 
 import paddle
 from paddlenlp.transformers import BertTokenizer
@@ -18,6 +20,30 @@ from ldm.models.torch_layout import TorchLayoutError, load_pretrained
 
 def is_pipeline(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "model_index.json"))
+
+
+def load_pipeline_tokenizer(folder: str):
+    """PaddleNLP's BertTokenizer of a pipeline's `tokenizer/`: from its vocab.txt, or, when transformers 5 wrote the
+    folder (tokenizer.json alone, which PaddleNLP does not read), from that file's WordPiece vocabulary."""
+    source = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(os.path.join(folder, "vocab.txt")) or not os.path.isfile(source):
+        return BertTokenizer.from_pretrained(folder)
+    with open(source, encoding="utf-8") as f:
+        model = json.load(f).get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "WordPiece" or not isinstance(vocab, dict) or sorted(vocab.values()) != list(
+            range(len(vocab))):
+        raise CheckpointError(f"{source}: not a WordPiece (BERT) vocabulary, which LDMBert's pipeline uses")
+    config = read_config(folder, "tokenizer_config.json") if os.path.isfile(
+        os.path.join(folder, "tokenizer_config.json")) else {}
+    temp = tempfile.TemporaryDirectory(prefix="ldm-vocab-")
+    vocab_file = os.path.join(temp.name, "vocab.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        f.writelines(f"{token}\n" for token in sorted(vocab, key=vocab.get))
+    tokenizer = BertTokenizer(vocab_file, do_lower_case=config.get("do_lower_case", True),
+                              model_max_length=config.get("model_max_length", 77))
+    tokenizer.vocab_folder = temp  # its save_pretrained copies the file: removed when the tokenizer is
+    return tokenizer
 
 
 def apply_ema(state: dict, unet, text_encoder) -> None:
@@ -53,7 +79,7 @@ def _load_for_inference(path: str, use_ema: bool):
     refuse_pickles(path, "pipeline" if is_pipeline(path) else "checkpoint")
     unet = load_pretrained(UNet2DConditionModel, os.path.join(path, "unet"))
     text_encoder = load_pretrained(LDMBertModel, os.path.join(path, "bert"))
-    tokenizer = BertTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+    tokenizer = load_pipeline_tokenizer(os.path.join(path, "tokenizer"))
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     if is_pipeline(path):
         vae = load_pretrained(AutoencoderKL, os.path.join(path, "vqvae"))

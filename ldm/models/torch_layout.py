@@ -121,10 +121,9 @@ def torch_state(model) -> dict[str, np.ndarray]:
     from ppdiffusers.models.modeling_pytorch_paddle_utils import convert_paddle_state_dict_to_pytorch
 
     state = {name: value.numpy() for name, value in model.state_dict().items()}
-    shapes = {name: value.shape for name, value in state.items()}
     converted = convert_paddle_state_dict_to_pytorch(model, state)
     # the converter squeezes 1-element vectors to scalars; PyTorch's parameters keep their shape
-    return {name: np.ascontiguousarray(value.reshape(shapes[name]) if name in shapes else value)
+    return {name: np.ascontiguousarray(value.reshape(1) if value.ndim == 0 else value)
             for name, value in converted.items()}
 
 

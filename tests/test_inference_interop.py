@@ -1,0 +1,176 @@
+"""The model in and out of the PyTorch ecosystem, checked against the PyTorch tools' own outputs
+(tests/reference/make_interop_fixtures.py computed them with diffusers, transformers and the original
+latent-diffusion code; nothing here imports torch):
+- the project's pipeline exported with `--format diffusers` is what diffusers loads and runs;
+- pipelines diffusers saved (safetensors, and `.bin` read without running code) load and run as in diffusers;
+- a CompVis txt2img checkpoint converts to a pipeline that runs as the original modules did.
+Each comparison: the largest difference relative to the largest reference value, below RELATIVE."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+import zipfile
+
+import numpy as np
+import paddle
+import pytest
+from conftest import ROOT
+from interop_models import MAX_LENGTH, PROMPT, tiny_pipeline
+
+from ldm.checkpoint.run_folder import CheckpointError
+from ldm.inference.compvis import CompVisError, split_checkpoint
+from ldm.inference.load import load_for_inference
+from ldm.models.pickled import read_pickled_weights
+from ldm.models.torch_layout import TORCH_FORMAT, safetensors_format
+
+FIXTURES = ROOT / "tests" / "fixtures" / "interop"
+REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
+RELATIVE = 1e-4
+
+
+def relative(ours, reference) -> float:
+    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+    assert ours.shape == reference.shape
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def compare(unet, text_encoder, vae, tokenizer, expected) -> dict[str, float]:
+    """Our parts' outputs on the reference's inputs, each part given the reference's inputs (so a difference
+    is that part's): {output: relative difference}."""
+    ids = tokenizer([PROMPT, ""], padding="max_length", max_length=expected["input_ids"].shape[1])["input_ids"]
+    np.testing.assert_array_equal(ids, expected["input_ids"])  # the tokenizer reads the same vocabulary
+    with paddle.no_grad():
+        hidden = text_encoder(paddle.to_tensor(expected["input_ids"]))[0]
+        prediction = unet(paddle.to_tensor(expected["latents"]), paddle.to_tensor(expected["timesteps"]),
+                          encoder_hidden_states=paddle.to_tensor(expected["hidden_states"])).sample
+        image = vae.decode(paddle.to_tensor(expected["decode_latents"])).sample
+    return {"hidden_states": relative(hidden.numpy(), expected["hidden_states"]),
+            "prediction": relative(prediction.numpy(), expected["prediction"]),
+            "image": relative(image.numpy(), expected["image"])}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The seeded tiny pipeline (ppdiffusers' layout) and its export to diffusers' layout, by the command."""
+    from ldm.export import main
+
+    folder = tmp_path_factory.mktemp("interop")
+    source = tiny_pipeline(str(folder))
+    assert main(["--checkpoint", source, "--output", str(folder / "diffusers"), "--format", "diffusers"]) == 0
+    return source, folder / "diffusers"
+
+
+def test_the_export_to_diffusers_runs_in_diffusers_as_in_paddle(exported):
+    source, folder = exported
+    import hashlib
+
+    for name, digest in REFERENCE["exported"]["weights_sha256"].items():  # the weights diffusers ran
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+        assert safetensors_format(str(folder / name)) == TORCH_FORMAT
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["bert"] == ["latent_diffusion", "LDMBertModel"] and index["unet"][0] == "diffusers"
+    assert index["tokenizer"] == ["transformers", "BertTokenizer"]
+    assert REFERENCE["exported"]["bert_class"].startswith("diffusers.")
+    card = (folder / "README.md").read_text()
+    assert "LDMTextToImagePipeline.from_pretrained" in card and "## Training" in card
+    unet, text_encoder, vae, tokenizer, _, _ = load_for_inference(source)  # the Paddle pipeline itself
+    differences = compare(unet, text_encoder, vae, tokenizer, np.load(FIXTURES / "exported.npz"))
+    assert max(differences.values()) < RELATIVE, differences
+
+
+def test_the_exported_folder_reads_back_exactly(exported):
+    source, folder = exported
+    ours, back = load_for_inference(source), load_for_inference(str(folder))
+    for a, b in zip(ours[:3], back[:3], strict=True):
+        for name, value in a.state_dict().items():
+            np.testing.assert_array_equal(b.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+    schedule = ("beta_start", "beta_end", "beta_schedule", "num_train_timesteps", "prediction_type")
+    assert [ours[4][k] for k in schedule] == [back[4][k] for k in schedule]
+
+
+@pytest.mark.parametrize("name", ["diffusers-safetensors", "diffusers-bin"])
+def test_a_pipeline_diffusers_saved_runs_here_as_in_diffusers(name):
+    unet, text_encoder, vae, tokenizer, _, used_ema = load_for_inference(str(FIXTURES / name))
+    assert not used_ema
+    differences = compare(unet, text_encoder, vae, tokenizer, np.load(FIXTURES / "diffusers.npz"))
+    assert max(differences.values()) < RELATIVE, differences
+    assert "torch" not in sys.modules
+
+
+def test_a_bin_that_carries_code_is_refused_before_it_runs(tmp_path):
+    folder = tmp_path / "pipeline"
+    shutil.copytree(FIXTURES / "diffusers-bin", folder)
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"echo PWNED > {marker}",)
+
+    with zipfile.ZipFile(folder / "bert" / "pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({"model.embed_tokens.weight": Payload()}, protocol=2))
+    with pytest.raises(CheckpointError, match="a pickle can run code"):
+        load_for_inference(str(folder))
+    assert not marker.exists()
+
+
+def test_a_diffusers_folder_is_a_model_source_and_an_autoencoder_source(exported):
+    """--model_name_or_path and --vae_name_or_path accept diffusers' layout: every part loaded, as exported."""
+    from ldm.models.build import build_components
+
+    source, folder = exported
+    c = build_components(str(folder), vae_name_or_path=str(FIXTURES / "diffusers-bin"))
+    assert c.pretrained == {"unet": True, "text_encoder": True, "vae": True}
+    unet, text_encoder, *_ = load_for_inference(source)
+    np.testing.assert_array_equal(c.unet.conv_in.weight.numpy(), unet.conv_in.weight.numpy())
+    np.testing.assert_array_equal(c.text_encoder.model.layers[0].fc1.weight.numpy(),
+                                  text_encoder.model.layers[0].fc1.weight.numpy())
+    assert c.vae.config.block_out_channels == [8, 16]
+
+
+def test_a_compvis_checkpoint_runs_here_as_in_the_original_code(tmp_path, capsys):
+    from ldm.export import main
+
+    compvis = FIXTURES / "compvis"
+    output = tmp_path / "pipeline"
+    assert main(["--from_compvis", str(compvis / "model.ckpt"), "--config", str(compvis / "txt2img-tiny.yaml"),
+                 "--tokenizer", str(compvis / "vocab"), "--output", str(output)]) == 0
+    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(str(output))
+    assert tokenizer.model_max_length == MAX_LENGTH
+    assert (scheduler_config["beta_schedule"], scheduler_config["beta_end"]) == ("scaled_linear", 0.012)
+    assert vae.config.scaling_factor == 0.18215
+    differences = compare(unet, text_encoder, vae, tokenizer, np.load(FIXTURES / "compvis.npz"))
+    assert max(differences.values()) < RELATIVE, differences
+
+    from ldm.data.tokenize import write_vocab
+
+    capsys.readouterr()
+    write_vocab(["another", "vocabulary"], str(tmp_path / "other"))
+    assert main(["--from_compvis", str(compvis / "model.ckpt"), "--config", str(compvis / "txt2img-tiny.yaml"),
+                 "--tokenizer", str(tmp_path / "other"), "--output", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "not its vocabulary" in err and not (tmp_path / "bad").exists()
+
+
+def test_compvis_keys_without_a_place_are_an_error_naming_them():
+    state, _ = read_pickled_weights(str(FIXTURES / "compvis" / "model.ckpt"))
+    parts, used_ema = split_checkpoint(state, layers=1, levels=2, use_ema=True)
+    assert not used_ema and set(parts) == {"unet", "vqvae", "bert"}
+    extra = {**state, "model.diffusion_model.label_emb.weight": np.zeros(2, np.float32),
+             "first_stage_model.loss.logvar": np.zeros(1, np.float32)}
+    with pytest.raises(CompVisError, match="2 key.*label_emb.weight, first_stage_model.loss.logvar"):
+        split_checkpoint(extra, layers=1, levels=2, use_ema=True)
+    # a weight the model needs that the checkpoint lacks
+    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
+
+    from ldm.inference.compvis import bert_config, read_compvis_config
+    from ldm.models.torch_layout import TorchLayoutError, set_torch_state
+
+    config = read_compvis_config(str(FIXTURES / "compvis" / "txt2img-tiny.yaml"))
+    bert = LDMBertModel(LDMBertConfig(**bert_config(config["model"]["params"]["cond_stage_config"]["params"])))
+    del parts["bert"]["model.layer_norm.weight"]
+    with pytest.raises(TorchLayoutError, match="missing: model.layer_norm.weight"):
+        set_torch_state(bert, parts["bert"], "model.ckpt", "txt2img-tiny.yaml")
