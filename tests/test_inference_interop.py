@@ -174,3 +174,22 @@ def test_compvis_keys_without_a_place_are_an_error_naming_them():
     del parts["bert"]["model.layer_norm.weight"]
     with pytest.raises(TorchLayoutError, match="missing: model.layer_norm.weight"):
         set_torch_state(bert, parts["bert"], "model.ckpt", "txt2img-tiny.yaml")
+
+
+def test_a_new_stage_starts_from_a_diffusers_folder(exported):
+    """--init_from_checkpoint: the exported diffusers folder's weights, as the Paddle pipeline holds them."""
+    from ldm.checkpoint.format import load_initial_weights
+    from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+
+    source, folder = exported
+    c = build_components(source)  # the same architecture and autoencoder, these weights replaced below
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
+    for parameter in model.unet.parameters():
+        parameter.set_value(paddle.zeros_like(parameter))
+    lineage = load_initial_weights(str(folder), model, None, autoencoder_identity(c.vae))
+    assert lineage["kind"] == "pipeline"
+    unet, *_ = load_for_inference(source)
+    for name, value in unet.state_dict().items():
+        np.testing.assert_array_equal(model.unet.state_dict()[name].numpy(), value.numpy(), err_msg=name)

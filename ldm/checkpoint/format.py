@@ -258,6 +258,7 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
 
     from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.torch_layout import load_pretrained  # a pipeline in either layout: ppdiffusers' or diffusers'
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
     if not os.path.isdir(path):
@@ -273,7 +274,7 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
         if problem:
             raise CheckpointError(f"--init_from_checkpoint {path}: not a usable checkpoint: {problem}")
         check_autoencoder(path, recorded_autoencoder(path), vae_identity, "this run's autoencoder")
-    elif autoencoder_identity(AutoencoderKL.from_pretrained(os.path.join(path, "vqvae"))) != vae_identity:
+    elif autoencoder_identity(load_pretrained(AutoencoderKL, os.path.join(path, "vqvae"))) != vae_identity:
         raise CheckpointError(f"--init_from_checkpoint {path} was trained with another autoencoder than this run's: "
                               "the UNet learned that autoencoder's latents (pass its vqvae/ as --vae_name_or_path)")
     scheduler_config = os.path.join(path, "scheduler", "scheduler_config.json")
@@ -285,7 +286,7 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
                                   f"{model.prediction_type}: pass --prediction_type {prediction} (another target needs "
                                   "another model, not a new stage)")
     for part, cls, target in (("unet", UNet2DConditionModel, model.unet), ("bert", LDMBertModel, model.text_encoder)):
-        state = cls.from_pretrained(os.path.join(path, part)).state_dict()
+        state = load_pretrained(cls, os.path.join(path, part)).state_dict()
         expected = {name: tuple(value.shape) for name, value in target.state_dict().items()}
         got = {name: tuple(value.shape) for name, value in state.items()}
         if got != expected:
