@@ -193,3 +193,27 @@ def test_a_new_stage_starts_from_a_diffusers_folder(exported):
     unet, *_ = load_for_inference(source)
     for name, value in unet.state_dict().items():
         np.testing.assert_array_equal(model.unet.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+
+
+def test_diffusers_older_attention_names_are_read(tmp_path):
+    """Autoencoders saved before diffusers renamed its attention (query, key, value, proj_attn), as on the hub."""
+    from ppdiffusers import AutoencoderKL
+    from safetensors.numpy import load_file, save_file
+
+    from ldm.models.torch_layout import load_pretrained
+
+    source = FIXTURES / "diffusers-safetensors" / "vqvae"
+    shutil.copytree(source, tmp_path / "vqvae")
+    weights = tmp_path / "vqvae" / "diffusion_pytorch_model.safetensors"
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    state = {}
+    for name, value in load_file(str(weights)).items():
+        for new, before in old.items():
+            name = name.replace(f".attentions.0.{new}.", f".attentions.0.{before}.")
+        state[name] = value
+    assert any(".query." in name for name in state)
+    save_file(state, str(weights), metadata={"format": TORCH_FORMAT})
+    renamed, current = load_pretrained(AutoencoderKL, str(tmp_path / "vqvae")), load_pretrained(AutoencoderKL,
+                                                                                                 str(source))
+    for name, value in current.state_dict().items():
+        np.testing.assert_array_equal(renamed.state_dict()[name].numpy(), value.numpy(), err_msg=name)
