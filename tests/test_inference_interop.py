@@ -217,3 +217,28 @@ def test_diffusers_older_attention_names_are_read(tmp_path):
                                                                                                  str(source))
     for name, value in current.state_dict().items():
         np.testing.assert_array_equal(renamed.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+
+
+def test_the_model_card_tells_what_the_run_recorded(exported, tmp_path):
+    """Training files, updates and samples seen, lineage and the last FID and CLIP score, from the run's records."""
+    from ldm.inference.model_card import model_card
+
+    source, _ = exported
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoint-40"
+    shutil.copytree(source, checkpoint)
+    lineage = {"init_from": "/runs/stage1/checkpoint-9000", "kind": "checkpoint", "step": 9000}
+    record = {"arguments": {"DataArguments": {"file_list": "laion.filelist.list", "resolution": 256},
+                            "ModelArguments": {"model_name_or_path": "ldm-32layer"}},
+              "created": "2026-11-27T10:00:00+0000", "git": {"commit": "abc123", "dirty": False}, "lineage": lineage}
+    (run / "run.json").write_text(json.dumps(record))
+    (checkpoint / "run_config.json").write_text(json.dumps(record))
+    (checkpoint / "training_state.json").write_text(json.dumps({"samples": {"updates": 40, "samples": 2560}}))
+    (run / "metrics.jsonl").write_text('{"step": 20, "eval/fid": 80.5}\n{"step": 40, "eval/fid": 61.25, '
+                                       '"eval/clip_score": 21.5}\n{"step": 41, "train/lo')  # a line cut short
+    unet, text_encoder, vae, _, scheduler_config, _ = load_for_inference(str(checkpoint))
+    card = model_card(str(checkpoint), unet, text_encoder, vae, scheduler_config, used_ema=True)
+    for expected in ("laion.filelist.list", "updates: 40; samples seen: 2560", "/runs/stage1/checkpoint-9000",
+                     "fid 61.25 (held-out evaluation at update 40)", "clip_score 21.5", "git commit abc123",
+                     "the EMA average", "LDMBert text encoder: 0.02 M parameters, 2 layers of width 32"):
+        assert expected in card, expected
