@@ -31,10 +31,14 @@ class TorchLayoutError(ValueError):
 
 
 def safetensors_format(path: str) -> str | None:
+    """The layout a safetensors file's metadata names; None for an unreadable file (its loader says why)."""
     from safetensors import safe_open
 
-    with safe_open(path, "np") as f:
-        return (f.metadata() or {}).get("format")
+    try:
+        with safe_open(path, "np") as f:
+            return (f.metadata() or {}).get("format")
+    except Exception:  # noqa: BLE001 - safetensors raises its own exception types
+        return None
 
 
 def torch_weights_file(folder: str) -> str | None:

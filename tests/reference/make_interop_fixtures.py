@@ -21,8 +21,9 @@ Writes tests/fixtures/interop/:
                         keep it small) made by latent-diffusion's own UNetModel, Encoder/Decoder and the BERT
                         embedder's x-transformer, its YAML and vocabulary, and compvis.npz: the original modules'
                         outputs. The script also converts it with diffusers' public conversion functions
-                        (`convert_ldm_unet_checkpoint`, `convert_ldm_vae_checkpoint`, `convert_ldm_bert_checkpoint`)
-                        and checks diffusers' outputs against the original's (reference.json: the differences)
+                        (`convert_ldm_unet_checkpoint`, `convert_ldm_vae_checkpoint`, `convert_ldm_bert_checkpoint`),
+                        and with the project's `--from_compvis ... --format diffusers`, and checks what diffusers
+                        computes with each against the original's (reference.json: the differences)
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ COMPVIS_CONFIG = {"model": {"base_learning_rate": 5.0e-05, "target": "ldm.models
         "n_embed": 32, "n_layer": 1, "max_seq_len": MAX_LENGTH}}}}}
 
 
-def compvis(latent_diffusion: str, vocab: str) -> dict:
+def compvis(latent_diffusion: str, vocab: str, project_python: str, work: str) -> dict:
     """The checkpoint made and run by latent-diffusion's own modules: txt2img-1p4B's classes at widths that keep
     the fixture small (the UNet has shortcut convolutions where its halves join; the autoencoder, of one width,
     has none: its rule for them is diffusers' nin_shortcut -> conv_shortcut, untested here)."""
@@ -242,7 +243,30 @@ def compvis(latent_diffusion: str, vocab: str) -> dict:
     outputs = {"input_ids": ids.numpy(), "latents": latents, "timesteps": timesteps, "decode_latents": decode_in,
                "hidden_states": hidden.numpy(), "prediction": prediction.numpy(), "image": image.numpy()}
     np.savez_compressed(os.path.join(OUT, "compvis.npz"), **outputs)
-    return {"diffusers_conversion_vs_original": diffusers_conversion(state, bert, outputs)}
+    return {"diffusers_conversion_vs_original": diffusers_conversion(state, bert, outputs),
+            "project_conversion_run_by_diffusers_vs_original": project_conversion(project_python, work, outputs)}
+
+
+def project_conversion(project_python: str, work: str, original: dict) -> dict[str, float]:
+    """The project's converter (`--from_compvis ... --format diffusers`), its folder run by diffusers: its largest
+    relative difference to the original modules' outputs (the suite compares the Paddle side)."""
+    from diffusers import LDMTextToImagePipeline
+
+    folder, output = os.path.join(OUT, "compvis"), os.path.join(work, "compvis-diffusers")
+    subprocess.run([project_python, "-m", "ldm.export", "--from_compvis", os.path.join(folder, "model.ckpt"),
+                    "--config", os.path.join(folder, "txt2img-tiny.yaml"), "--tokenizer",
+                    os.path.join(folder, "vocab"), "--output", output, "--format", "diffusers"], check=True, cwd=ROOT)
+    pipeline = LDMTextToImagePipeline.from_pretrained(output)
+    with torch.no_grad():
+        hidden = pipeline.bert(torch.from_numpy(original["input_ids"]))[0]
+        prediction = pipeline.unet(torch.from_numpy(original["latents"]), torch.from_numpy(original["timesteps"]),
+                                   encoder_hidden_states=torch.from_numpy(original["hidden_states"])).sample
+        image = pipeline.vqvae.decode(torch.from_numpy(original["decode_latents"])).sample
+    differences = {"hidden_states": relative(hidden, original["hidden_states"]),
+                   "prediction": relative(prediction, original["prediction"]),
+                   "image": relative(image, original["image"])}
+    assert max(differences.values()) < 1e-5, differences
+    return differences
 
 
 def diffusers_conversion(state: dict, bert, original: dict) -> dict[str, float]:
@@ -294,7 +318,7 @@ def main() -> None:
         reference = {"versions": versions()}
         reference["exported"], vocab = exported(args.project_python, work)
         reference["diffusers"] = saved_by_diffusers(vocab)
-        reference["compvis"] = compvis(args.latent_diffusion, vocab)
+        reference["compvis"] = compvis(args.latent_diffusion, vocab, args.project_python, work)
     with open(os.path.join(OUT, "reference.json"), "w") as f:
         json.dump(reference, f, indent=1)
     print(json.dumps(reference["compvis"], indent=1))
