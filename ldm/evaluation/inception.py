@@ -16,7 +16,7 @@ the same parameter names, so that its weights load under pytorch-fid's state-dic
 
 Weights load from safetensors only (no pickle runs code here); `convert_inception` turns pytorch-fid's
 `pt_inception-2015-12-05-6726825d.pth` (a torch pickle) or PaddleMIX's `pp_inception-2015-12-05-6726825d.pdparams`
-into such a file; both are read without torch and without running code (`ldm.checkpoint.pickled`).
+into such a file; both are read without torch and without running code (`ldm.models.pickled`).
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def read_original(path: str) -> tuple[dict[str, np.ndarray], str]:
 def convert_inception(src: str, dst: str) -> dict:
     """Write the FID Inception weights of `src` (pytorch-fid's .pth, PaddleMIX's .pdparams, or safetensors) to
     `dst` as safetensors under pytorch-fid's names, the classifier and batch counters left out. A pickled `src` is
-    read by `ldm.checkpoint.pickled`, which refuses one that names anything but tensors."""
+    read by `ldm.models.pickled`, which refuses one that names anything but tensors."""
     from safetensors.numpy import save
 
     from ldm.runtime.files import atomic_write
