@@ -242,3 +242,20 @@ def test_the_model_card_tells_what_the_run_recorded(exported, tmp_path):
                      "fid 61.25 (held-out evaluation at update 40)", "clip_score 21.5", "git commit abc123",
                      "the EMA average", "LDMBert text encoder: 0.02 M parameters, 2 layers of width 32"):
         assert expected in card, expected
+
+
+def test_a_compvis_ema_replaces_the_unet_weights_unless_refused():
+    """LitEma keeps its copies under model_ema., named after the wrapper's parameters without their dots."""
+    state, _ = read_pickled_weights(str(FIXTURES / "compvis" / "model.ckpt"))
+    unet = {k: v for k, v in state.items() if k.startswith("model.diffusion_model.")}
+    ema = {"model_ema." + k[len("model."):].replace(".", ""): v + 1 for k, v in unet.items()}
+    ema.update({"model_ema.decay": np.float32(0.9999), "model_ema.num_updates": np.int32(7)})
+    averaged, used = split_checkpoint({**state, **ema}, layers=1, levels=2, use_ema=True)
+    raw, unused = split_checkpoint({**state, **ema}, layers=1, levels=2, use_ema=False)
+    assert used and not unused
+    name = "model.diffusion_model.input_blocks.0.0.weight"
+    np.testing.assert_array_equal(averaged["unet"]["conv_in.weight"], state[name] + 1)
+    np.testing.assert_array_equal(raw["unet"]["conv_in.weight"], state[name])
+    del ema["model_ema.diffusion_modelinput_blocks00weight"]
+    with pytest.raises(CompVisError, match="EMA has no copy of model.diffusion_model.input_blocks.0.0.weight"):
+        split_checkpoint({**state, **ema}, layers=1, levels=2, use_ema=True)
