@@ -34,15 +34,15 @@ def load_pipeline_tokenizer(folder: str):
     if model.get("type") != "WordPiece" or not isinstance(vocab, dict) or sorted(vocab.values()) != list(
             range(len(vocab))):
         raise CheckpointError(f"{source}: not a WordPiece (BERT) vocabulary, which LDMBert's pipeline uses")
-    config = read_config(folder, "tokenizer_config.json") if os.path.isfile(
-        os.path.join(folder, "tokenizer_config.json")) else {}
+    has_config = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
+    config = read_config(folder, "tokenizer_config.json") if has_config else {}
     temp = tempfile.TemporaryDirectory(prefix="ldm-vocab-")
     vocab_file = os.path.join(temp.name, "vocab.txt")
     with open(vocab_file, "w", encoding="utf-8") as f:
         f.writelines(f"{token}\n" for token in sorted(vocab, key=vocab.get))
     tokenizer = BertTokenizer(vocab_file, do_lower_case=config.get("do_lower_case", True),
                               model_max_length=config.get("model_max_length", 77))
-    tokenizer.vocab_folder = temp  # its save_pretrained copies the file: removed when the tokenizer is
+    tokenizer.vocab_folder = temp  # its save_pretrained copies the file: the folder lives as long as it does
     return tokenizer
 
 
