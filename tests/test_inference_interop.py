@@ -259,3 +259,11 @@ def test_a_compvis_ema_replaces_the_unet_weights_unless_refused():
     del ema["model_ema.diffusion_modelinput_blocks00weight"]
     with pytest.raises(CompVisError, match="EMA has no copy of model.diffusion_model.input_blocks.0.0.weight"):
         split_checkpoint({**state, **ema}, layers=1, levels=2, use_ema=True)
+
+
+def test_generate_samples_from_a_diffusers_folder(tmp_path):
+    from ldm.generate import main
+
+    main(["--model", str(FIXTURES / "diffusers-bin"), "--prompt", PROMPT, "--num_inference_steps", "2",
+          "--output_dir", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["000-00-a-red-circle-on-a-blue-background.png", "grid.png"]
