@@ -1,6 +1,6 @@
 """Unsharded against `--sharding stage1` on 2 processes, in one run of this script: each rank's optimizer and EMA
-bytes (run.json's `memory`), its peak resident memory, the save's wall time and each rank's bytes written (1 writer
-against 2), and the time to read the sharded checkpoint back on 1 process.
+bytes (run.json's `memory`), its peak resident memory, the save's wall time (snapshot to seal) and each rank's
+bytes written (every rank writes a share either way), and the time to read the sharded checkpoint back on 1 process.
 
     .venv/bin/python scripts/bench_sharding.py [--width 128] [--work_dir DIR]
 
@@ -112,11 +112,16 @@ def main() -> None:
         with open(os.path.join(out, "run.json")) as f:
             memory = json.load(f)["memory"]["ranks"]
         text = logs(log_dir)
-        saved = re.search(r"saved \S+checkpoint-2 in ([\d.]+) s(?: \(bytes written by rank: ([^)]*)\))?", text)
+        saved = re.search(r"saved \S+checkpoint-2 \([\d.]+ GiB\): snapshot ([\d.]+) s, written and sealed ([\d.]+) s",
+                          text)
         ranks = sorted(peaks.values(), reverse=True)[:2]  # the two ranks (the launcher is small)
+        written = [sum(os.path.getsize(os.path.join(root, n)) for root, _, names in
+                       os.walk(os.path.join(out, "checkpoint-2")) for n in names if f"-{r:05d}-of-00002." in n) / GIB
+                   for r in (1, 2)]
         results[name] = {"optimizer_gib": [r["optimizer"] / GIB for r in memory], "ema_gib": [r["ema"] / GIB
                          for r in memory], "peak_rss_gib": [p / GIB for p in ranks],
-                         "save_seconds": float(saved.group(1)), "written": saved.group(2) or "rank 0: all"}
+                         "save_seconds": float(saved.group(1)) + float(saved.group(2)),
+                         "written_gib_by_rank": written}
         print(name, json.dumps(results[name]), flush=True)
     out = os.path.join(work, "one")
     os.makedirs(out)

@@ -10,8 +10,10 @@ moment injects one fault:
   sigterm        SIGTERM to the processes (a graceful stop: every rank saves the update it is in)
   kill_all       SIGKILL to every process
   kill_one       SIGKILL to one rank (the launcher ends the other)
-  kill_in_save   SIGKILL the moment a checkpoint is being written
-  disk_full      a file-size limit (RLIMIT_FSIZE) below a checkpoint's size: the save fails with one line
+  kill_in_save   SIGKILL the moment a checkpoint is begun (its snapshot)
+  kill_in_write  SIGKILL while a checkpoint's files are being written in the background
+  disk_full      a file-size limit (RLIMIT_FSIZE) below a checkpoint's size: the background write fails and
+                 the run ends at the next update with one line
   damage         between two segments, bytes flipped in (or cut off) the newest checkpoint's weights, which
                  the next start must skip (only when an older complete checkpoint is there to fall back on)
   nan            the loss of some of the segment's batches is NaN (the tests-only `LDM_TEST_NAN_BATCHES`
@@ -19,6 +21,8 @@ moment injects one fault:
   bad_shard      between two segments, a shard of the corpus cut in half (once a run): its records past the
                  break become unusable and are counted, the rest still read once
 
+Checkpoints are saved at every update, so a save is often due while the previous one is still being written
+(counted); a segment waits for each save (`--async_save false`) with probability --sync_save.
 A 2-process segment is sharded (`--sharding stage1`: optimizer state, EMA and the checkpoint's files split over
 the ranks) with probability --sharding, so runs resume sharded from unsharded checkpoints and back, and on 1
 process from sharded ones; every run keeps an EMA.
@@ -63,7 +67,7 @@ from ldm.checkpoint.run_folder import checkpoint_dirs, checkpoint_problem, check
 from ldm.data.dataset import CONSUMED_LOG  # noqa: E402
 from ldm.train.objective import NAN_FAULT  # noqa: E402
 
-KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save", "disk_full")
+KILLS = ("sigterm", "kill_all", "kill_one", "kill_in_save", "kill_in_write", "disk_full")
 FAULTS = (*KILLS, "damage", "nan", "bad_shard")
 FILE_SIZE_LIMIT = 2 << 20  # bytes: below a checkpoint's largest file (the tiny UNet's weights are 3.2 MB)
 SCRIPTS = {"loop": "train_txt2img_laion400m_no_trainer.py", "trainer": "train_txt2img_laion400m_trainer.py"}
@@ -83,6 +87,7 @@ class Segment:
     fault_time: float | None = None
     buckets: bool = False  # trained in aspect-ratio buckets (`--aspect_buckets auto`)
     sharded: bool = False  # optimizer state, EMA and checkpoint writing sharded over its 2 processes (`--sharding`)
+    sync_save: bool = False  # every save waited for (`--async_save false`)
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Report:
     segments: int = 0
     faults: Counter = field(default_factory=Counter)
     records: int = 0
+    overlapping_saves: int = 0  # saves due while the previous one was still being written
     violations: list[str] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
 
@@ -132,12 +138,13 @@ def cut_a_shard(listing: str, rng: random.Random) -> str:
 
 
 def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
-            log_dir: str, buckets: bool = False, sharded: bool = False) -> list[str]:
+            log_dir: str, buckets: bool = False, sharded: bool = False, sync_save: bool = False) -> list[str]:
     common = ["--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", tokenizer,
               "--model_max_length", "16", "--resolution", "32", "--seed", "11", "--report_to", "none",
               "--output_dir", out, "--resume_from_checkpoint", "auto", "--shuffle_buffer", "4",
               "--logging_steps", "1", "--progress", "none", "--use_ema"] + \
-        (["--aspect_buckets", "auto"] if buckets else []) + (["--sharding", "stage1"] if sharded else [])
+        (["--aspect_buckets", "auto"] if buckets else []) + (["--sharding", "stage1"] if sharded else []) + \
+        (["--async_save", "false"] if sync_save else [])
     if path == "loop":
         args = ["--pretrained_model_name_or_path", "ldm-tiny", "--train_batch_size", "2", "--num_workers",
                 str(workers), "--max_train_steps", str(last_step), "--save_steps", "1",
@@ -260,12 +267,14 @@ def inject(fault: str, out: str, process: subprocess.Popen, rng: random.Random, 
     """Carry out a fault on the running segment; the time it happened (None if the segment ended first). `seen`
     collects every process of the segment."""
     root = process.pid
-    if fault == "kill_in_save":
+    if fault in ("kill_in_save", "kill_in_write"):
         while time.monotonic() < deadline and process.poll() is None:
             seen.update(descendants(root))
             for name in os.listdir(out):
                 with _quiet():
-                    if name.startswith(".tmp-checkpoint-") and os.path.getmtime(os.path.join(out, name)) > since:
+                    temp = os.path.join(out, name)
+                    if name.startswith(".tmp-checkpoint-") and os.path.getmtime(temp) > since and (
+                            fault == "kill_in_save" or writing(temp)):
                         kill_all({**seen, **descendants(root)})
                         return time.monotonic()
             time.sleep(0.002)
@@ -285,6 +294,12 @@ def inject(fault: str, out: str, process: subprocess.Popen, rng: random.Random, 
         with _quiet():
             os.kill(rng.choice(ranks) if ranks else root, signal.SIGKILL)
     return time.monotonic()
+
+
+def writing(temp: str) -> bool:
+    """Whether a checkpoint's temporary folder holds weights or state being written (and no manifest yet)."""
+    names = [n for _, _, files in os.walk(temp) for n in files]
+    return any(n.endswith(".safetensors") for n in names) and "manifest.json" not in names
 
 
 class _quiet:
@@ -443,7 +458,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         segment = Segment(len(segments), path, processes, workers, start or 0, fault,
                           ledger=os.path.join(ledgers, f"segment{len(segments)}.log"),
                           buckets=True if graceful else rng.random() < args.buckets,
-                          sharded=processes == 2 and (graceful is not None or rng.random() < args.sharding))
+                          sharded=processes == 2 and (graceful is not None or rng.random() < args.sharding),
+                          sync_save=graceful is None and rng.random() < args.sync_save)
         log_dir = os.path.join(work, f"logs{chain}-{segment.index}")
         env = {**os.environ, CONSUMED_LOG: segment.ledger, "PYTHONUNBUFFERED": "1"}
         nan_batches = []
@@ -458,7 +474,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         began, began_wall = time.monotonic(), time.time()
         with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
             process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir,
-                                               segment.buckets, segment.sharded),
+                                               segment.buckets, segment.sharded, segment.sync_save),
                                        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
             deadline = began + args.segment_seconds
             seen: dict[int, str] = {}
@@ -480,6 +496,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         if segment.fault_time is not None:
             report.faults[fault] += 1
         rank0_log = log.name if processes == 1 else os.path.join(log_dir, "workerlog.0")
+        with open(rank0_log, errors="replace") as f:
+            report.overlapping_saves += f.read().count("still being written")
         if nan_batches:
             report.faults["nan"] += 1
             with open(rank0_log, errors="replace") as f:
@@ -514,7 +532,8 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         if segment.fault_time is not None:
             recovery_from = segment.fault_time
         print(f"  segment {segment.index}: {processes}x{workers}{' in buckets' if segment.buckets else ''}"
-              f"{' sharded' if segment.sharded else ''} from update {segment.start_step}, fault {fault}, "
+              f"{' sharded' if segment.sharded else ''}{' sync saves' if segment.sync_save else ''} "
+              f"from update {segment.start_step}, fault {fault}, "
               f"exit {segment.exit_code}, {segment.seconds:.1f} s, saved up to update {reached}", flush=True)
         check_finite(out, report, checked)
         # a SIGTERM before the handlers are set up, or after the run's last write (its final barrier and exit), ends
@@ -583,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharding", type=float, default=0.5,
                         help="probability that a 2-process segment is sharded (--sharding stage1; the graceful pair "
                              "always is)")
+    parser.add_argument("--sync_save", type=float, default=0.2,
+                        help="probability that a segment waits for each save (--async_save false)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
@@ -608,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = sum(report.faults.values())
     print(f"runs {chain}, {time.monotonic() - began:.0f} s; faults by kind: "
           f"{', '.join(f'{k} {report.faults[k]}' for k in FAULTS)}; longest recovery "
-          f"{max(report.recoveries, default=0):.1f} s")
+          f"{max(report.recoveries, default=0):.1f} s; saves due while the previous one was being written: "
+          f"{report.overlapping_saves}")
     print(f"soak: {report.segments} segments, {faults} faults, {report.records} records audited, "
           f"{len(report.violations)} violations")
     return 1 if report.violations else 0

@@ -133,11 +133,10 @@ def test_resuming_an_older_checkpoint_sets_newer_ones_aside_and_the_next_save_su
     folder.create(resume=resume)
     assert (out / "checkpoint-300.abandoned").is_dir()
 
-    def write(temp, final):
-        (tmp_path / "payload").write_bytes(b"new")
-        shutil.copy(tmp_path / "payload", os.path.join(temp, "unet.safetensors"))
-
-    saved = folder.save(200, write)
+    temp = folder.begin_save(200)
+    (tmp_path / "payload").write_bytes(b"new")
+    shutil.copy(tmp_path / "payload", os.path.join(temp, "unet.safetensors"))
+    saved = folder.seal(200, temp)
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-200",
                                                                                  "checkpoint-300.abandoned"]
     assert latest_checkpoint(str(out)) == saved

@@ -35,14 +35,18 @@ RECEIPT_PREFIX = ".written-"
 
 
 class HostBuffers:
-    """Host arrays kept from save to save, one per array a rank writes (named by file and key)."""
+    """Host arrays kept from save to save, one per array a rank writes (named by file and key). `copy=False`: the
+    arrays are taken as they are (a save written before training goes on needs no snapshot, nor its memory)."""
 
-    def __init__(self):
+    def __init__(self, copy: bool = True):
+        self.copy = copy
         self._arrays: dict[tuple[str, str], np.ndarray] = {}
 
     def taker(self, file: str) -> Callable[[str, np.ndarray], np.ndarray]:
         """`take(key, array)` for `flatten`: `array` copied into the buffer of (`file`, `key`)."""
         def take(key: str, array: np.ndarray) -> np.ndarray:
+            if not self.copy:
+                return np.ascontiguousarray(array)
             buffer = self._arrays.get((file, key))
             if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
                 buffer = self._arrays[(file, key)] = np.empty(array.shape, array.dtype)

@@ -231,7 +231,7 @@ class Checkpointer:
         if objective.ema is not None:
             self.parts[EMA] = ema_part(objective.ema)
         self.async_save = async_save
-        self.buffers = HostBuffers()  # the snapshot's, reused from save to save
+        self.buffers = HostBuffers(copy=async_save)  # the snapshot's, reused from save to save
         self.writer = BackgroundWriter()
         self.pending: PendingSave | None = None
         self._finished: list[dict] = []  # metrics of sealed saves, for `take_metrics`
@@ -261,6 +261,8 @@ class Checkpointer:
         checkpoint is sealed once every rank wrote its own (`settle`); with `async_save` off, here. Returns the
         checkpoint's path (complete once sealed: `self.last`)."""
         started = time.perf_counter()
+        if self.pending is not None:
+            logger.info("checkpoint-%d waits for %s, still being written", step, self.in_flight)
         self.wait()
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights

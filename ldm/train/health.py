@@ -109,14 +109,16 @@ class NonFiniteGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.max_in_row
 
-    def stop_if_exhausted(self, last_checkpoint: str | None) -> None:
-        """Raise `NonFiniteStop`, naming `last_checkpoint` (the newest saved or resumed), once `max_in_row` updates
-        in a row were skipped (call after logging them)."""
+    def stop_if_exhausted(self, checkpointer) -> None:
+        """Raise `NonFiniteStop` once `max_in_row` updates in a row were skipped (call after logging them), naming
+        the newest checkpoint of `checkpointer`, saved or resumed (a save in flight is finished first: every rank
+        stops at this update)."""
         if self.exhausted:
+            checkpointer.wait()
             raise NonFiniteStop(
                 f"{self.in_row} updates in a row (the last at update {self.last_step}) had a non-finite loss or "
                 f"gradient norm and were skipped: the run stops. The last good checkpoint is "
-                f"{last_checkpoint or 'none'}; lower the learning rate or look at the data of those updates "
+                f"{checkpointer.last or 'none'}; lower the learning rate or look at the data of those updates "
                 "before resuming")
 
     def read(self) -> dict[str, float]:

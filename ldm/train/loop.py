@@ -203,7 +203,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                                    "samples_s": f"{metrics['global_samples_per_second']:.1f}",
                                    "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
                 progress.update(step, logging_step=logging_step, saving=checkpointer.in_flight)
-                guard.stop_if_exhausted(checkpointer.last)  # every rank at the same update: the verdict is shared
+                guard.stop_if_exhausted(checkpointer)  # every rank at the same update: the verdict is shared
                 if objective.validation_due(step, last) and not stopping:
                     writer.scalars(evaluate(objective, dist, step, clock, data_stream), step)
                 if image_logging_steps and step % image_logging_steps == 0:

@@ -62,7 +62,7 @@ class LDMCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         t = self.trainer
-        t.guard.stop_if_exhausted(t.checkpointer.last)  # when the Trainer did not log the update that exhausted it
+        t.guard.stop_if_exhausted(t.checkpointer)  # when the Trainer did not log the update that exhausted it
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
@@ -159,7 +159,7 @@ class LDMTrainer(Trainer):
             scalars = {tracker_name(k): v for k, v in logs.items()
                        if isinstance(v, int | float) and not isinstance(v, bool)}
             self.metrics.write(self.state.global_step, scalars)
-        self.guard.stop_if_exhausted(self.checkpointer.last)
+        self.guard.stop_if_exhausted(self.checkpointer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
