@@ -94,15 +94,13 @@ class LDMCallback(TrainerCallback):
             t.clock.advance()
         if t.objective.ema is not None and not self.skipped:
             t.objective.ema.update()
-        for values in t.checkpointer.take_metrics():
-            t.log(values)
+        for values in t.checkpointer.take_metrics():  # rank 0's: sealed saves
+            t.log_aside(control, values)
         if t.progress is not None:
             t.progress.update(state.global_step, logging_step=state.global_step % args.logging_steps == 0,
                               saving=t.checkpointer.in_flight)
         if t.objective.validation_due(state.global_step, state.global_step == state.max_steps) and not t.stop.agreed:
-            should_log = control.should_log  # PaddleNLP's on_log clears it: the update's own log still follows
-            t.log(evaluate(t.objective, t.dist, state.global_step, t.eval_clock, t.data_stream))
-            control.should_log = t.control.should_log = should_log
+            t.log_aside(control, evaluate(t.objective, t.dist, state.global_step, t.eval_clock, t.data_stream))
         steps = t.objective.sampling.image_logging_steps
         if steps and state.global_step % steps == 0:
             t.objective.log_images(t.writer, state.global_step, None)
@@ -159,7 +157,15 @@ class LDMTrainer(Trainer):
             scalars = {tracker_name(k): v for k, v in logs.items()
                        if isinstance(v, int | float) and not isinstance(v, bool)}
             self.metrics.write(self.state.global_step, scalars)
-        self.guard.stop_if_exhausted(self.checkpointer)
+        if "loss" in logs:  # the update's own log, on every rank (a save's metrics are rank 0's alone)
+            self.guard.stop_if_exhausted(self.checkpointer)
+
+    def log_aside(self, control, values: dict) -> None:
+        """Log `values` between the update's hooks, leaving the update's own log due: PaddleNLP's `on_log` clears
+        `should_log`, and the update's log holds collectives every rank must reach."""
+        should_log = control.should_log
+        self.log(values)
+        control.should_log = self.control.should_log = should_log
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
         if resume_from_checkpoint:
@@ -276,7 +282,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
             if not stopped:
                 save_trainer_checkpoint(trainer)  # returns at once if saved already
             final = trainer.checkpointer.wait()  # every rank's files written and sealed before anything reads them
-            for values in trainer.checkpointer.take_metrics():
+            for values in trainer.checkpointer.take_metrics():  # after the last update: nothing else to log
                 trainer.log(values)
         if stopped:
             stop.announce(step, last, final)
