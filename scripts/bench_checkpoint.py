@@ -1,15 +1,19 @@
 """Asynchronous against synchronous checkpoints, in one run of this script, with the peers beside them.
 
-    .venv/bin/python scripts/bench_checkpoint.py [--width 64] [--updates 8] [--work_dir DIR]
+    .venv/bin/python scripts/bench_checkpoint.py [--width 64] [--updates 40] [--save_steps 8] [--work_dir DIR]
 
 Two runs of the hand-written loop on one process, the same but for `--async_save`: the 12-layer preset with the
 UNet's channels cut to --width (64: about 120 M trained parameters; with AdamW's two moments and the EMA a
-checkpoint of about 1.9 GB), batch 1 at 64 px, saving every 2 updates. From each run's metrics.jsonl: every save's
-stall (`checkpoint/stall_seconds`: how long the updates waited), its write time and bytes; and the run's wall time.
+checkpoint of about 1.8 GB), batch 1 at 64 px, saving every --save_steps updates (longer than a save takes to write,
+as a real interval is). From each run's metrics.jsonl: every periodic save's stall (`checkpoint/stall_seconds`: how
+long the updates waited; the final save, which the end of a run waits for, is left out), its write time and bytes;
+and the run's wall time.
+
 Then, on the state of the last checkpoint (weights, moments and EMA as Paddle tensors, in this process): the time
-of `paddle.save` (what PaddleNLP's Trainer writes: one pickle) and of `paddle.distributed.save_state_dict`
-(synchronous), the copy speeds behind the snapshot, and the time to fork this process (what a forked writer would
-cost the loop before it wrote anything). Ratios are against the synchronous save's median stall.
+of `paddle.save` (what PaddleNLP's Trainer writes: one pickle; also followed by an fsync, as every checkpoint file
+here is before it counts) and of `paddle.distributed.save_state_dict` (synchronous; neither hashes nor flushes),
+the copy speeds behind the snapshot, and the time to fork this process (what a forked writer would cost the loop
+before it wrote anything). Ratios are against the synchronous save's median stall.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def train(work: str, common: list[str], name: str, extra: list[str]) -> dict:
         raise SystemExit(result.stderr[-4000:])
     with open(os.path.join(out, "metrics.jsonl")) as f:
         saves = [line for line in map(json.loads, f) if "checkpoint/stall_seconds" in line]
-    return {"wall_seconds": wall, "out": out, "stalls": [s["checkpoint/stall_seconds"] for s in saves],
-            "writes": [s["checkpoint/write_seconds"] for s in saves], "bytes": saves[-1]["checkpoint/bytes"]}
+    periodic = saves[:-1]  # the last is the final save, waited for by the end of the run in either mode
+    return {"wall_seconds": wall, "out": out, "stalls": [s["checkpoint/stall_seconds"] for s in periodic],
+            "writes": [s["checkpoint/write_seconds"] for s in periodic], "bytes": saves[-1]["checkpoint/bytes"]}
 
 
 def state_of(checkpoint: str) -> dict:
@@ -86,7 +91,16 @@ def peers(state: dict, work: str) -> dict:
     target = os.path.join(work, "peers")
     os.makedirs(target, exist_ok=True)
     figures = {"state_gb": nbytes / GB}
-    figures["paddle_save_seconds"] = timed(lambda: paddle.save(state, os.path.join(target, "state.pdparams")))
+    def paddle_save(flush: bool) -> None:
+        path = os.path.join(target, "state.pdparams")
+        paddle.save(state, path)
+        if flush:  # as every file of a checkpoint here is, before it counts
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    figures["paddle_save_seconds"] = timed(lambda: paddle_save(False))
+    figures["paddle_save_fsync_seconds"] = timed(lambda: paddle_save(True))
     try:
         figures["save_state_dict_seconds"] = timed(lambda: pdist.save_state_dict(state, os.path.join(target, "dcp")))
     except Exception as e:  # noqa: BLE001 - reported, not fatal: the other figures stand
@@ -110,7 +124,8 @@ def peers(state: dict, work: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--updates", type=int, default=8)
+    parser.add_argument("--updates", type=int, default=40)
+    parser.add_argument("--save_steps", type=int, default=8)
     parser.add_argument("--work_dir", default=None)
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
@@ -121,8 +136,9 @@ def main() -> None:
     common = ["--pretrained_model_name_or_path", model_folder(work, args.width), "--allow_untrained_vae",
               "--file_list", listing, "--tokenizer_name", os.path.join(work, "corpus", "tokenizer"),
               "--model_max_length", "16", "--resolution", "64", "--train_batch_size", "1", "--max_train_steps",
-              str(args.updates), "--save_steps", "2", "--num_workers", "0", "--use_ema", "--report_to", "none",
-              "--progress", "none", "--logging_steps", "1", "--seed", "1"]
+              str(args.updates), "--save_steps", str(args.save_steps), "--num_workers", "0", "--use_ema",
+              "--report_to", "none", "--progress", "none", "--logging_steps", "1", "--seed", "1",
+              "--checkpoints_total_limit", "2"]
     runs = {name: train(work, common, name, extra)
             for name, extra in (("sync", ["--async_save", "false"]), ("async", []))}
     baseline = statistics.median(runs["sync"]["stalls"])
@@ -135,7 +151,7 @@ def main() -> None:
               f"({run['wall_seconds'] / runs['sync']['wall_seconds']:.3f}x sync)", flush=True)
     checkpoint = os.path.join(runs["async"]["out"], f"checkpoint-{args.updates}")
     figures = peers(state_of(checkpoint), work)
-    for key in ("paddle_save_seconds", "save_state_dict_seconds"):
+    for key in ("paddle_save_seconds", "paddle_save_fsync_seconds", "save_state_dict_seconds"):
         value = figures[key]
         ratio = f" ({value / baseline:.2f}x our sync save's stall)" if isinstance(value, float) else ""
         print(f"{key}: {value if isinstance(value, str) else f'{value:.2f}'}{ratio}")

@@ -33,8 +33,9 @@ Rules:
   `latest` nor rotation ever mixes the two histories.
 - Rotation keeps the `limit` newest complete checkpoints and never the one just written; a folder it
   cannot delete is reported.
-- Rank 0 decides and writes; the other ranks learn its verdict (`Distributed.from_main`), so an
-  error raised on rank 0 ends every rank with the same message instead of leaving them in a barrier.
+- Rank 0 decides, and writes all but the checkpoints' large files (every rank writes its share of those, and rank
+  0 seals); the other ranks learn its verdict (`Distributed.from_main`), so an error raised on rank 0 ends every
+  rank with the same message instead of leaving them in a barrier.
 - Checkpoints of runs made before manifests existed (their folder has no `run.json`) are accepted
   without one, with a warning.
 """
@@ -235,7 +236,8 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
 
 
 class RunFolder:
-    """The output folder of one run, on every rank; only rank 0 writes."""
+    """The output folder of one run, on every rank; only rank 0 writes here (other ranks write their shares of a
+    checkpoint into the folder `begin_save` made)."""
 
     def __init__(self, output_dir: str, dist, save_total_limit: int | None = None):
         self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit

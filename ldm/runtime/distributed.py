@@ -136,8 +136,11 @@ class Distributed:
 
 
 def weights_checksum(parameters) -> float:
-    """A fingerprint of the weights (sum of |w| in float64): ranks that drifted apart differ here."""
-    return float(sum(float(p.astype("float64").abs().sum()) for p in parameters))
+    """A fingerprint of the weights (the sum of |w|, each tensor's in float32, together in float64), read to the host
+    once: ranks that drifted apart differ here, and a NaN or inf weight shows. Part of a save's stall: summing in
+    float64 cast every weight first, 30 times slower (0.78 s against 0.026 s for 120 M weights on this CPU)."""
+    sums = [paddle.sum(p.abs(), dtype="float32") for p in parameters]
+    return float(paddle.stack(sums).astype("float64").sum()) if sums else 0.0
 
 
 def sync_gradients(parameters, world_size: int) -> None:

@@ -3,10 +3,16 @@
 It is handed the objective (its weights save and load themselves in the pipeline layout) and named
 parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
 schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
-fingerprint. It decides when a checkpoint is due, writes it (into a temporary folder sealed by its manifest,
-`ldm.checkpoint.run_folder`: rank 0 writes, and under sharding every rank first writes its own shard of the
-optimizer state and EMA), keeps `save_total_limit` of them, and resumes from one. The loop
-never assembles a state dict. Formats: `ldm.checkpoint.format` (JSON and safetensors, never pickle).
+fingerprint. It decides when a checkpoint is due, writes it (every rank its share: its own shard of a sharded
+optimizer state and EMA, else a share of the state every rank holds, and a share of the weights), keeps
+`save_total_limit` of them, and resumes from one. The loop never assembles a state dict. Formats:
+`ldm.checkpoint.format` (JSON and safetensors, never pickle).
+
+A save runs in three steps: a snapshot into host buffers while the updates wait, the files written beside
+training by a thread of each rank (`ldm.checkpoint.background`), and the seal by rank 0 (the manifest, from every
+rank's receipt, and the rename into place: `ldm.checkpoint.run_folder`). The ranks learn that every rank has
+written its files, or that one failed, from the update's one vote (`ldm.train.health.NonFiniteGuard.check`):
+a failure ends the run at the next update, on every rank, with one line.
 """
 
 from __future__ import annotations
@@ -272,7 +278,7 @@ class Checkpointer:
             jobs, keys = self._snapshot(step, gathered)
             outcome = ("ok", keys)
         except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
-            outcome = ("error", e)
+            outcome = ("error", readable(e))
         outcomes = self.dist.gather(outcome)
         final = self.run_dir.path(f"checkpoint-{step}")
         errors = [value for kind, value in outcomes if kind == "error"]
@@ -395,6 +401,8 @@ class Checkpointer:
 
     def _done(self) -> PendingSave:
         pending, self.pending = self.pending, None
+        if not pending.stall_seconds:  # sealed within `save` (waited for): the updates waited for all of it
+            pending.stall_seconds = time.perf_counter() - pending.started
         self.last = pending.final
         if self.dist.is_main:
             self._finished.append({"checkpoint/stall_seconds": pending.stall_seconds,
