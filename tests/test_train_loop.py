@@ -673,9 +673,9 @@ def test_a_resumed_run_continues_its_wandb_run(corpus, tmp_path, monkeypatch, sc
 @pytest.mark.parametrize("limit, what", [(5 << 20, "checkpoint-2"), (3 << 20, "checkpoint-2"), (2 << 20, "vqvae")])
 def test_a_save_that_finds_no_space_ends_with_one_line_and_the_retry_resumes(corpus, tmp_path, limit, what):
     """A real failed write: a file-size limit the optimizer state (6.6 MB) exceeds and the autoencoder
-    (2.9 MB) does not, so the run starts and its first checkpoint cannot be written; at 3 MB the UNet's weights
-    (3.2 MB, written by ppdiffusers' save_pretrained) are what fails, at 2 MB the frozen autoencoder written at
-    the start (both found by the soak: tracebacks)."""
+    (2.9 MB) does not, so the run starts and its first checkpoint cannot be written (in the background: the run
+    ends at the next update); at 3 MB the UNet's weights (3.2 MB) are what fails, at 2 MB the frozen autoencoder
+    written at the start (both found by the soak: tracebacks)."""
     from entry import run_python
 
     from ldm.checkpoint.run_folder import TEMP_PREFIX

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,10 +67,6 @@ class FileJob:
     metadata: dict[str, str] | None = None
     data: bytes | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) if self.data is not None else sum(a.nbytes for a in (self.arrays or {}).values())
-
     def write(self, folder: str) -> Written:
         path = os.path.join(folder, self.path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -112,13 +107,10 @@ def read_receipts(folder: str, world_size: int) -> dict[str, dict]:
 
 @dataclass
 class Task:
-    """What a writer thread did: its outcome and when it ended."""
+    """What a writer thread did: its error, if it failed."""
 
     name: str
-    started: float = field(default_factory=time.perf_counter)
-    ended: float | None = None
     error: BaseException | None = None
-    result: object = None
 
 
 class BackgroundWriter:
@@ -141,11 +133,9 @@ class BackgroundWriter:
 
         def run() -> None:
             try:
-                task.result = fn()
+                fn()
             except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
                 task.error = e
-            finally:
-                task.ended = time.perf_counter()
 
         self._thread = threading.Thread(target=run, name=f"ldm-{name}")
         self._thread.start()

@@ -143,22 +143,26 @@ def scaler_part(scaler) -> Part:
     return Part(part.state, load, missing=lambda state: None)
 
 
-def state_jobs(file: str, tree: Any, buffers: HostBuffers, mine: Callable[[str], bool] | None = None) -> list[FileJob]:
+def state_jobs(file: str, tree: Any, buffers: HostBuffers, mine: Callable[[str], bool] | None = None,
+               ) -> tuple[list[FileJob], list[str]]:
     """A state tree (or the arrays of it `mine` accepts) as the files `<file>.json` and `<file>.safetensors`, its
-    arrays copied into `buffers`."""
+    arrays copied into `buffers`; and the keys of those arrays."""
     structure, arrays = split_state(tree, buffers.taker(file), mine)
-    return [FileJob(f"{file}.json", data=structure)] + ([FileJob(f"{file}.safetensors", arrays)] if arrays else [])
+    files = [FileJob(f"{file}.json", data=structure)] + ([FileJob(f"{file}.safetensors", arrays)] if arrays else [])
+    return files, sorted(arrays)
 
 
-def state_keys(tree: Any, mine: Callable[[str], bool] | None) -> list[str]:
-    return sorted(key for key in array_sizes(tree) if mine is None or mine(key))
+def first_line(error: BaseException) -> str:
+    """What an error says, on one line (Paddle's carry C++ stacks below their first)."""
+    text = (error.strerror if isinstance(error, OSError) and error.strerror else str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def readable(error: BaseException | None):
-    """An error as it can travel to rank 0 (pickled by the gather): itself, or its message."""
+    """An error as it can travel to the other ranks (pickled by the gather): itself, or its first line."""
     if error is None or isinstance(error, OSError | CheckpointError):
         return error
-    return RuntimeError(f"{type(error).__name__}: {error}")
+    return RuntimeError(f"{type(error).__name__}: {first_line(error)}")
 
 
 class RandomState:
@@ -198,11 +202,12 @@ class PendingSave:
     temp: str
     final: str
     started: float  # when `save` was called
-    snapshot_seconds: float = 0.0
+    snapshot_seconds: float = 0.0  # the snapshot alone (after any wait for the previous save)
     stall_seconds: float = 0.0
     phase: str = "write"
     sealed_at: float | None = None  # rank 0: when the manifest and the rename were done
     bytes: int = 0  # rank 0: the checkpoint's size, once sealed
+    written_from: float = 0.0  # when the snapshot ended and the writing began
 
     @property
     def seconds(self) -> float:
@@ -212,7 +217,7 @@ class PendingSave:
     @property
     def write_seconds(self) -> float:
         """From the end of the snapshot to the seal (as far as this rank knows)."""
-        return (self.sealed_at or time.perf_counter()) - self.started - self.snapshot_seconds
+        return (self.sealed_at or time.perf_counter()) - self.written_from
 
 
 class Checkpointer:
@@ -240,6 +245,7 @@ class Checkpointer:
         self.buffers = HostBuffers(copy=async_save)  # the snapshot's, reused from save to save
         self.writer = BackgroundWriter()
         self.pending: PendingSave | None = None
+        self.sealed: PendingSave | None = None  # the newest save this run completed
         self._finished: list[dict] = []  # metrics of sealed saves, for `take_metrics`
 
     def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
@@ -267,9 +273,10 @@ class Checkpointer:
         checkpoint is sealed once every rank wrote its own (`settle`); with `async_save` off, here. Returns the
         checkpoint's path (complete once sealed: `self.last`)."""
         started = time.perf_counter()
-        if self.pending is not None:
+        if self.pending is not None and self.writer.busy:
             logger.info("checkpoint-%d waits for %s, still being written", step, self.in_flight)
         self.wait()
+        snapshot_started = time.perf_counter()
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
         temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
@@ -295,11 +302,13 @@ class Checkpointer:
 
         with self.run_dir.no_space_ends_the_run(final):
             self.dist.from_main(small_files)
-        pending = self.pending = PendingSave(step, temp, final, started, time.perf_counter() - started)
+        now = time.perf_counter()
+        pending = self.pending = PendingSave(step, temp, final, started, now - snapshot_started, written_from=now)
         self.writer.start(f"checkpoint-{step}", lambda: write_files(temp, jobs, rank, world))
-        if not self.async_save:
-            self.wait()
-        pending.stall_seconds = time.perf_counter() - started
+        if self.async_save:
+            pending.stall_seconds = time.perf_counter() - started
+        else:
+            self.wait()  # its stall is all of it (`_done`)
         return final
 
     def _snapshot(self, step: int, gathered: dict) -> tuple[list[FileJob], dict]:
@@ -325,10 +334,11 @@ class Checkpointer:
                 file, mine = shard_name(name, rank, world), share.__contains__
             else:
                 file, mine = name, None
-            jobs += state_jobs(file, tree, self.buffers, mine)
-            keys[name] = None if world == 1 else state_keys(tree, mine)
+            files, arrays = state_jobs(file, tree, self.buffers, mine)
+            jobs += files
+            keys[name] = None if world == 1 else arrays
         if rank == 0:
-            jobs += state_jobs(TRAINING_STATE, state, self.buffers)
+            jobs += state_jobs(TRAINING_STATE, state, self.buffers)[0]
         return jobs, keys
 
     def _write_small_files(self, folder: str, final: str, step: int, keys: list[dict], also) -> None:
@@ -344,10 +354,15 @@ class Checkpointer:
             also(folder)
 
     def _seal(self, pending: PendingSave) -> None:
-        """Rank 0: the manifest from every rank's receipt, the rename, the rotation."""
-        known = read_receipts(pending.temp, self.dist.world_size)
-        with self.run_dir.no_space_ends_the_run(pending.final):
-            self.run_dir.seal(pending.step, pending.temp, known)
+        """Rank 0: the manifest from every rank's receipt, the rename, the rotation; a failure is one line (and the
+        temporary folder gone)."""
+        try:
+            self.run_dir.seal(pending.step, pending.temp, read_receipts(pending.temp, self.dist.world_size))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - what failed is said in one line, as for a failed write
+            remove(pending.temp)
+            raise self.run_dir.save_failed(pending.final, first_line(e)) from None
         pending.sealed_at = time.perf_counter()
         pending.bytes = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(pending.final)
                             for n in names)
@@ -358,9 +373,9 @@ class Checkpointer:
         busy, and its rank + 1 when its writing failed (0 otherwise)."""
         if self.pending is None:
             return 0.0, 0.0
-        task = self.writer.task
-        failed = not self.writer.busy and task is not None and task.error is not None
-        return float(self.writer.busy), float(self.dist.rank + 1 if failed else 0)
+        busy, task = self.writer.busy, self.writer.task  # busy first: a task that ends now is seen at the next vote
+        failed = not busy and task is not None and task.error is not None
+        return float(busy), float(self.dist.rank + 1 if failed else 0)
 
     def settle(self, busy: bool, failed_rank: int) -> None:
         """After the vote, on every rank with the same figures: a failed write ends the run (one line naming the
@@ -368,8 +383,9 @@ class Checkpointer:
         rank is busy after that, the checkpoint is complete."""
         if self.pending is None:
             return
-        if failed_rank:
-            self._fail(failed_rank - 1)
+        if failed_rank:  # every rank is here: each waits for its writer, then all learn the failed rank's cause
+            task = self.writer.wait()
+            self._fail(self.dist.gather(readable(task.error) if task is not None else None))
         if busy:
             return
         if self.pending.phase == "write":
@@ -387,10 +403,7 @@ class Checkpointer:
         if pending is None:
             return None
         task = self.writer.wait()
-        errors = self.dist.gather(readable(task.error) if task is not None else None)
-        failed = [rank for rank, error in enumerate(errors) if error is not None]
-        if failed:
-            self._fail(failed[0], errors[failed[0]])
+        self._fail(self.dist.gather(readable(task.error) if task is not None else None))
         if pending.phase == "write":
             try:
                 self.dist.from_main(lambda: self._seal(pending))
@@ -403,7 +416,7 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if not pending.stall_seconds:  # sealed within `save` (waited for): the updates waited for all of it
             pending.stall_seconds = time.perf_counter() - pending.started
-        self.last = pending.final
+        self.last, self.sealed = pending.final, pending
         if self.dist.is_main:
             self._finished.append({"checkpoint/stall_seconds": pending.stall_seconds,
                                    "checkpoint/write_seconds": pending.write_seconds,
@@ -413,20 +426,19 @@ class Checkpointer:
                         pending.write_seconds, pending.stall_seconds)
         return pending
 
-    def _fail(self, rank: int, error: BaseException | None = None) -> None:
+    def _fail(self, errors: list) -> None:
+        """With every rank's writer done and its error gathered (`errors`, by rank): the first failure ends the run
+        on every rank with the same line, the temporary folder removed. Nothing when none failed."""
+        failed = [rank for rank, error in enumerate(errors) if error is not None]
+        if not failed:
+            return
         pending, self.pending = self.pending, None
-        task = self.writer.wait()
-        if rank == self.dist.rank and task is not None and task.error is not None:
-            error = task.error
         if self.dist.is_main:
             remove(pending.temp)
+        rank, error = failed[0], errors[failed[0]]
         if isinstance(error, CheckpointError):
             raise error
-        if error is None:
-            cause = f"see the log of rank {rank}"
-        else:
-            cause = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise self.run_dir.save_failed(pending.final, cause, rank if self.dist.world_size > 1 else None,
+        raise self.run_dir.save_failed(pending.final, first_line(error), rank if self.dist.world_size > 1 else None,
                                        no_space=isinstance(error, OSError) and error.errno in NO_SPACE)
 
     def take_metrics(self) -> list[dict]:

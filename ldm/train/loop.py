@@ -215,12 +215,12 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
                         progress.retarget(target, label)
                 for values in checkpointer.take_metrics():
                     writer.scalars(values, step)
-            final = checkpointer.wait()  # the last save, written by every rank, sealed before anything reads it
+            checkpointer.wait()  # the last save, written by every rank, sealed before anything reads it
             for values in checkpointer.take_metrics():
                 writer.scalars(values, step)
             progress.close()
             if stopping:
-                stop.announce(step, checkpointer.last, final)
+                stop.announce(step, checkpointer.last, checkpointer.sealed)
             else:
                 objective.finish(checkpointer.last, batches, dist, run_dir)
     except Exception as e:

@@ -273,19 +273,19 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
                         training_args.max_steps)
             step, last, stopped = clock.updates, checkpoint, False
         else:
-            with GracefulStop(dist) as stop:
+            with GracefulStop(dist) as stop:  # a repeated signal during the last save is the same request
                 trainer.stop = stop
                 trainer.train(resume_from_checkpoint=checkpoint)
-            step = trainer.state.global_step
-            last = run_dir.path(f"checkpoint-{step}")
-            stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update changed nothing
-            if not stopped:
-                save_trainer_checkpoint(trainer)  # returns at once if saved already
-            final = trainer.checkpointer.wait()  # every rank's files written and sealed before anything reads them
+                step = trainer.state.global_step
+                last = run_dir.path(f"checkpoint-{step}")
+                stopped = stop.agreed and step < trainer.state.max_steps  # a signal after the last update: no stop
+                if not stopped:
+                    save_trainer_checkpoint(trainer)  # returns at once if saved already
+                trainer.checkpointer.wait()  # every rank's files written and sealed before anything reads them
             for values in trainer.checkpointer.take_metrics():  # after the last update: nothing else to log
                 trainer.log(values)
         if stopped:
-            stop.announce(step, last, final)
+            stop.announce(step, last, trainer.checkpointer.sealed)
         else:
             objective.finish(last, data_stream, dist, run_dir)
     except Exception as e:
