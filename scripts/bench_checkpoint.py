@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_sharding import model_folder  # noqa: E402
+from bench_sharding import bench_args  # noqa: E402
 
 GB = 1e9
 
@@ -130,15 +130,9 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
     os.makedirs(work, exist_ok=True)
-    from ldm.data.synth import synth_corpus
-
-    listing = synth_corpus(os.path.join(work, "corpus"), 64, resolution=64, seed=0, records_per_shard=16)
-    common = ["--pretrained_model_name_or_path", model_folder(work, args.width), "--allow_untrained_vae",
-              "--file_list", listing, "--tokenizer_name", os.path.join(work, "corpus", "tokenizer"),
-              "--model_max_length", "16", "--resolution", "64", "--train_batch_size", "1", "--max_train_steps",
-              str(args.updates), "--save_steps", str(args.save_steps), "--num_workers", "0", "--use_ema",
-              "--report_to", "none", "--progress", "none", "--logging_steps", "1", "--seed", "1",
-              "--checkpoints_total_limit", "2"]
+    common = bench_args(work, args.width) + [
+        "--max_train_steps", str(args.updates), "--save_steps", str(args.save_steps), "--logging_steps", "1",
+        "--seed", "1", "--checkpoints_total_limit", "2"]
     runs = {name: train(work, common, name, extra)
             for name, extra in (("sync", ["--async_save", "false"]), ("async", []))}
     baseline = statistics.median(runs["sync"]["stalls"])

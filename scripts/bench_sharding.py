@@ -39,6 +39,18 @@ def model_folder(work: str, width: int) -> str:
     return folder
 
 
+def bench_args(work: str, width: int) -> list[str]:
+    """The training flags the checkpoint benchmarks share: the cut-down 12-layer model (`model_folder`) on a
+    synthetic corpus of 64 records made in `work`, batch 1 at 64 px, EMA on, no trackers."""
+    from ldm.data.synth import synth_corpus
+
+    listing = synth_corpus(os.path.join(work, "corpus"), 64, resolution=64, seed=0, records_per_shard=16)
+    return ["--pretrained_model_name_or_path", model_folder(work, width), "--allow_untrained_vae", "--file_list",
+            listing, "--tokenizer_name", os.path.join(work, "corpus", "tokenizer"), "--model_max_length", "16",
+            "--resolution", "64", "--train_batch_size", "1", "--num_workers", "0", "--use_ema", "--report_to", "none",
+            "--progress", "none"]
+
+
 def peak_of(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -95,14 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-sharding-")
     os.makedirs(work, exist_ok=True)
-    from ldm.data.synth import synth_corpus
-
-    listing = synth_corpus(os.path.join(work, "corpus"), 64, resolution=64, seed=0, records_per_shard=16)
-    model = model_folder(work, args.width)
-    common = ["--pretrained_model_name_or_path", model, "--allow_untrained_vae", "--file_list", listing,
-              "--tokenizer_name", os.path.join(work, "corpus", "tokenizer"), "--model_max_length", "16",
-              "--resolution", "64", "--train_batch_size", "1", "--max_train_steps", "2", "--save_steps", "2",
-              "--num_workers", "0", "--use_ema", "--report_to", "none", "--progress", "none"]
+    common = bench_args(work, args.width) + ["--max_train_steps", "2", "--save_steps", "2"]
     script = os.path.join(ROOT, "train_txt2img_laion400m_no_trainer.py")
     results = {}
     for name, extra in (("unsharded", []), ("stage1", ["--sharding", "stage1"])):
