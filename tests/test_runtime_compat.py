@@ -159,3 +159,29 @@ def test_fleets_strategy_has_a_repr_and_an_unsharded_optimizer_has_no_owners():
     layer = paddle.nn.Linear(2, 2)
     assert compat.sharding_owners(paddle.optimizer.AdamW(parameters=layer.parameters())) is None
     assert isinstance(GroupShardedOptimizerStage2.param2rank, property)  # stage 2's partition, read on a GPU
+
+
+def test_weights_in_shares_load_without_a_progress_bar(tmp_path, capfd):
+    """Every checkpoint of a multi-process run holds its weights in shares (`ldm.checkpoint.format.weight_jobs`):
+    loading them draws no "Loading checkpoint shards" bar into the logs once the libraries are quieted."""
+    from ppdiffusers import UNet2DConditionModel
+
+    from ldm.checkpoint.background import HostBuffers, write_files
+    from ldm.checkpoint.format import weight_jobs, write_part_configs
+
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(32, 64), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+                                norm_num_groups=32, attention_head_dim=4)
+    shares = []
+    for rank in range(2):
+        jobs, names = weight_jobs({"unet": unet}, rank, 2, HostBuffers())
+        write_files(str(tmp_path), jobs, rank, 2)
+        shares.append(names)
+    write_part_configs(str(tmp_path), {"unet": unet}, shares)
+    compat.quiet_shard_loading()
+    capfd.readouterr()
+    loaded = UNet2DConditionModel.from_pretrained(str(tmp_path / "unet"))
+    assert "Loading checkpoint shards" not in capfd.readouterr().err
+    for name, value in unet.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[name].numpy(), value.numpy())

@@ -42,6 +42,26 @@ def private(owner, name: str, use: str):
                                  f"this project supports {SUPPORTED} (requirements.lock)") from None
 
 
+# --- ppdiffusers and PaddleNLP: loading weights in shares --------------------------------------------
+
+SHARD_LOADERS = ("ppdiffusers.models.modeling_utils", "paddlenlp.transformers.model_utils")
+
+
+def quiet_shard_loading() -> None:
+    """Every checkpoint of a run on several processes holds its weights in shares; both libraries' `from_pretrained`
+    draws a progress bar for those ("Loading checkpoint shards", a line of carriage returns in a log file) with no
+    flag to turn it off: their module-level `tqdm` is replaced by one that draws nothing."""
+    import functools
+    import importlib
+
+    from tqdm import tqdm
+
+    for name in SHARD_LOADERS:
+        module = importlib.import_module(name)
+        private(module, "tqdm", "keeping the logs free of weight-loading progress bars")
+        module.tqdm = functools.partial(tqdm, disable=True)
+
+
 # --- Paddle: CPU threads -------------------------------------------------------------------------
 
 def set_cpu_threads(threads: int) -> None:

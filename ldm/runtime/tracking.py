@@ -309,12 +309,16 @@ class StepClock:
 
 
 def quiet_libraries() -> None:
-    """PaddleNLP and ppdiffusers log every save and load at INFO: keep their warnings only."""
+    """PaddleNLP and ppdiffusers log every save and load at INFO: keep their warnings only (and no progress bar for
+    weights loaded in shares)."""
     from paddlenlp.utils.log import logger as paddlenlp_logger
     from ppdiffusers.utils import logging as ppdiffusers_logging
 
+    from ldm.runtime.compat import quiet_shard_loading
+
     paddlenlp_logger.set_level("WARNING")
     ppdiffusers_logging.set_verbosity_warning()
+    quiet_shard_loading()
 
 
 def read_scalars(logdir: str, tag: str) -> tuple[list[int], list[float]]:
