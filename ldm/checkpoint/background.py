@@ -2,7 +2,8 @@
 
 A save stops the update loop only for the snapshot: every array a rank writes is copied into a host buffer
 allocated at the first save and reused at every later one (a CPU tensor is read through DLPack, without a
-copy of its own: one memory copy per array; a GPU tensor is one device-to-host copy). The files are then
+copy of its own: one memory copy per array; a GPU tensor is copied to the host by `Tensor.numpy()`, then into its
+buffer: reused pinned memory would save that second copy, untried without a GPU). The files are then
 written, hashed while written (`ldm.checkpoint.serialization.write_safetensors`) and flushed by one thread.
 
 Why a thread, measured on a 2-core CPU (`scripts/bench_checkpoint.py`): file writes, fsync and sha256 release
