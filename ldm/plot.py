@@ -13,13 +13,12 @@ its line style and its folder's name in the legend.
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import os
 import sys
 
 from ldm.runtime.files import save_figure
-from ldm.runtime.tracking import METRICS_FILE
+from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
 DEFAULT_PANELS = (
     ("train/loss", "eval/loss", "eval/ema_loss"),
@@ -39,19 +38,13 @@ def read_metrics(run: str) -> dict[str, tuple[list[int], list[float]]]:
     if not os.path.isfile(path):
         raise PlotError(f"{run}: no {METRICS_FILE} (give a run's --output_dir or the file itself)")
     series: dict[str, tuple[list[int], list[float]]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-                step = int(record["step"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill
-            for name, value in record.items():
-                if name in ("step", "time") or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    continue
-                steps, values = series.setdefault(name, ([], []))
-                steps.append(step)
-                values.append(float(value))
+    for record in metrics_records(path):
+        for name, value in record.items():
+            if name in ("step", "time") or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            steps, values = series.setdefault(name, ([], []))
+            steps.append(int(record["step"]))
+            values.append(float(value))
     if not series:
         raise PlotError(f"{path}: no metric in it yet")
     return series

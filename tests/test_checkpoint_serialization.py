@@ -11,7 +11,7 @@ from ldm.checkpoint.serialization import (
     has_state,
     load_state,
     save_state,
-    save_state_shard,
+    shard_name,
     write_state_index,
 )
 
@@ -23,7 +23,7 @@ def tree(names, offset=0.0):
 
 def test_shards_read_back_whole_or_in_part_and_the_whole_file_reads_the_same_way(tmp_path):
     shards = [tree(["linear_0.w_0", "linear_0.b_0"]), tree(["linear_1.w_0"], offset=10)]
-    keys = [save_state_shard(str(tmp_path), "optimizer", t, rank, 2) for rank, t in enumerate(shards)]
+    keys = [save_state(str(tmp_path), shard_name("optimizer", rank, 2), t) for rank, t in enumerate(shards)]
     write_state_index(str(tmp_path), "optimizer", keys)
     assert has_state(str(tmp_path), "optimizer")
     index = json.loads((tmp_path / "optimizer.index.json").read_text())
@@ -47,8 +47,8 @@ def test_shards_read_back_whole_or_in_part_and_the_whole_file_reads_the_same_way
 
 
 def test_a_shard_the_index_names_but_that_is_gone_is_an_error(tmp_path):
-    keys = [save_state_shard(str(tmp_path), "ema", {"shadow.a": np.ones(2)}, 0, 2),
-            save_state_shard(str(tmp_path), "ema", {"shadow.b": np.ones(2)}, 1, 2)]
+    keys = [save_state(str(tmp_path), shard_name("ema", 0, 2), {"shadow.a": np.ones(2)}),
+            save_state(str(tmp_path), shard_name("ema", 1, 2), {"shadow.b": np.ones(2)})]
     write_state_index(str(tmp_path), "ema", keys)
     (tmp_path / "ema-00002-of-00002.json").write_text(json.dumps({"shadow.b": {"__array__": "shadow.c"}}))
     with pytest.raises(StateFormatError, match="'shadow.c' is in no file"):

@@ -220,14 +220,9 @@ def shard_name(name: str, rank: int, world_size: int) -> str:
     return f"{name}-{rank + 1:05d}-of-{world_size:05d}"  # numbered from 1, as Hugging Face's shards
 
 
-def save_state_shard(folder: str, name: str, tree: Any, rank: int, world_size: int) -> list[str]:
-    """This rank's shard of state `name` (another rank seals the checkpoint); returns the keys of its arrays, for
-    the index."""
-    return save_state(folder, shard_name(name, rank, world_size), tree)
-
-
 def write_state_index(folder: str, name: str, keys_by_rank: list[list[str]]) -> None:
-    """`<name>.index.json`: every array of the shards `save_state_shard` wrote, by the file that holds it."""
+    """`<name>.index.json`: every array of the shards the ranks wrote (`save_state` under `shard_name`), by the file
+    that holds it."""
     world_size = len(keys_by_rank)
     weight_map = {key: shard_name(name, rank, world_size) + ".safetensors"
                   for rank, keys in enumerate(keys_by_rank) for key in keys}
@@ -281,7 +276,7 @@ def _array_keys(tree: Any) -> list[str]:
 
 
 def load_state(folder: str, name: str, wanted=None) -> Any:
-    """The tree `save_state` (or every rank's `save_state_shard`) wrote, arrays as numpy. `wanted(key)`: read only
+    """The tree `save_state` wrote (whole, or in every rank's shard), arrays as numpy. `wanted(key)`: read only
     the arrays it accepts (the others' entries are left out), each by name from the file that holds it."""
     from safetensors import safe_open
 

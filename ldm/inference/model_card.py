@@ -9,7 +9,7 @@ import json
 import os
 
 from ldm.config.record import RUN_CONFIG
-from ldm.runtime.tracking import METRICS_FILE
+from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
 UNKNOWN = "not recorded where this was exported from"
 
@@ -27,15 +27,10 @@ def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
     """The last FID and CLIP score of a run's metrics.jsonl: {name: (step, value)}."""
     found = {}
     try:
-        with open(os.path.join(run_folder, METRICS_FILE), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a kill
-                for name in ("eval/fid", "eval/clip_score"):
-                    if isinstance(record, dict) and name in record:
-                        found[name] = (int(record.get("step", 0)), float(record[name]))
+        for record in metrics_records(os.path.join(run_folder, METRICS_FILE)):
+            for name in ("eval/fid", "eval/clip_score"):
+                if name in record:
+                    found[name] = (int(record["step"]), float(record[name]))
     except OSError:
         pass
     return found

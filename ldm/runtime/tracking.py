@@ -71,6 +71,18 @@ def resolve_report_to(report_to) -> list[str]:
 METRICS_FILE = "metrics.jsonl"
 
 
+def metrics_records(path: str):
+    """The records of a metrics file, in order (`MetricsFile` writes them); a line cut short by a kill is left out."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            yield record
+
+
 class MetricsFile:
     """`<output_dir>/metrics.jsonl`: one JSON object per logging step, `{"step": N, "time": unix seconds,
     "train/<name>": value, ...}`, whatever `--report_to` says: a run can be grepped, plotted or compared
