@@ -267,3 +267,20 @@ def test_generate_samples_from_a_diffusers_folder(tmp_path):
     main(["--model", str(FIXTURES / "diffusers-bin"), "--prompt", PROMPT, "--num_inference_steps", "2",
           "--output_dir", str(tmp_path)])
     assert sorted(os.listdir(tmp_path)) == ["000-00-a-red-circle-on-a-blue-background.png", "grid.png"]
+
+
+def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_reads(tmp_path):
+    """`--output` is replaced whole: a run folder given by mistake, or the folder being exported, stays as it is;
+    an earlier export is replaced."""
+    from ldm.export import main
+
+    source = tmp_path / "run" / "pipeline"
+    shutil.copytree(FIXTURES / "diffusers-safetensors", source)
+    (tmp_path / "run" / "notes.txt").write_text("weeks of work")
+    for output in (tmp_path / "run", source):
+        assert main(["--checkpoint", str(source), "--output", str(output)]) == 2
+    assert (tmp_path / "run" / "notes.txt").read_text() == "weeks of work"
+    assert (source / "model_index.json").is_file()
+    assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again")]) == 0
+    assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again"), "--format", "diffusers"]) == 0
+    assert (tmp_path / "again" / "README.md").is_file()

@@ -8,16 +8,30 @@ import os
 
 from ppdiffusers import LDMTextToImagePipeline
 
-from ldm.checkpoint.run_folder import atomic_folder
+from ldm.checkpoint.run_folder import CheckpointError, atomic_folder
 from ldm.checkpoint.serialization import writes_failing_as_os_errors
-from ldm.inference.load import load_for_inference
+from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import ddim_scheduler
 from ldm.models.torch_layout import save_torch_layout
 
 
+def check_output(output: str, source: str | None = None) -> None:
+    """An export replaces `output` whole: only an earlier export (or an empty folder) may be there, and never the
+    folder it reads from or one holding it (a run folder given as --output would otherwise be deleted)."""
+    if source is not None:
+        inside = os.path.commonpath([os.path.abspath(output), os.path.abspath(source)]) == os.path.abspath(output)
+        if inside:
+            raise CheckpointError(f"--output {output} is (or holds) {source}, which the export reads: choose another "
+                                  "--output")
+    if os.path.isfile(output) or (os.path.isdir(output) and os.listdir(output) and not is_pipeline(output)):
+        raise CheckpointError(f"--output {output} exists and is not a pipeline folder: it is not replaced; choose "
+                              "another --output or remove it")
+
+
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str,
                     to_diffusers: bool = False, card: str | None = None) -> str:
+    check_output(output)
     pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                       scheduler=ddim_scheduler(scheduler_config))
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
@@ -47,6 +61,7 @@ def _write_torch_text_encoder(text_encoder, folder: str) -> None:
 def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True, to_diffusers: bool = False
                       ) -> tuple[str, bool]:
     """A checkpoint or a pipeline (either layout) exported to `output`; diffusers' layout with a model card."""
+    check_output(output, checkpoint)
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
     card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema) if to_diffusers else None
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output, to_diffusers,
