@@ -127,3 +127,11 @@ def test_files_that_are_no_weights_are_one_clear_error(tmp_path):
                           ("missing.pth", "no such file")):
         with pytest.raises(PickleError, match=message):
             read_pickled_weights(str(tmp_path / name))
+
+
+def test_a_torch_checkpoint_cut_short_says_so(tmp_path):
+    """A zip whose end (its central directory) is missing is not read as another format."""
+    data = (FIXTURES / "tiny_zip.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
+    with pytest.raises(PickleError, match="torch checkpoint .zip. cut short or damaged"):
+        read_pickled_weights(str(tmp_path / "cut.pth"))

@@ -36,11 +36,12 @@ TORCH_DTYPES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfSt
                 "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
 # Paddle's bookkeeping entries of a saved state dict: not weights
 PADDLE_EXTRA_KEYS = ("StructuredToParameterName@@", "UnpackBigParamInfor@@")
+ZIP_HEAD = b"PK\x03\x04"  # a zip file's first bytes: torch.save's format since torch 1.6
 
 
 def is_pickle(head: bytes) -> bool:
     """A torch zip checkpoint, or a raw pickle (protocol 2 or later: torch's legacy format, paddle.save)."""
-    return head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    return head[:4] == ZIP_HEAD or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
 def refusal(source: str, module: str, name: str) -> PickleError:
@@ -242,6 +243,8 @@ def read_pickled_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
         reader, kind = read_torch, "torch checkpoint (zip)"
     elif head == TORCH_LEGACY_HEAD:
         reader, kind = read_torch, "torch checkpoint (legacy)"
+    elif head[:4] == ZIP_HEAD:  # a zip whose central directory, at its end, is missing
+        raise PickleError(f"{path}: a torch checkpoint (zip) cut short or damaged: its end is missing; copy it again")
     elif is_pickle(head):
         reader, kind = read_paddle, "Paddle state dict"
     else:
