@@ -284,3 +284,11 @@ def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_re
     assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again")]) == 0
     assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again"), "--format", "diffusers"]) == 0
     assert (tmp_path / "again" / "README.md").is_file()
+
+
+def test_a_pipeline_with_a_part_missing_its_weights_is_one_line(tmp_path):
+    folder = tmp_path / "half"
+    shutil.copytree(FIXTURES / "diffusers-safetensors", folder)
+    (folder / "bert" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="bert holds no weights .only config.json."):
+        load_for_inference(str(folder))

@@ -114,9 +114,15 @@ def load_torch_layout(model_class, folder: str):
 
 
 def load_pretrained(model_class, folder: str):
-    """A part from its folder in either layout: PyTorch's here, Paddle's by the library's `from_pretrained`."""
+    """A part from its folder in either layout: PyTorch's here, Paddle's by the library's `from_pretrained`. A folder
+    with no weights file at all (a half-copied or half-converted pipeline) is said to be so, not left to the library
+    (whose message names only its own file names)."""
     if is_torch_layout(folder):
         return load_torch_layout(model_class, folder)
+    if os.path.isdir(folder) and not any(name.endswith((".safetensors", ".bin", ".pdparams", ".index.json"))
+                                         for name in os.listdir(folder)):
+        raise FileNotFoundError(f"{folder} holds no weights (only {', '.join(sorted(os.listdir(folder))) or 'nothing'}"
+                                "): copy or convert the whole pipeline again")
     return model_class.from_pretrained(folder)
 
 
