@@ -299,3 +299,81 @@ def test_a_checkpoint_that_disappears_while_read_says_so(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="no such checkpoint or pipeline folder"):
         load.load_for_inference(str(folder))
+
+
+RACE = """
+import os, sys, time
+from ldm.checkpoint.lock import FolderInUse, RunLock
+folder, starters, trials = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for _ in range(trials):
+    go_read, go_write = os.pipe()
+    results_read, results_write = os.pipe()
+    children = []
+    for _ in range(starters):
+        pid = os.fork()
+        if pid == 0:  # a starter: waits for the start signal, then takes the (stale) lock
+            os.close(go_write)
+            os.read(go_read, 1)
+            try:
+                RunLock(folder).acquire()
+                outcome = b"H"
+            except FolderInUse:
+                outcome = b"R"
+            os.write(results_write, outcome)
+            time.sleep(0.3)  # hold it while the others try; then die without releasing: the lock is stale again
+            os._exit(0)
+        children.append(pid)
+    time.sleep(0.2)
+    os.write(go_write, b"x" * starters)  # every starter at the same instant
+    outcomes = b"".join(os.read(results_read, 1) for _ in range(starters))
+    for pid in children:
+        os.waitpid(pid, 0)
+    print(outcomes.decode(), flush=True)
+"""
+
+
+def test_starters_taking_over_a_stale_lock_at_the_same_instant_leave_exactly_one_holder(tmp_path):
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    holder.send_signal(signal.SIGKILL)  # a crashed run: a stale lock the next starters all take over
+    holder.wait()
+    done = subprocess.run([sys.executable, "-c", RACE, str(out), "4", "12"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    trials = done.stdout.split()
+    assert len(trials) == 12
+    assert all(trial.count("H") == 1 for trial in trials), trials  # exactly one winner, every time
+
+
+def test_a_lock_that_is_a_folder_or_an_output_dir_that_cannot_be_written_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    (out / LOCK_NAME).mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=rf"{LOCK_NAME} is a folder, not a lock this project wrote: remove it"):
+        RunFolder(str(out), Distributed()).check(None, overwrite=False)
+    assert os.listdir(out) == [LOCK_NAME]
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match=r"cannot be written \(Not a directory\): make it writable"):
+        RunFolder(str(tmp_path / "a-file" / "run"), Distributed()).check(None, overwrite=False)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("root writes into a read-only folder")
+        with pytest.raises(CheckpointError, match=r"cannot be written \(Permission denied\): make it writable"):
+            RunFolder(str(read_only / "run"), Distributed()).check(None, overwrite=False)
+        assert os.listdir(read_only) == []
+    finally:
+        read_only.chmod(0o755)
+
+
+@pytest.mark.parametrize("renewed, says", [(time.time() + 1e12, r"lease renewed \d+ s ahead of this host's clock"),
+                                           (float("nan"), r"no usable lease time \(nan\)")])
+def test_a_lock_of_another_host_with_a_lease_time_that_cannot_be_judged_says_how_to_remove_it(tmp_path, renewed,
+                                                                                               says):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": "node-17", "pid": 4242, "since": "then", "renewed": renewed}))
+    with pytest.raises(CheckpointError, match=says) as error:
+        RunFolder(str(out), Distributed()).check(None, overwrite=False)
+    assert f"if no run on node-17 uses this folder any more, remove {out / LOCK_NAME}" in str(error.value)

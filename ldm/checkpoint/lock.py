@@ -13,6 +13,11 @@ A lock is taken over, with a warning, when its holder is gone:
 A process never holds two runs at once, so a lock of this very process (an earlier run in the same Python
 process that ended by an exception before releasing it) is taken back too.
 
+Taking over is read, judge, remove, create: two starters doing it at once could each remove the other's fresh
+lock and both go on. So a takeover runs under `flock` on the folder itself (released by the kernel when its holder
+dies, so it never goes stale; where a filesystem refuses `flock` on a folder, on the file `.run.lock.takeover`):
+the second starter waits, then finds the first one's lock alive and is refused.
+
 Hand-written rather than `filelock`: that package has no notion of a holder that died on another host, and its
 soft locks do not record who holds them.
 """
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -35,7 +42,11 @@ RENEW_SECONDS = 30.0
 LEASE_SECONDS = 120.0
 
 
-class FolderInUse(RuntimeError):
+class LockError(RuntimeError):
+    """The output folder's lock cannot be taken (the message says why and what to do)."""
+
+
+class FolderInUse(LockError):
     """Another live run holds the output folder."""
 
 
@@ -63,10 +74,24 @@ def _alive(pid: int, started: str | None) -> bool:
     return True
 
 
-def describe(holder: dict) -> str:
+def lease_time(holder: dict) -> float | None:
+    """When the holder last renewed its lease (its host's clock), or None when the lock holds no usable time."""
     renewed = holder.get("renewed")
-    age = f", lease renewed {time.time() - renewed:.0f} s ago" if isinstance(renewed, int | float) else ""
-    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}{age}"
+    if isinstance(renewed, bool) or not isinstance(renewed, int | float) or not math.isfinite(renewed) or renewed <= 0:
+        return None
+    return float(renewed)
+
+
+def describe(holder: dict) -> str:
+    renewed = lease_time(holder)
+    if renewed is None:
+        lease = f", no usable lease time ({holder.get('renewed')!r})" if "renewed" in holder else ""
+    elif renewed > time.time() + 1:
+        lease = (f", lease renewed {renewed - time.time():.0f} s ahead of this host's clock (the clock of "
+                 f"{holder.get('host', '?')} runs ahead)")
+    else:
+        lease = f", lease renewed {time.time() - renewed:.0f} s ago"
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}{lease}"
 
 
 class RunLock:
@@ -83,32 +108,29 @@ class RunLock:
         self._record: dict = {}
 
     def acquire(self) -> None:
-        """Take the lock or raise FolderInUse naming its holder."""
+        """Take the lock, or raise LockError saying why not (FolderInUse: naming its holder)."""
         if self.held:
             return
-        if not os.path.isdir(self.output_dir):
-            os.makedirs(self.output_dir, exist_ok=True)
-            self.made_folder = True
         pid = os.getpid()
         self._record = {"host": socket.gethostname(), "pid": pid, "pid_started": _start_time(pid),
                         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "renewed": time.time()}
-        for _ in range(3):  # a stale lock taken over by two starters at once: one of them wins the create
-            if self._create():
-                break
-            holder = self._read()
-            problem = self._stale(holder)
-            if problem is None:
-                self._undo_folder()
-                raise FolderInUse(f"output_dir {self.output_dir} is in use by another run ({describe(holder)}): "
-                                  "wait for it to end, stop it, or choose another --output_dir")
-            logger.warning("%s: taking over the lock of a run that is gone (%s; %s)", self.output_dir, problem,
-                           describe(holder))
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-        else:
+        try:
+            if not os.path.isdir(self.output_dir):
+                os.makedirs(self.output_dir, exist_ok=True)
+                self.made_folder = True
+            if os.path.isdir(self.path):
+                raise LockError(f"output_dir {self.output_dir}: {LOCK_NAME} is a folder, not a lock this project "
+                                "wrote: remove it, then start again")
+            if not self._create():
+                with self._takeover_guard():
+                    self._take_over()
+        except OSError as e:  # a read-only or full filesystem, a folder without write permission
             self._undo_folder()
-            raise FolderInUse(f"output_dir {self.output_dir}: could not take {LOCK_NAME} (another start is taking "
-                              "it at the same moment)")
+            raise LockError(f"output_dir {self.output_dir} cannot be written ({e.strerror or e}): make it writable "
+                            "or choose another --output_dir") from None
+        except LockError:
+            self._undo_folder()
+            raise
         self.held = True
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew, name="run-lock", daemon=True)
@@ -130,13 +152,60 @@ class RunLock:
         atexit.unregister(self.release)
 
     # -- internals ----------------------------------------------------------------------------------
+    def _take_over(self) -> None:
+        """Under the takeover guard: the lock is taken over when its holder is gone, else FolderInUse."""
+        for _ in range(3):  # a holder that releases meanwhile: its lock is gone, the create wins
+            holder = self._read()
+            problem = self._stale(holder)
+            if problem is None:
+                self._undo_folder()
+                elsewhere = holder.get("host") not in (None, socket.gethostname())
+                way_out = (f"; if no run on {holder.get('host')} uses this folder any more, remove {self.path} and "
+                           "start again" if elsewhere else "")
+                raise FolderInUse(f"output_dir {self.output_dir} is in use by another run ({describe(holder)}): "
+                                  f"wait for it to end, stop it, or choose another --output_dir{way_out}")
+            if problem != "removed meanwhile":
+                logger.warning("%s: taking over the lock of a run that is gone (%s; %s)", self.output_dir, problem,
+                               describe(holder))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            if self._create():
+                return
+        self._undo_folder()
+        raise FolderInUse(f"output_dir {self.output_dir}: could not take {LOCK_NAME} (other starts are taking it "
+                          "at the same moment)")
+
+    @contextlib.contextmanager
+    def _takeover_guard(self):
+        """One takeover at a time in this folder (an exclusive `flock`, waited for)."""
+        fd = None
+        for path, flags in ((self.output_dir, os.O_RDONLY), (self.path + ".takeover", os.O_RDWR | os.O_CREAT)):
+            try:
+                fd = os.open(path, flags, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                break
+            except OSError:  # NFS locks a folder opened read-only for nobody: the file next
+                if fd is not None:
+                    os.close(fd)
+                    fd = None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+
     def _create(self) -> bool:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._record, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._record, f)
+        except BaseException:  # a full disk: no empty lock left to block the retry
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            raise
         return True
 
     def _read(self) -> dict:
@@ -160,8 +229,8 @@ class RunLock:
             if pid == os.getpid():
                 return "left by an earlier run of this process"
             return None if _alive(pid, holder.get("pid_started")) else "its process is not running"
-        renewed = holder.get("renewed")
-        if not isinstance(renewed, int | float) or time.time() - renewed > LEASE_SECONDS:
+        renewed = lease_time(holder)  # a time it cannot be judged by holds: the message says how to remove it
+        if renewed is not None and time.time() - renewed > LEASE_SECONDS:
             return f"its lease was not renewed for {LEASE_SECONDS:.0f} s"
         return None
 

@@ -53,7 +53,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from ldm.checkpoint.lock import LOCK_NAME, FolderInUse, RunLock
+from ldm.checkpoint.lock import LOCK_NAME, LockError, RunLock
 
 logger = logging.getLogger("ldm.train")
 
@@ -261,7 +261,7 @@ class RunFolder:
             raise CheckpointError(f"output_dir {self.output_dir} is a file")
         try:
             self.lock.acquire()
-        except FolderInUse as e:
+        except LockError as e:
             raise CheckpointError(str(e)) from None
         try:
             return self._check(resume, overwrite)
