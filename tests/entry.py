@@ -250,3 +250,17 @@ def guard_stop_errors(result, tmp_path, launch: bool) -> list[str]:
         assert [int(n) for n in re.findall(r"update (\d+) skipped", log)] == [2, 3, 4], log[-3000:]  # every rank
         errors += [line for line in log.splitlines() if line.startswith("error: ")]
     return errors
+
+
+def modes_not_as_umask_says(folder) -> list[str]:
+    """Files and folders under `folder` whose mode is not what `mkdir`/`open` give under this process's umask."""
+    from ldm.runtime.files import umask
+
+    mask, wrong = umask(), []
+    for root, dirs, files in os.walk(folder):
+        for name, want in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            mode = os.stat(path).st_mode & 0o777
+            if mode & ~0o111 != want & ~mask & ~0o111:  # an executable bit is the writer's choice
+                wrong.append(f"{os.path.relpath(path, folder)} {oct(mode)}")
+    return wrong

@@ -160,3 +160,49 @@ def test_gcs_shards_are_listed_read_exactly_and_counted_by_the_tools(gcs, tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     stats = json.loads(out.stdout)
     assert stats["shards"] == 3 and stats["ok"] == 20, stats
+
+
+def test_a_misspelled_bucket_ends_the_start_in_one_line_naming_it(aws, tmp_path, vocab_dir):
+    proxy, folder, _ = aws
+    (tmp_path / "s3.filelist").write_text("".join(f"s3://laoin/shards/part-{i:05d}.gz\n" for i in range(12)))
+    (tmp_path / "train.filelist.list").write_text(f"{tmp_path / 's3.filelist'}\n")
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list",
+        str(tmp_path / "train.filelist.list"), "--tokenizer_name", vocab_dir, "--model_max_length", "16",
+        "--resolution", "32", "--train_batch_size", "4", "--max_train_steps", "3", "--output_dir",
+        str(tmp_path / "run")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "s3://laoin refuses it (NoSuchBucket" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+    assert sum(n for path, n in proxy.requests.items() if path.startswith("/laoin")) <= 4  # looked up once, no retry
+
+
+@pytest.mark.parametrize("credentials", ["wrong", "none"])
+def test_wrong_or_missing_credentials_are_refused_at_once_not_retried(aws, monkeypatch, credentials):
+    import moto.settings
+    import s3fs
+
+    from ldm.data.filelist import FileListError, check_shards, read_file_list
+
+    proxy, folder, _ = aws
+    if credentials == "wrong":  # the server checks keys from now on: "testing" is no key it knows
+        monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+        says = "403 Forbidden: the credentials are wrong"
+    else:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        says = "NoCredentialsError: Unable to locate credentials"
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = f"s3://{BUCKET}/shards/{gz_names(folder)[0]}"
+    with pytest.raises(remote.StoreRefused, match=says):
+        remote.open_url(url)
+    listing = folder.parent / f"{credentials}.filelist"
+    listing.write_text(f"{url}\n")
+    with pytest.raises(FileListError, match=rf"refuses it \({says}"):
+        check_shards(read_file_list(str(listing)), str(listing))
+    assert proxy.requests.get(f"/{BUCKET}/shards/{gz_names(folder)[0]}", 0) <= 2  # one look each, no retries
+    s3fs.S3FileSystem.clear_instance_cache()

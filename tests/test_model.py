@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import paddle
 import pytest
-from entry import run_python
+from entry import modes_not_as_umask_says, run_python
 
 from ldm.checkpoint.format import save_model
 from ldm.checkpoint.serialization import load_state, save_state
@@ -234,6 +234,7 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
 
     output, used_ema = export_checkpoint(str(checkpoint), str(tmp_path / "pipeline"))
     assert used_ema
+    assert modes_not_as_umask_says(output) == []
     pipeline = LDMTextToImagePipeline.from_pretrained(output)
     np.testing.assert_allclose(pipeline.unet.conv_in.weight.numpy(), ema.shadow["unet.conv_in.weight"].numpy())
     assert pipeline.tokenizer.model_max_length == MAX_LENGTH

@@ -12,7 +12,16 @@ import paddle
 import pytest
 from conftest import ROOT, metrics_lines
 from corpus import write_corpus
-from entry import FILE_SIZE_LIMIT, guard_stop_errors, launch_report, run_entry, run_until, subprocess_result, weights
+from entry import (
+    FILE_SIZE_LIMIT,
+    guard_stop_errors,
+    launch_report,
+    modes_not_as_umask_says,
+    run_entry,
+    run_until,
+    subprocess_result,
+    weights,
+)
 
 from ldm.checkpoint.format import read_training_state
 from ldm.checkpoint.run_folder import MANIFEST, checkpoint_problem, latest_checkpoint
@@ -104,6 +113,7 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
     from ppdiffusers import LDMTextToImagePipeline
 
     assert LDMTextToImagePipeline.from_pretrained(str(out / "pipeline")).unet.config.sample_size == 8
+    assert modes_not_as_umask_says(out) == []  # checkpoints, pipeline, images: readable as mkdir/open make them
 
     from visualdl import LogReader
 

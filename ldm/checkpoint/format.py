@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 
 from ldm.checkpoint.background import FileJob, HostBuffers
 from ldm.checkpoint.run_folder import (
@@ -46,6 +45,7 @@ from ldm.checkpoint.serialization import (
     save_state,
     writes_failing_as_os_errors,
 )
+from ldm.runtime.files import follow_umask_tree, temporary_folder
 
 logger = logging.getLogger("ldm.train")
 
@@ -348,7 +348,7 @@ def upgrade(folder: str) -> list[str]:
     if os.path.exists(backup):
         raise CheckpointError(f"{backup} exists: an earlier upgrade was interrupted while it swapped the folders. "
                               f"{backup} is the original: check {folder} against it, then remove one of them")
-    work = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(final)}-upgrade-", dir=os.path.dirname(final))
+    work = temporary_folder(os.path.dirname(final), f"{TEMP_PREFIX}{os.path.basename(final)}-upgrade-")
     try:
         shutil.copytree(final, work, dirs_exist_ok=True, copy_function=_link_or_copy,
                         ignore=lambda root, names: [n for n in names if n == "manifest.json" or os.path.relpath(
@@ -378,6 +378,7 @@ def upgrade(folder: str) -> list[str]:
             if os.path.isfile(path):
                 save_state(work, target, paddle.load(path))
         write_manifest(work)
+        follow_umask_tree(work)
         os.replace(final, backup)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

@@ -48,12 +48,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ldm.checkpoint.lock import LOCK_NAME, LockError, RunLock
+from ldm.runtime.files import follow_umask_tree, temporary_folder
 
 logger = logging.getLogger("ldm.train")
 
@@ -162,7 +162,7 @@ def temporary_sibling(final: str) -> str:
     """A new empty folder beside `final`, named so that a start after a crash removes it."""
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=TEMP_PREFIX + os.path.basename(final) + "-", dir=parent)
+    return temporary_folder(parent, TEMP_PREFIX + os.path.basename(final) + "-")
 
 
 @contextmanager
@@ -175,6 +175,7 @@ def atomic_folder(final: str, path: str | None = None):
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise
+    follow_umask_tree(path)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(path, final)

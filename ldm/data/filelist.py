@@ -257,6 +257,9 @@ def _check_sample(sample: list[str], total: int, file_list: str, exists) -> list
         try:
             if not exists(path):
                 missing.append(path)
+        except remote.StoreRefused as e:  # a misspelled bucket, wrong credentials: every shard would fail alike
+            raise FileListError(f"{file_list} names {path}, and {remote.bucket(path)} refuses it ({e.reason}): check "
+                                "the bucket's name and the store's credentials (docs/data-formats.md)") from None
         except OSError as e:
             failed.append(path)
             logger.warning("cannot look for shard %s: %s", path, e)

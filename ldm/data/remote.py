@@ -34,6 +34,53 @@ PERMANENT = (PermissionError, IsADirectoryError, NotADirectoryError, TypeError, 
              ImportError, NotImplementedError, AssertionError)
 
 
+class StoreRefused(OSError):
+    """The store refuses the request and will refuse it again: a bucket that does not exist, missing or wrong
+    credentials, access denied. Never retried; at start it ends the run (a typo in a bucket's name would otherwise
+    cost every shard its retries). `reason`: the store's answer."""
+
+    def __init__(self, what: str, reason: str):
+        super().__init__(f"{what}: the store refuses it ({reason})")
+        self.reason = reason
+
+
+# Error codes of S3's API (and of the stores that speak it) that no retry changes
+REFUSALS = {"NoSuchBucket", "InvalidBucketName", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
+            "AllAccessDisabled", "AccountProblem", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+            "AuthorizationHeaderMalformed", "InvalidSecurity", "NotSignedUp"}
+# botocore's credential errors, by name: raised before any request, so no answer code
+CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                     "UnauthorizedSSOTokenError", "ProfileNotFound", "InvalidConfigError"}
+
+
+def _error_code(error: BaseException | None) -> str | None:
+    response = getattr(error, "response", None)  # botocore's ClientError
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def refusal(error: BaseException) -> str | None:
+    """What a store's lasting refusal says (`Code: message`), or None when `error` is not one."""
+    for e in (error, error.__cause__):
+        if e is None:
+            continue
+        if type(e).__name__ in CREDENTIAL_ERRORS:
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no credentials'}"
+        code = _error_code(e)
+        if code in ("401", "403"):  # the answer to a HEAD request has no body to say more
+            return f"{code} Forbidden: the credentials are wrong or may not read it"
+        if code in REFUSALS:
+            return f"{code}: {str(e).splitlines()[0][:200]}"
+    if isinstance(error, PermissionError):
+        return f"PermissionError: {str(error).splitlines()[0][:200] if str(error) else 'access denied'}"
+    return None
+
+
+def bucket(url: str) -> str:
+    """`scheme://bucket` of a URL (its host, for HTTP)."""
+    rest = url.split("://", 1)[1] if "://" in url else url
+    return f"{scheme(url)}://{rest.split('/', 1)[0]}"
+
+
 def really_missing(error: FileNotFoundError) -> bool:
     """Whether a FileNotFoundError from fsspec means the file is not there. fsspec's HTTP backend raises
     it for any failure to look a file up (a 503, a refused connection), with the real error as its cause:
@@ -108,15 +155,13 @@ def _retrying(what: str, action, attempts: int | None = None):
             time.sleep(BACKOFF_SECONDS * 2 ** (attempt - 1))
         try:
             return action()
-        except PERMANENT:
-            raise
-        except FileNotFoundError as e:
-            if really_missing(e):
+        except Exception as e:  # noqa: BLE001 - sorted below
+            refused = refusal(e)
+            if refused is not None:
+                raise StoreRefused(what, refused) from e
+            if isinstance(e, PERMANENT) or isinstance(e, FileNotFoundError) and really_missing(e):
                 raise
-            problem = describe(e.__cause__)
-        # fsspec's backends raise their client library's errors (aiohttp, botocore, …), not only OSError
-        except Exception as e:  # noqa: BLE001 - retried, then reported as an OSError below
-            problem = describe(e)
+            problem = describe(e.__cause__ if isinstance(e, FileNotFoundError) else e)
         logger.debug("%s failed (attempt %d of %d): %s", what, attempt + 1, attempts, problem)
     raise OSError(f"{what} failed {attempts} times ({problem})")
 

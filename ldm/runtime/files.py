@@ -9,12 +9,54 @@ import os
 import tempfile
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (os.umask sets it to read it: another
+    thread creating a file in that moment would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str, folder: bool = False) -> None:
+    """Give `path` the mode `mkdir` or `open` would have given it: `tempfile` makes its files and folders for their
+    owner alone (0600 / 0700), and renamed into place they would stay unreadable to a teammate or a serving
+    account."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~umask())
+
+
+def follow_umask_tree(folder: str) -> None:
+    """`follow_umask` for `folder` and everything in it, before it is renamed into place: besides `tempfile`,
+    safetensors writes its files for their owner alone too."""
+    mask = umask()
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, (0o666 | os.stat(path).st_mode & 0o111) & ~mask)
+
+
+def temporary_folder(parent: str, prefix: str) -> str:
+    """A new empty folder in `parent` (`tempfile.mkdtemp`), with the mode `mkdir` gives."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    follow_umask(path, folder=True)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb"):
     """Yields a file to fill (`mode` "wb" or "w"); on success it replaces `path`, on error it is removed."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
     try:
+        follow_umask(temp)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
