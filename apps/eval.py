@@ -27,6 +27,7 @@ import numpy as np
 
 from ldm.data.synth import COLOURS, SHAPES, caption
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.errors import UserError
 
 NAMES = tuple(COLOURS)
 PALETTE = np.array([COLOURS[name] for name in NAMES], dtype=np.float32)
@@ -245,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
-    from ldm.checkpoint.run_folder import CheckpointError
     from ldm.runtime.tracking import quiet_libraries
 
     quiet_libraries()
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = evaluate_autoencoder(args.vqvae, resolution=args.resolution, num_images=args.num_images,
                                           grid=args.grid)
-    except (OSError, CheckpointError) as e:  # CheckpointError: another autoencoder than the one trained with
+    except (UserError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
     if args.json:
         print(json.dumps(result, indent=2))

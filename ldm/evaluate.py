@@ -27,13 +27,14 @@ import sys
 import time
 from collections import Counter
 
-from ldm.evaluation.fid import MODES, FIDError, Statistics, check_comparable, small_sample_warning
+from ldm.evaluation.fid import MODES, Statistics, check_comparable, small_sample_warning
 from ldm.models.buckets import add_bucket_flags
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.errors import UserError
 from ldm.runtime.files import atomic_write, save_figure, save_image
 
 
-class EvalError(Exception):
+class EvalError(UserError):
     """A user error of the command line (one line, exit 2)."""
 
 
@@ -455,10 +456,6 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
-    from ldm.data.filelist import FileListError
-    from ldm.evaluation.clip import ClipError
-    from ldm.evaluation.inception import WeightsError
-    from ldm.runtime.compat import CompatibilityError
 
     try:
         if args.command != "convert-inception":
@@ -469,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (EvalError, FIDError, WeightsError, ClipError, FileListError, CompatibilityError, OSError) as e:
+    except (UserError, OSError) as e:
         message = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}"
         print(f"error: {message}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,11 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
-    from ldm.checkpoint.run_folder import CheckpointError
     from ldm.runtime.tracking import quiet_libraries
 
     quiet_libraries()
-    from ldm.inference.compvis import CompVisError, convert_compvis
+    from ldm.inference.compvis import convert_compvis
     from ldm.inference.export import export_checkpoint
 
     to_diffusers = args.format == "diffusers"
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                                not args.no_ema, to_diffusers)
         else:
             output, used_ema = export_checkpoint(args.checkpoint, args.output, not args.no_ema, to_diffusers)
-    except (FileNotFoundError, OSError, ValueError, CheckpointError, CompVisError) as e:
+    except (UserError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint or args.from_compvis} ({'EMA' if used_ema else 'raw'} weights) to {output} "

@@ -15,6 +15,7 @@ import re
 import sys
 
 from ldm.runtime.cli import ToolParser
+from ldm.runtime.errors import UserError
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -61,14 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.runtime.tracking import quiet_libraries
 
     quiet_libraries()
-    from ldm.checkpoint.run_folder import CheckpointError
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
     from ldm.inference.sampling import ddim_scheduler, generate, labeled_grid, latent_size
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
-    except (OSError, CheckpointError) as e:  # CheckpointError: another autoencoder than the one trained with
+    except (UserError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
     tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
     repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 
+from ldm.runtime.errors import UserError
 from ldm.runtime.files import save_figure
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
@@ -27,7 +28,7 @@ DEFAULT_PANELS = (
 )
 
 
-class PlotError(ValueError):
+class PlotError(UserError, ValueError):
     """A run or a metric the user named cannot be drawn: one line, exit 2."""
 
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             if not matching(names, [pattern]):
                 print(f"warning: no metric matches {pattern!r}", file=sys.stderr)
         drawn = plot(runs, panels, args.output)
-    except (PlotError, OSError) as e:
+    except (UserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for title, metrics in drawn:

@@ -137,8 +137,9 @@ def test_the_top_of_the_package_holds_only_commands():
 
 
 def test_run_folder_is_filesystem_policy_only():
-    assert import_graph()["ldm.checkpoint.run_folder"] == {"ldm.checkpoint.lock"}
-    assert import_graph()["ldm.checkpoint.lock"] == set()
+    assert import_graph()["ldm.checkpoint.run_folder"] == {"ldm.checkpoint.lock", "ldm.runtime.errors",
+                                                           "ldm.runtime.files"}
+    assert import_graph()["ldm.checkpoint.lock"] == {"ldm.runtime.errors"}
 
 
 def test_import_ldm_leaves_the_environment_alone():

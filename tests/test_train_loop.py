@@ -1108,3 +1108,27 @@ def test_a_resume_keeps_the_checkpoints_seed_unless_one_is_given(corpus, tmp_pat
         other.stderr
     assert [r["arguments"]["LoopArguments"]["seed"] for r in json.loads((out / "run.json").read_text())["resumes"]] \
         == [23, 5]
+
+
+def test_a_bin_carrying_code_given_to_init_from_checkpoint_is_one_line_and_never_runs(corpus, tmp_path):
+    import pickle
+    import zipfile
+
+    folder = tmp_path / "pipeline"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "interop", "diffusers-bin"), folder)
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"echo PWNED > {marker}",)
+
+    with zipfile.ZipFile(folder / "unet" / "diffusion_pytorch_model.bin", "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({"conv_in.weight": Payload()}, protocol=2))
+    result = run(corpus + ["--max_train_steps", "1", "--init_from_checkpoint", str(folder), "--vae_name_or_path",
+                           str(folder), "--output_dir",
+                           str(tmp_path / "run")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: "), \
+        result.stderr[-3000:]
+    assert "can run code" in result.stderr and not marker.exists()
+    assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == []

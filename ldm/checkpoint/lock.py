@@ -35,6 +35,8 @@ import socket
 import threading
 import time
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.train")
 
 LOCK_NAME = ".run.lock"
@@ -42,7 +44,7 @@ RENEW_SECONDS = 30.0
 LEASE_SECONDS = 120.0
 
 
-class LockError(RuntimeError):
+class LockError(UserError, RuntimeError):
     """The output folder's lock cannot be taken (the message says why and what to do)."""
 
 

@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ldm.checkpoint.lock import LOCK_NAME, LockError, RunLock
+from ldm.runtime.errors import UserError
 from ldm.runtime.files import follow_umask_tree, temporary_folder
 
 logger = logging.getLogger("ldm.train")
@@ -73,7 +74,7 @@ DAMAGED_WAYS_OUT = ("Restore the damaged files from a copy (a checkpoint of an e
                     "--overwrite_output_dir to start afresh")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """The output folder or a checkpoint cannot be used as asked."""
 
 

@@ -27,11 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
+
 ARRAY = "__array__"
 TUPLE = "__tuple__"
 
 
-class StateFormatError(ValueError):
+class StateFormatError(UserError, ValueError):
     """A state file that is not what this module writes."""
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 from ldm.runtime.cli import unknown_flags_message
 from ldm.runtime.device import VAE_DTYPES
+from ldm.runtime.errors import UserError
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -23,7 +24,7 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A flag has a value the run cannot use."""
 
 

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.train")
 
 RUN_CONFIG = "run_config.json"  # a checkpoint's record of the run that wrote it
@@ -40,7 +42,7 @@ NOT_SETTINGS = ("arguments.resume_from_checkpoint", "arguments.overwrite_output_
                 "arguments.logging_dir", "command", "created", "step", "world.hosts", "lineage", "memory")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A `--config` file that cannot be read or holds something that is not a flag value."""
 
 

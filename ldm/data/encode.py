@@ -55,13 +55,14 @@ from ldm.models.build import model_buckets
 from ldm.runtime.compat import READER_POLL_SECONDS
 from ldm.runtime.device import resolve_vae_dtype, use_fast_cpu_kernels
 from ldm.runtime.distributed import Distributed
+from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.data")
 
 STATE = ".encode"
 
 
-class EncodeError(ValueError):
+class EncodeError(UserError, ValueError):
     """The encode cannot start (a user error: exit status 2)."""
 
 

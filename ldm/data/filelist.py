@@ -19,11 +19,12 @@ import stat
 from dataclasses import dataclass, field
 
 from ldm.data import remote
+from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.data")
 
 
-class FileListError(ValueError):
+class FileListError(UserError, ValueError):
     """A list of filelists or a filelist cannot be used."""
 
 

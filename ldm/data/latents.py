@@ -33,13 +33,14 @@ import pybase64
 from ldm.data.record import LATENT_PREFIX as PREFIX
 from ldm.data.record import SkipRecord, decode_base64, decode_caption
 from ldm.models.buckets import bucket_name
+from ldm.runtime.errors import UserError
 
 FORMAT = 1
 DTYPES = ("float16", "bfloat16", "float32")
 PROBED_SHARDS = 4
 
 
-class LatentMismatch(ValueError):
+class LatentMismatch(UserError, ValueError):
     """Latent shards this run cannot train on: another autoencoder, resolution or layout."""
 
 

@@ -26,6 +26,7 @@ from ldm.data.readers import Sample, ShardFormatError, iter_records
 from ldm.data.record import SkipRecord
 from ldm.data.resume import Item, Schedule, Segment, item_record, slot_phase
 from ldm.data.shard import LineTooLong, ShardError, ShardTruncated
+from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.data")
 
@@ -35,7 +36,7 @@ NOT_PROBLEMS = ("ok", "short_batch_records")  # counts that are not skipped reco
 PHASE_END = None  # what `records(phase_ends=True)` yields when a phase is read to its end
 
 
-class NoUsableData(RuntimeError):
+class NoUsableData(UserError, RuntimeError):
     """A slot went through a whole pass without one usable record."""
 
 

@@ -7,10 +7,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(UserError, RuntimeError):
     pass
 
 

@@ -12,8 +12,7 @@ from itertools import islice
 
 from tqdm import tqdm
 
-from ldm.checkpoint.run_folder import CheckpointError
-from ldm.data.filelist import FileListError, read_file_list
+from ldm.data.filelist import read_file_list
 from ldm.data.filters import parse_filters, record_key_meta, record_parts
 from ldm.data.latents import DTYPES as LATENT_DTYPES
 from ldm.data.readers import ShardFormatError, folder_records, iter_records, open_parquet, parquet_columns, shard_kind
@@ -24,10 +23,7 @@ from ldm.data.write import ShardWriter, record_line
 from ldm.models.buckets import add_bucket_flags
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.device import VAE_DTYPES
-
-
-class UserError(Exception):
-    pass
+from ldm.runtime.errors import UserError
 
 
 def tool_buckets(args, vae_config=None) -> tuple[tuple[int, int], ...] | None:
@@ -597,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num_workers must be at least 0")
     try:
         return args.run(args) or 0
-    except (UserError, FileListError, ValueError, CheckpointError) as e:
+    except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -28,10 +28,12 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from ldm.runtime.errors import UserError
+
 FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "preprocessor_config.json")
 
 
-class ClipError(ValueError):
+class ClipError(UserError, ValueError):
     """A CLIP folder, images or captions that cannot give a CLIP score (one line: what and how to fix it)."""
 
 

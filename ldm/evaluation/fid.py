@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from ldm.runtime.errors import UserError
+
 MODES = ("clean", "legacy_pytorch")
 SIZE = 299
 FEATURES = 2048
@@ -35,7 +37,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", "
 NOT_SAMPLES = ("grid.png",)  # `ldm.generate` writes its grid beside the samples: not one of them
 
 
-class FIDError(ValueError):
+class FIDError(UserError, ValueError):
     """Images or statistics that cannot give a FID (one line: what is wrong and how to fix it)."""
 
 

@@ -30,12 +30,13 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ldm.models.pickled import PickleError, is_pickle, read_pickled_weights
+from ldm.runtime.errors import UserError
 
 FEATURES = 2048
 SIZE = 299  # the network's input side
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """Inception weights that cannot be used: missing, not safetensors, of other names or shapes. One line."""
 
 

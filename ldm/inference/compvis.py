@@ -20,6 +20,8 @@ import re
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
+
 # the DDPM schedule's buffers, derived from the config's betas: not weights (`betas` is checked against the config)
 SCHEDULE_BUFFERS = {"betas", "alphas_cumprod", "alphas_cumprod_prev", "sqrt_alphas_cumprod",
                     "sqrt_one_minus_alphas_cumprod", "log_one_minus_alphas_cumprod", "sqrt_recip_alphas_cumprod",
@@ -29,7 +31,7 @@ UNET, VAE, BERT, EMA = "model.diffusion_model.", "first_stage_model.", "cond_sta
 PREDICTION = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 
 
-class CompVisError(ValueError):
+class CompVisError(UserError, ValueError):
     """A CompVis checkpoint or config this converter cannot turn into a pipeline. One line."""
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 
+from ldm.runtime.errors import UserError
+
 Bucket = tuple[int, int]  # (height, width)
 
 
-class BucketError(ValueError):
+class BucketError(UserError, ValueError):
     """An --aspect_buckets value the run cannot use."""
 
 

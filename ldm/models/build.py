@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
+from ldm.runtime.errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
@@ -29,7 +30,7 @@ DDPM_DEFAULTS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "sca
 logger = logging.getLogger("ldm.models")
 
 
-class ModelSourceError(RuntimeError):
+class ModelSourceError(UserError, RuntimeError):
     pass
 
 

@@ -23,8 +23,10 @@ import zipfile
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
 
-class PickleError(ValueError):
+
+class PickleError(UserError, ValueError):
     """A pickled weights file that is refused (it names code) or cannot be read. One line."""
 
 

@@ -20,13 +20,15 @@ import os
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
+
 # diffusers' and transformers' weight file names, the safetensors first
 TORCH_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin",
                       "pytorch_model.bin")
 TORCH_FORMAT = "pt"  # the safetensors metadata diffusers and transformers write; ours say "pd" or "np"
 
 
-class TorchLayoutError(ValueError):
+class TorchLayoutError(UserError, ValueError):
     """A PyTorch-layout part that cannot be loaded: unreadable, or not the architecture its config describes."""
 
 

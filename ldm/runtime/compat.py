@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.data")
 
 SUPPORTED = "paddlepaddle 3.3, paddlenlp 2.8.1, ppdiffusers 0.29.0"
 
 
-class CompatibilityError(RuntimeError):
+class CompatibilityError(UserError, RuntimeError):
     pass
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.train")
 
 VAE_DTYPES = ("float32", "float16", "bfloat16")  # --vae_dtype
@@ -49,7 +51,7 @@ def resolve_vae_dtype(requested: str) -> str:
     return requested if resolve_precision(short, "encoding with the autoencoder") == short else "float32"
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     """Asked of this device what it cannot do. One line."""
 
 

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.train")
 
 TRACKERS = ("visualdl", "tensorboard", "wandb")
@@ -25,7 +27,7 @@ TRACKERS = ("visualdl", "tensorboard", "wandb")
 WANDB_TRAINER_ONLY = ("WANDB_LOG_MODEL", "WANDB_WATCH")
 
 
-class TrackerError(RuntimeError):
+class TrackerError(UserError, RuntimeError):
     """A tracker named by --report_to cannot be used here."""
 
 

@@ -5,30 +5,15 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from ldm.checkpoint.run_folder import NO_SPACE, CheckpointError
-from ldm.checkpoint.serialization import StateFormatError
-from ldm.config.record import ConfigError
-from ldm.data.filelist import FileListError
-from ldm.data.latents import LatentMismatch
-from ldm.data.stream import NoUsableData
-from ldm.data.tokenize import TokenizerError
-from ldm.evaluation.clip import ClipError
-from ldm.evaluation.fid import FIDError
-from ldm.evaluation.inception import WeightsError
-from ldm.models.buckets import BucketError
-from ldm.models.build import ModelSourceError
-from ldm.runtime.device import DeviceError
-from ldm.runtime.tracking import TrackerError
-from ldm.train.health import NonFiniteStop
+from ldm.checkpoint.run_folder import NO_SPACE
+from ldm.runtime.errors import UserError
 
 
 @contextlib.contextmanager
 def user_errors():
     try:
         yield
-    except (BucketError, CheckpointError, FileListError, LatentMismatch, NoUsableData, TokenizerError, ModelSourceError,
-            TrackerError, StateFormatError, ConfigError, DeviceError, NonFiniteStop, FIDError, WeightsError,
-            ClipError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:

@@ -29,11 +29,12 @@ import math
 import paddle
 
 from ldm.runtime.compat import skip_step_if, step_was_skipped
+from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.train")
 
 
-class NonFiniteStop(RuntimeError):
+class NonFiniteStop(UserError, RuntimeError):
     """The run cannot go on: updates keep failing, or the weights themselves are no longer finite."""
 
 
