@@ -60,8 +60,24 @@ def exported(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("interop")
     source = tiny_pipeline(str(folder))
-    assert main(["--checkpoint", source, "--output", str(folder / "diffusers"), "--format", "diffusers"]) == 0
+    # the reference outputs were computed part by part for a text encoder of MAX_LENGTH positions, which diffusers'
+    # pipeline (77 tokens always) cannot run whole: the export's refusal of such a model is tested below
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ldm.inference.export.DIFFUSERS_PROMPT_TOKENS", MAX_LENGTH)
+        assert main(["--checkpoint", source, "--output", str(folder / "diffusers"), "--format", "diffusers"]) == 0
     return source, folder / "diffusers"
+
+
+def test_a_model_of_fewer_than_77_tokens_is_refused_for_diffusers_in_one_line(exported, tmp_path, capsys):
+    from ldm.export import main
+
+    source, _ = exported
+    assert main(["--checkpoint", source, "--output", str(tmp_path / "diffusers"), "--format", "diffusers"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"reads {MAX_LENGTH} tokens" in error and "always gives it 77" in error
+    assert "--model_max_length 77" in error
+    assert os.listdir(tmp_path) == []  # nothing left behind
+    assert main(["--checkpoint", source, "--output", str(tmp_path / "paddle")]) == 0  # its own layout still works
 
 
 def test_the_export_to_diffusers_runs_in_diffusers_as_in_paddle(exported):
@@ -269,7 +285,7 @@ def test_generate_samples_from_a_diffusers_folder(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["000-00-a-red-circle-on-a-blue-background.png", "grid.png"]
 
 
-def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_reads(tmp_path):
+def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_reads(tmp_path, monkeypatch):
     """`--output` is replaced whole: a run folder given by mistake, or the folder being exported, stays as it is;
     an earlier export is replaced."""
     from ldm.export import main
@@ -282,6 +298,7 @@ def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_re
     assert (tmp_path / "run" / "notes.txt").read_text() == "weeks of work"
     assert (source / "model_index.json").is_file()
     assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again")]) == 0
+    monkeypatch.setattr("ldm.inference.export.DIFFUSERS_PROMPT_TOKENS", MAX_LENGTH)  # the fixture's 16 tokens
     assert main(["--checkpoint", str(source), "--output", str(tmp_path / "again"), "--format", "diffusers"]) == 0
     assert (tmp_path / "again" / "README.md").is_file()
 

@@ -29,9 +29,29 @@ def check_output(output: str, source: str | None = None) -> None:
                               "another --output or remove it")
 
 
+# diffusers' LDMTextToImagePipeline tokenizes every prompt (and the empty one) to 77 tokens, whatever the tokenizer
+# or the text encoder say: a text encoder of fewer positions fails there ("index out of range in self")
+DIFFUSERS_PROMPT_TOKENS = 77
+
+
+def check_diffusers_context(text_encoder) -> None:
+    """A model whose text encoder holds fewer than 77 positions is refused for diffusers' layout. Widening its
+    position table would let the pipeline run, but on 77 tokens it never saw (LDMBert attends to its padding):
+    other images than the model makes here."""
+    positions = text_encoder.config.max_position_embeddings
+    if positions < DIFFUSERS_PROMPT_TOKENS:
+        raise CheckpointError(
+            f"--format diffusers: this model's text encoder reads {positions} tokens, and diffusers' "
+            f"LDMTextToImagePipeline always gives it {DIFFUSERS_PROMPT_TOKENS}: it would fail there. Train with "
+            f"--model_max_length {DIFFUSERS_PROMPT_TOKENS} (the default) to export for diffusers; this model exports "
+            "with --format ppdiffusers and samples with python -m ldm.generate")
+
+
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str,
                     to_diffusers: bool = False, card: str | None = None) -> str:
     check_output(output)
+    if to_diffusers:
+        check_diffusers_context(text_encoder)
     pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                       scheduler=ddim_scheduler(scheduler_config))
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):

@@ -97,7 +97,8 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
         "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
         "## Evaluation", "", *score_lines, "",
-        "## Loading", "", "diffusers (PyTorch):", "", "```python",
+        "## Loading", "", "diffusers (PyTorch; its pipeline gives the text encoder 77 tokens, which this one reads: "
+        "ldm-laion refuses to export a model of fewer for diffusers):", "", "```python",
         "from diffusers import LDMTextToImagePipeline", "",
         'pipeline = LDMTextToImagePipeline.from_pretrained("THIS_FOLDER")',
         'image = pipeline("a red circle on a blue background", num_inference_steps=50).images[0]', "```", "",
