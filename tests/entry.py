@@ -38,6 +38,10 @@ def _run_in_child(argv: list[str], cwd: str, env: dict, out_path: str, err_path:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    if "PADDLE_TRAINER_ID" in env:  # a rank of `launch_ranks`: the server's import of PaddleNLP made Paddle read
+        import paddle.distributed.parallel as parallel  # its rank variables (none) once; read them again
+
+        parallel._global_parallel_env = None
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
@@ -60,7 +64,7 @@ def _run_in_child(argv: list[str], cwd: str, env: dict, out_path: str, err_path:
         atexit._run_exitfuncs()  # as the interpreter would; multiprocessing ends the child with os._exit
 
 
-def start_python(argv, cwd, out_path: str, err_path: str, new_session: bool = False):
+def start_python(argv, cwd, out_path: str, err_path: str, new_session: bool = False, env: dict | None = None):
     """Start `python ARGV` (a script, `-m module` or `-c code`) as a fork of a server that has imported the stack, so
     the run pays none of the import; its stdout and stderr are appended to the two files (they may be one).
     What the server's imports read of the environment (Paddle's FLAGS_*, ppdiffusers' cache folder) is
@@ -75,7 +79,7 @@ def start_python(argv, cwd, out_path: str, err_path: str, new_session: bool = Fa
         _forkserver.set_forkserver_preload(PRELOAD)
     for path in (out_path, err_path):
         open(path, "a").close()  # readable before the child writes
-    env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}  # glibc's abort messages to stderr, not to a terminal
+    env = {**os.environ, **(env or {}), "LIBC_FATAL_STDERR_": "1"}  # glibc's aborts to stderr, not to a terminal
     child = _forkserver.Process(target=_run_in_child, args=([str(a) for a in argv], str(cwd or ROOT), env,
                                                             out_path, err_path, new_session))
     child.start()
@@ -100,16 +104,76 @@ def run_python(argv, cwd=None, timeout: float = 600) -> subprocess.CompletedProc
             return subprocess.CompletedProcess(argv, child.exitcode, o.read(), e.read())
 
 
-def run_entry(script: str, args, launch: bool = False, cwd=None):
-    """`python SCRIPT ARGS` (a fork of the preloaded server), or under `paddle.distributed.launch` with 2
-    processes (logs in cwd/launch_logs)."""
+def run_entry(script: str, args, launch: bool = False, cwd=None, launcher: bool = False):
+    """`python SCRIPT ARGS` (a fork of the preloaded server), or 2 ranks over gloo (logs in
+    cwd/launch_logs/workerlog.N): forks of the server given the variables `paddle.distributed.launch` gives its
+    ranks (`launch_ranks`), or, with `launcher`, under the launcher itself (what its own behaviour is tested with:
+    signals, a rank that dies, several nodes)."""
     if not launch:
         return run_python([ROOT / script, *args], cwd)
+    if not launcher:
+        return launch_ranks([ROOT / script, *args], cwd)
     prefix = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
               "--log_dir", str(cwd / "launch_logs")]
     env = {**os.environ, "LIBC_FATAL_STDERR_": "1"}
     return subprocess.run(prefix + [str(ROOT / script), *args], capture_output=True, text=True, cwd=cwd or ROOT,
                           env=env)
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch_ranks(argv, cwd, world: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python ARGV` as `world` ranks over gloo, each a fork of the preloaded server with the variables that
+    `paddle.distributed.launch --nproc_per_node 2` sets (read off its ranks, Paddle 3.3), so a two-process test pays
+    no interpreter start and no import of the stack (about 10 CPU-seconds a run). As the launcher does, a rank that
+    fails ends the others (after 30 s, time for them to notice and exit themselves), and the exit code is the first
+    failure's. Each rank's output goes to cwd/launch_logs/workerlog.N; rank 0's is the result's stdout too, as the
+    launcher echoes it."""
+    import signal
+    import time
+
+    logs = os.path.join(str(cwd), "launch_logs")
+    os.makedirs(logs, exist_ok=True)
+    master, *endpoints = _free_ports(world + 1)
+    common = {"PADDLE_AUTO_CLUSTER": "0", "PADDLE_DISTRI_BACKEND": "gloo", "PADDLE_GLOBAL_SIZE": str(world),
+              "PADDLE_LOCAL_SIZE": str(world), "PADDLE_LOG_DIR": logs, "PADDLE_MASTER": f"127.0.0.1:{master}",
+              "PADDLE_NNODES": "1", "PADDLE_TRAINERS_NUM": str(world),
+              "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in endpoints)}
+    ranks = []
+    for rank in range(world):
+        env = {**common, "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{endpoints[rank]}", "PADDLE_GLOBAL_RANK": str(rank),
+               "PADDLE_LOCAL_RANK": str(rank), "PADDLE_RANK_IN_NODE": str(rank), "PADDLE_TRAINER_ID": str(rank)}
+        log = os.path.join(logs, f"workerlog.{rank}")
+        ranks.append(start_python(argv, cwd, log, log, new_session=True, env=env))
+    deadline, failed_at, code = time.monotonic() + timeout, None, 0
+    try:
+        while any(r.exitcode is None for r in ranks):
+            codes = [r.exitcode for r in ranks if r.exitcode not in (None, 0)]
+            if codes and failed_at is None:
+                failed_at, code = time.monotonic(), codes[0]
+            if time.monotonic() > deadline or failed_at is not None and time.monotonic() > failed_at + 30:
+                break
+            time.sleep(0.05)
+    finally:
+        for r in ranks:
+            if r.exitcode is None:
+                os.killpg(r.pid, signal.SIGKILL)
+                r.join()
+    if time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired(argv, timeout)
+    code = code or next((r.exitcode for r in ranks if r.exitcode), 0)
+    with open(os.path.join(logs, "workerlog.0")) as f:  # the launcher echoes rank 0's output
+        return subprocess.CompletedProcess(argv, code, f.read(), "")
 
 
 def subprocess_result(code: int, output: str) -> subprocess.CompletedProcess:

@@ -107,8 +107,10 @@ def test_the_sharded_loop_under_fp16_equals_the_unsharded_one_on_two_cards(corpu
     common = corpus + ["--train_batch_size", "4", "--max_train_steps", "4", "--save_steps", "2", "--logging_steps",
                        "1", "--mixed_precision", "fp16", "--num_workers", "0", "--use_ema"]
     for name, extra in (("plain", []), ("sharded", ["--sharding", "stage1"])):
+        # the real launcher: forked ranks would inherit a process that may have touched CUDA
         result = run_entry("train_txt2img_laion400m_no_trainer.py", common + ["--output_dir", str(tmp_path / name),
-                                                                              *extra], launch=True, cwd=tmp_path)
+                                                                              *extra], launch=True, launcher=True,
+                           cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     expected, _ = weights(tmp_path / "plain" / "checkpoint-4")
     got, _ = weights(tmp_path / "sharded" / "checkpoint-4")
@@ -122,11 +124,11 @@ def test_the_trainer_path_trains_saves_and_resumes_with_sharded_gradients(corpus
     args = ["--do_train", "--model_name_or_path", "ldm-tiny", *corpus[2:], "--per_device_train_batch_size", "4",
             "--max_steps", "4", "--save_steps", "2", "--dataloader_num_workers", "0", "--sharding", stage,
             "--report_to", "none", "--output_dir", str(tmp_path / "run")]
-    result = run_entry("train_txt2img_laion400m_trainer.py", args, launch=True, cwd=tmp_path)
+    result = run_entry("train_txt2img_laion400m_trainer.py", args, launch=True, launcher=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = run_entry("train_txt2img_laion400m_trainer.py", [*args[:args.index("--max_steps") + 1], "6",
                                                                *args[args.index("--max_steps") + 2:],
                                                                "--resume_from_checkpoint", "latest"],
-                        launch=True, cwd=tmp_path)
+                        launch=True, launcher=True, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "run" / "pipeline" / "model_index.json").exists()
