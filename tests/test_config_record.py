@@ -31,6 +31,7 @@ def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     ("seed: [1\n", "not valid YAML"),
     ("unet: {a: 1}\n", "unet is a mapping"),
     ("seed: 1\nlearning_rate: 0.1\nseed: 2\n", "'seed' is given twice"),
+    ("seed: 1\nconfig: base.yaml\n", "names another config file \\(base.yaml\\)"),
 ])
 def test_an_unusable_config_file_is_one_readable_error(tmp_path, content, message):
     path = tmp_path / "c.yaml"

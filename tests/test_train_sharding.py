@@ -158,7 +158,9 @@ def test_sharding_this_cpu_cannot_run_is_refused_in_one_line_before_anything_is_
 
 def test_the_loop_refuses_stages_it_does_not_run_and_a_degree_that_does_not_divide(corpus, tmp_path):
     for flags, message in ((["--sharding", "stage2"], "the hand-written loop shards stage1 only"),
-                           (["--sharding", "stage1", "--sharding_parallel_degree", "0"], "must be -1")):
+                           (["--sharding", "stage1", "--sharding_parallel_degree", "0"], "must be -1"),
+                           (["--sharding", "stage1", "--sharding_parallel_degree", "3"], "3 on one process"),
+                           (["--sharding_parallel_degree", "2"], "2 without --sharding")):
         result = run_entry(LOOP, loop_args(corpus, tmp_path / "run", *flags))
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
         assert not (tmp_path / "run").exists()

@@ -91,7 +91,7 @@ def run(loop: LoopArguments, data: DataArguments, build_objective, *, image_logg
     dist = Distributed.init()
     setup.setup_logging(dist)
     check_sharding({loop.sharding} - {""})
-    shards = setup.sharding_degree(loop.sharding, loop.sharding_parallel_degree, dist)
+    shards, _ = setup.sharding_layout(loop.sharding, loop.sharding_parallel_degree, dist)
     run_dir = RunFolder(loop.output_dir, dist, loop.checkpoints_total_limit)
     resume = run_dir.check(loop.resume_from_checkpoint, loop.overwrite_output_dir)
     given = loop

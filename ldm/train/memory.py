@@ -31,15 +31,6 @@ def fleet_partition(sizes: list[tuple[str, int]], degree: int) -> dict[str, int]
     return owners
 
 
-def sharding_layout(options, degree: int, world_size: int) -> tuple[int, int]:
-    """(sharding degree, stage) of PaddleNLP's parsed `--sharding` options (ShardingOption values "stage1".."stage3",
-    "offload") and `--sharding_parallel_degree` (-1: every rank); (1, 0) unsharded."""
-    stages = [int(value[-1]) for value in (str(getattr(o, "value", o)) for o in options) if value.startswith("stage")]
-    if not stages or world_size == 1:
-        return 1, 0
-    return (degree if degree > 0 else world_size), max(stages)
-
-
 def memory_by_rank(model, *, world_size: int, sharding_degree: int = 1, stage: int = 1, ema: bool = False,
                    owners: dict[str, int] | None = None) -> dict:
     """The bytes every rank holds of `model`'s state (see the module's doc). `owners`: the sharding optimizer's

@@ -30,18 +30,28 @@ def setup_logging(dist: Distributed) -> None:
     quiet_libraries()
 
 
-def sharding_degree(sharding: str, degree: int, dist: Distributed) -> int:
-    """The ranks one shard group of `--sharding` spans (`--sharding_parallel_degree`, -1: every rank); 1 when the
-    run is not sharded."""
-    if not sharding:
-        return 1
+def sharding_layout(options, degree: int, dist: Distributed) -> tuple[int, int]:
+    """(ranks one shard group spans, ZeRO stage) of `--sharding` (the loop's "stage1", or PaddleNLP's parsed
+    ShardingOption list) and `--sharding_parallel_degree` (-1: every rank); (1, 0) when nothing is sharded. The one
+    reader of both flags, on both paths: a degree without a stage, or one the ranks cannot be split into, is refused
+    in one line before anything is written."""
+    values = [str(getattr(o, "value", o)) for o in ([options] if isinstance(options, str) else options or [])]
+    stages = [int(value[-1]) for value in values if value.startswith("stage")]
+    if not stages:
+        if degree > 1:  # (1 shards nothing either: PaddleNLP empties --sharding itself for it)
+            raise ConfigError(f"--sharding_parallel_degree {degree} without --sharding: nothing would be sharded; "
+                              "pass --sharding stage1 too, or leave the degree out")
+        return 1, 0
     if dist.world_size == 1:
-        logger.info("--sharding %s on one process: nothing to shard", sharding)
-        return 1
+        if degree not in (-1, 1):
+            raise ConfigError(f"--sharding_parallel_degree {degree} on one process: a shard group spans at most the "
+                              "1 rank there is")
+        logger.info("--sharding %s on one process: nothing to shard", " ".join(values))
+        return 1, 0
     degree = dist.world_size if degree == -1 else degree
     if degree > dist.world_size or dist.world_size % degree:
         raise ConfigError(f"--sharding_parallel_degree {degree} does not divide the {dist.world_size} ranks")
-    return degree
+    return degree, max(stages)
 
 
 def build_tokenizer(data: DataArguments):

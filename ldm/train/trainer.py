@@ -33,7 +33,7 @@ from ldm.train.checkpointer import Checkpointer, optimizer_part, scaler_part, sh
 from ldm.train.elastic import SampleClock
 from ldm.train.gradients import global_grad_norm
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.memory import log_largest, memory_by_rank, sharding_layout
+from ldm.train.memory import log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import TextToImage, rank_seed, start_batches
 from ldm.train.preflight import check_before_writing
@@ -210,6 +210,7 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     setup.setup_logging(dist)
     check_sharding({str(getattr(option, "value", option)) for option in training_args.sharding},
                    "split_param" in (training_args.sharding_parallel_config or "").split())
+    degree, stage = setup.sharding_layout(training_args.sharding, training_args.sharding_parallel_degree, dist)
     resume = training_args.resume_from_checkpoint
     if resume in ("True", "true", True):
         resume = "latest"
@@ -231,7 +232,6 @@ def train(training_args, model_args, data, sampling, run_args: RunArguments | No
     record = describe_run((model_args, data, sampling, training_args, run_args, validation), dist=dist,
                           num_workers=training_args.dataloader_num_workers, model=objective.identity(),
                           precision=precision)
-    degree, stage = sharding_layout(training_args.sharding, training_args.sharding_parallel_degree, dist.world_size)
     record["memory"] = memory_by_rank(objective.model, world_size=dist.world_size, sharding_degree=degree,
                                       stage=stage, ema=objective.ema is not None)
     log_largest(record["memory"])
