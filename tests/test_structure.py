@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "ldm")
 
@@ -153,3 +155,18 @@ def test_import_ldm_leaves_the_environment_alone():
             "assert F.conv2d is conv")
     env = {k: v for k, v in os.environ.items() if k != "MKL_DEBUG_CPU_TYPE"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["ldm.evaluate", "ldm.export", "ldm.generate", "ldm.plot", "ldm.data"])
+def test_a_commands_help_is_printed_without_importing_paddle(module):
+    """--help is read in a second, not after the seconds of Paddle's import."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['{module}', '--help']\n"
+            "try:\n"
+            f"    runpy.run_module('{module}', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "assert 'paddle' not in sys.modules, sorted(m for m in sys.modules if m.startswith('paddle'))[:5]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout

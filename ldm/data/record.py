@@ -1,8 +1,8 @@
 """Turning one shard line into a caption and an image crop.
 
 Every way a record can be unusable raises `SkipRecord` with a short reason; the stream counts
-the reasons. Image decoding follows PERFORMANCE.md: JPEG `draft` (DCT-domain downscaling), then
-only the crop region leaves Pillow and OpenCV resizes it (measured by scripts/bench_data.py).
+the reasons. Image decoding: JPEG `draft` (DCT-domain downscaling), then only the crop region
+leaves Pillow and OpenCV resizes it (measured by scripts/bench_data.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -12,9 +12,6 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-import paddle
-import paddle.distributed as dist
-
 
 def launched_world_size() -> int:
     """How many ranks `paddle.distributed.launch` started (1 when run directly)."""
@@ -87,6 +84,8 @@ class Distributed:
     @classmethod
     def init(cls) -> Distributed:
         if launched_world_size() > 1:
+            import paddle.distributed as dist
+
             dist.init_parallel_env()
             return cls(dist.get_rank(), dist.get_world_size())
         return cls()
@@ -99,6 +98,9 @@ class Distributed:
         """Sum of a Python float over ranks."""
         if self.world_size == 1:
             return float(value)
+        import paddle
+        import paddle.distributed as dist
+
         tensor = paddle.to_tensor([float(value)], dtype="float64")
         dist.all_reduce(tensor)
         return float(tensor.item())
@@ -107,6 +109,8 @@ class Distributed:
         """Every rank's `obj` (picklable), on every rank."""
         if self.world_size == 1:
             return [obj]
+        import paddle.distributed as dist
+
         out: list = []
         dist.all_gather_object(out, obj)
         return out
@@ -132,6 +136,8 @@ class Distributed:
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            import paddle.distributed as dist
+
             dist.barrier()
 
 
@@ -139,6 +145,8 @@ def weights_checksum(parameters) -> float:
     """A fingerprint of the weights (the sum of |w|, each tensor's in float32, together in float64), read to the host
     once: ranks that drifted apart differ here, and a NaN or inf weight shows. Part of a save's stall: summing in
     float64 cast every weight first, 30 times slower (0.78 s against 0.026 s for 120 M weights on this CPU)."""
+    import paddle
+
     sums = [paddle.sum(p.abs(), dtype="float32") for p in parameters]
     return float(paddle.stack(sums).astype("float64").sum()) if sums else 0.0
 
