@@ -51,10 +51,14 @@ def test_latest_skips_incomplete_and_damaged_checkpoints_and_names_them(tmp_path
     with caplog.at_level(logging.WARNING, logger="ldm.train"):
         assert latest_checkpoint(str(tmp_path)) == str(good)
     skipped = "\n".join(caplog.messages)
-    for folder, why in ((unfinished, "no manifest.json"), (flipped, "does not match its checksum"),
-                        (truncated, "optimizer.pdopt has 10 bytes")):
+    for folder, why in ((unfinished, "damaged: no manifest.json (a sealed checkpoint always has one"),
+                        (flipped, "does not match its checksum"), (truncated, "optimizer.pdopt has 10 bytes")):
         assert f"skipping {folder}: " in skipped and why in skipped
-    assert resolve_resume(str(tmp_path), "latest") == str(good)
+    (good / "notes.txt").write_text("added after the seal")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        assert resolve_resume(str(tmp_path), "latest") == str(good)
+    assert "holds 1 file(s) its manifest does not name (notes.txt)" in caplog.text
     with pytest.raises(CheckpointError, match="checkpoint-4: not a usable checkpoint: .*checksum"):
         resolve_resume(str(tmp_path), str(flipped))
 

@@ -193,3 +193,17 @@ def test_a_resume_on_the_other_entry_point_names_only_the_shared_settings_that_c
     # the same entry point: every difference, as before
     assert differences(saved, {**saved, "model": {"prediction_type": "v_prediction"}}) == [
         ("model.prediction_type", "epsilon", "v_prediction")]
+
+
+def test_a_change_is_named_by_the_flag_the_command_line_gave(tmp_path):
+    saved = record()
+    saved["arguments"]["LoopArguments"]["checkpoints_total_limit"] = 2
+    (tmp_path / "run_config.json").write_text(json.dumps(saved))
+    resumed = record()
+    resumed["arguments"]["LoopArguments"]["checkpoints_total_limit"] = 1
+    resumed["command"] = ["python", "train.py", "--save_total_limit", "1"]
+    assert check_resume(str(tmp_path), resumed, allow_change=False, log=False) == [
+        "resume changes --save_total_limit: 2 -> 1"]
+    resumed["command"] = ["python", "train.py", "--checkpoints_total_limit=1"]
+    assert check_resume(str(tmp_path), resumed, allow_change=False, log=False) == [
+        "resume changes --checkpoints_total_limit: 2 -> 1"]

@@ -257,6 +257,8 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
     retry = run(args + ["--file_list", good])
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert "failed before its first checkpoint" in retry.stderr
+    assert "the run there failed before its first checkpoint: emptied" in retry.stderr
+    assert "--overwrite_output_dir: emptied" not in retry.stderr  # a flag the command did not give
     assert "failed" not in json.loads((out / "run.json").read_text())
 
 

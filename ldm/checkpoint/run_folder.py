@@ -141,7 +141,10 @@ def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
         if os.path.isfile(os.path.join(folder, "model_index.json")):
             return ("an exported pipeline, not a training checkpoint: it holds weights only. Start a new run from it "
                     "with --init_from_checkpoint")
-        return "incomplete: no manifest.json (its writing was interrupted)"
+        if os.path.basename(os.path.normpath(folder)).startswith(TEMP_PREFIX):
+            return "incomplete: no manifest.json (its writing was interrupted)"
+        # a save writes into a temporary folder and renames it to checkpoint-<step> only once its manifest is in
+        return "damaged: no manifest.json (a sealed checkpoint always has one: it was deleted or the folder modified)"
     try:
         with open(path) as f:
             files = json.load(f)["files"]
@@ -234,7 +237,23 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
         found = resume
     if found is not None and not os.path.isfile(os.path.join(found, MANIFEST)):
         logger.warning("%s predates checkpoint manifests: resuming it unverified", found)
+    elif found is not None:
+        extra = unlisted_files(found)
+        if extra:
+            logger.warning("%s holds %d file(s) its manifest does not name (%s%s): written into it after it was "
+                           "sealed; they are not read", found, len(extra), ", ".join(extra[:3]),
+                           ", ..." if len(extra) > 3 else "")
     return found
+
+
+def unlisted_files(folder: str) -> list[str]:
+    """Files of a sealed checkpoint that its manifest does not name (relative paths, sorted)."""
+    with open(os.path.join(folder, MANIFEST)) as f:
+        listed = set(json.load(f)["files"])
+    found = []
+    for root, _, names in os.walk(folder):
+        found += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(rel for rel in found if rel != MANIFEST and rel not in listed)
 
 
 class RunFolder:
@@ -243,7 +262,7 @@ class RunFolder:
 
     def __init__(self, output_dir: str, dist, save_total_limit: int | None = None):
         self.output_dir, self.dist, self.limit = output_dir, dist, save_total_limit
-        self.empty_first = False  # `check` decided that the run starts over (rank 0's decision)
+        self.empty_first = ""  # why `check` decided that the run starts over (rank 0's decision), or ""
         self.created = False  # this run wrote the folder (`create`)
         self.lock = RunLock(output_dir)
 
@@ -288,6 +307,7 @@ class RunFolder:
                 raise CheckpointError(f"output_dir {self.output_dir} holds files this project did not write: resume "
                                       "into an empty folder or into the run's own folder")
             return checkpoint
+        why = "--overwrite_output_dir" if overwrite else ""
         if resume == "auto" and not overwrite:
             damaged = checkpoints
             if damaged:  # saves are atomic: a checkpoint-<step> that fails verification was damaged, not interrupted
@@ -296,12 +316,12 @@ class RunFolder:
                 raise CheckpointError(
                     f"--resume_from_checkpoint auto: {self.output_dir} holds {len(damaged)} checkpoint(s) and none is "
                     f"complete ({damaged[-1]}: {problem}); nothing was deleted. {DAMAGED_WAYS_OUT}")
-            overwrite = True  # nothing to resume: start afresh
+            overwrite, why = True, "--resume_from_checkpoint auto, no checkpoint to resume"  # start afresh
         failed = failure_of(self.output_dir) if RUN_MARKER in entries and not checkpoints else None
         if failed and not overwrite and resume is None:
             logger.warning("%s holds a run that failed before its first checkpoint (%s): starting afresh in its place",
                            self.output_dir, failed)
-            overwrite = True
+            overwrite, why = True, "the run there failed before its first checkpoint"
         if not overwrite:
             if RUN_MARKER in entries and not checkpoints:
                 raise CheckpointError(f"output_dir {self.output_dir} holds a run that saved no checkpoint (it failed "
@@ -313,7 +333,7 @@ class RunFolder:
             raise CheckpointError(
                 f"--overwrite_output_dir: {self.output_dir} holds files this project did not write (no {RUN_MARKER}); "
                 "it is not emptied: choose another --output_dir or empty it yourself")
-        self.empty_first = True
+        self.empty_first = why
         return None
 
     # -- start ---------------------------------------------------------------------------------
@@ -327,7 +347,7 @@ class RunFolder:
                 names = [n for n in os.listdir(self.output_dir) if not n.startswith(LOCK_NAME)]
                 for name in sorted(names, key=lambda n: n == RUN_MARKER):  # the marker last: a retry may finish
                     remove(self.path(name))
-                logger.info("--overwrite_output_dir: emptied %s", self.output_dir)
+                logger.info("%s: emptied %s", self.empty_first, self.output_dir)
             os.makedirs(self.output_dir, exist_ok=True)
             for name in os.listdir(self.output_dir):
                 if name.startswith(TEMP_PREFIX):  # what a killed save left behind

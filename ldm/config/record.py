@@ -351,6 +351,13 @@ def one_sided(saved: dict, current: dict) -> list[str]:
                   if name.startswith("arguments.") and not name.startswith(NOT_SETTINGS))
 
 
+def flag_as_given(name: str, command: list[str]) -> str:
+    """`--name`, or the other spelling of that setting where the command line used it (`--save_total_limit` for
+    the loop's `--checkpoints_total_limit`): a message names the flag the user wrote."""
+    spellings = [other for other, loop_name in TRAINER_TO_LOOP.items() if loop_name == name]
+    return next((f"--{other}" for other in spellings if f"--{other}" in command), f"--{name}")
+
+
 def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: bool = True) -> list[str]:
     """Compare `checkpoint`'s record with this run's: every difference logged (one line each), those of
     `FIXED` refused (a ConfigError naming them all) unless `allow_change`. Returns the lines."""
@@ -363,9 +370,10 @@ def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: boo
     with open(path) as f:
         saved = json.load(f)
     lines, refused = [], []
+    given = [str(a).split("=", 1)[0] for a in current.get("command", [])]
     for name, old, new in differences(saved, current):
         section, _, key = name.partition(".")
-        label = f"--{key}" if section == "arguments" else name
+        label = flag_as_given(key, given) if section == "arguments" else name
         lines.append(f"resume changes {label}: {old!r} -> {new!r}")
         if name in FIXED:
             refused.append(f"{label} ({FIXED[name]}: {old!r} -> {new!r})")
