@@ -197,3 +197,19 @@ def test_upgrade_of_a_current_but_damaged_checkpoint_says_it_cannot_repair_it(tm
     assert main(["upgrade", str(checkpoint)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not complete" in err and err.count("\n") == 1
+
+
+def test_a_damaged_run_autoencoder_is_called_damaged_not_another_one(trained, tmp_path):
+    args, out = trained
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    weights_file = next(p for p in (copy / "vqvae").iterdir() if p.suffix == ".safetensors")
+    data = bytearray(weights_file.read_bytes())
+    data[-3] ^= 0x01  # one weight's bytes, the size unchanged
+    weights_file.write_bytes(bytes(data))
+    result = run_entry(SCRIPT, args + ["--max_train_steps", "3", "--output_dir", str(copy), "--resume_from_checkpoint",
+                                       "latest"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "damaged or modified after it was written" in error, error
+    assert f"{weights_file.name} does not match its checksum" in error and "--vae_name_or_path" not in error

@@ -32,10 +32,12 @@ import sys
 from ldm.checkpoint.background import FileJob, HostBuffers
 from ldm.checkpoint.run_folder import (
     LEGACY_STATE_FILE,
+    MANIFEST,
     TEMP_PREFIX,
     VAE_FOLDER,
     CheckpointError,
     atomic_folder,
+    checkpoint_problem,
     write_manifest,
 )
 from ldm.checkpoint.serialization import (
@@ -177,6 +179,7 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
     def write() -> None:
         if os.path.isfile(os.path.join(folder, "config.json")):
             refuse_pickles(folder, "autoencoder")
+            check_own_autoencoder(folder)
             if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
                 raise CheckpointError(
                     f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
@@ -184,9 +187,21 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
         else:
             with atomic_folder(folder) as temp, writes_failing_as_os_errors(folder):
                 vae.save_pretrained(temp, safe_serialization=True)
+                write_manifest(temp)  # its digest: a damaged or modified copy is told apart from another model
 
     run_dir.dist.from_main(write)
     return folder
+
+
+def check_own_autoencoder(folder: str) -> None:
+    """The run's own `vqvae/` as the run wrote it, checked against its manifest (runs before manifests: unchecked)."""
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        return
+    problem = checkpoint_problem(folder)
+    if problem is not None:
+        raise CheckpointError(
+            f"{folder}, the frozen autoencoder this run wrote, was damaged or modified after it was written "
+            f"({problem}): restore it from a copy, or start the run anew with the autoencoder it was made from")
 
 
 def recorded_autoencoder_folder(path: str) -> str | None:
@@ -216,7 +231,10 @@ def checkpoint_autoencoder(path: str):
     return vae
 
 
-def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, source: str) -> None:
+def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, source: str,
+                      folder: str | None = None) -> None:
+    """`identity` (the autoencoder of `source`, a description; `folder`: its folder when `source` is not one) against
+    the one `checkpoint` `recorded`."""
     if recorded is None:  # written before checkpoints recorded it
         logger.warning("%s does not record which autoencoder it was trained with: make sure %s is that one",
                        checkpoint, source)
@@ -225,6 +243,10 @@ def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, so
         changed = " and ".join(k.split("_")[0] for k in ("config_sha256", "weights_sha256")
                                if recorded.get(k) != identity.get(k))
         own = recorded_autoencoder_folder(checkpoint)
+        if own is not None and os.path.realpath(own) == os.path.realpath(folder or source):
+            check_own_autoencoder(own)  # damaged: says so
+            raise CheckpointError(f"{source}, the autoencoder {checkpoint} was trained with, was modified after the "
+                                  f"run wrote it (its {changed} differ): restore it from a copy")
         way_out = f"; the run's own is {own}: pass --vae_name_or_path {own}" if own else ""
         raise CheckpointError(f"{checkpoint} was trained with another autoencoder than {source} (its {changed} "
                               f"differ): the UNet learned that autoencoder's latents{way_out}")

@@ -260,7 +260,7 @@ class TextToImage(Objective):
         if self.init_source:
             logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", checkpoint, self.init_source)
         check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
-                          f"this run's autoencoder ({self.components.vae_source})")
+                          f"this run's autoencoder ({self.components.vae_source})", self.components.vae_source)
 
     def start(self, run_dir):
         self.vae_folder = write_frozen_autoencoder(run_dir, self.components.vae, self.vae_identity)
