@@ -309,3 +309,75 @@ def test_a_pipeline_with_a_part_missing_its_weights_is_one_line(tmp_path):
     (folder / "bert" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="bert holds no weights .only config.json."):
         load_for_inference(str(folder))
+
+
+def split_in_shards(part_folder, stem: str, variant: str = "") -> None:
+    """`stem.safetensors` of a part split in two shards with an index, as diffusers' `save_pretrained(...,
+    max_shard_size=...)` writes them (with `variant`, its `variant=` naming: `stem.safetensors.index.fp16.json`)."""
+    from safetensors.numpy import load_file, save_file
+
+    infix = f".{variant}" if variant else ""
+    whole = part_folder / f"{stem}{infix}.safetensors"
+    state = load_file(str(whole))
+    whole.unlink()
+    names = sorted(state)
+    weight_map = {}
+    for number, half in enumerate((names[: len(names) // 2], names[len(names) // 2:]), 1):
+        file = f"{stem}-{number:05d}-of-00002{infix}.safetensors"
+        save_file({n: state[n] for n in half}, str(part_folder / file), metadata={"format": TORCH_FORMAT})
+        weight_map.update({n: file for n in half})
+    total = sum(v.nbytes for v in state.values())
+    (part_folder / f"{stem}.safetensors.index{infix}.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def test_diffusers_folders_in_shards_and_in_variants_load_as_the_whole_one(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    from ldm.models.torch_layout import VARIANT_VARIABLE
+    from ldm.runtime.errors import UserError
+
+    source = FIXTURES / "diffusers-safetensors"
+    expected = load_for_inference(str(source))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(source, sharded)
+    split_in_shards(sharded / "unet", "diffusion_pytorch_model")
+    split_in_shards(sharded / "bert", "model")
+    got = load_for_inference(str(sharded))
+    for ours, theirs in zip(got[:3], expected[:3], strict=True):
+        for name, value in theirs.state_dict().items():
+            np.testing.assert_array_equal(ours.state_dict()[name].numpy(), value.numpy(), err_msg=name)
+
+    variant = tmp_path / "variant"  # fp16 weights only, as `save_pretrained(variant="fp16")` writes them
+    shutil.copytree(source, variant)
+    for part, stem in (("unet", "diffusion_pytorch_model"), ("vqvae", "diffusion_pytorch_model"), ("bert", "model")):
+        whole = variant / part / f"{stem}.safetensors"
+        save_file({n: v.astype(np.float16) for n, v in load_file(str(whole)).items()},
+                  str(variant / part / f"{stem}.fp16.safetensors"), metadata={"format": TORCH_FORMAT})
+        whole.unlink()
+    split_in_shards(variant / "unet", "diffusion_pytorch_model", "fp16")  # and in shards too
+    unet = load_for_inference(str(variant))[0]
+    reference = expected[0].conv_in.weight.numpy()
+    np.testing.assert_allclose(unet.conv_in.weight.numpy(), reference, rtol=1e-3, atol=1e-4)
+
+    # two variants and no plain weights: one line saying how to choose; the choice is read
+    shutil.copy(variant / "vqvae" / "diffusion_pytorch_model.fp16.safetensors",
+                variant / "vqvae" / "diffusion_pytorch_model.ema.safetensors")
+    with pytest.raises(UserError, match=f"holds the weight variants ema, fp16 .*{VARIANT_VARIABLE}=ema"):
+        load_for_inference(str(variant))
+    monkeypatch.setenv(VARIANT_VARIABLE, "fp16")
+    assert load_for_inference(str(variant))[2].config.block_out_channels == [8, 16]
+    monkeypatch.setenv(VARIANT_VARIABLE, "bf16")
+    with pytest.raises(UserError, match="holds no such variant"):
+        load_for_inference(str(variant))
+
+
+def test_a_part_folder_that_is_a_symlink_loop_is_one_line(tmp_path):
+    from ldm.runtime.errors import UserError
+
+    folder = tmp_path / "pipeline"
+    shutil.copytree(FIXTURES / "diffusers-safetensors", folder)
+    shutil.rmtree(folder / "unet")
+    (folder / "unet").symlink_to(folder / "unet")
+    with pytest.raises(UserError, match=r"unet: cannot be read as a model folder \(Too many levels"):
+        load_for_inference(str(folder))

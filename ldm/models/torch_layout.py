@@ -26,7 +26,9 @@ from ldm.runtime.errors import UserError
 TORCH_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin",
                       "pytorch_model.bin")
 TORCH_FORMAT = "pt"  # the safetensors metadata diffusers and transformers write; ours say "pd" or "np"
-
+# Which variant to read (diffusers' `variant`: `diffusion_pytorch_model.fp16.safetensors`) when a folder holds
+# several and no plain weights: LDM_WEIGHTS_VARIANT=fp16. One variant alone is read without being asked.
+VARIANT_VARIABLE = "LDM_WEIGHTS_VARIANT"
 
 class TorchLayoutError(UserError, ValueError):
     """A PyTorch-layout part that cannot be loaded: unreadable, or not the architecture its config describes."""
@@ -43,18 +45,81 @@ def safetensors_format(path: str) -> str | None:
         return None
 
 
-def torch_weights_file(folder: str) -> str | None:
-    """The PyTorch-layout weights of a part folder, if it holds such (a `model.safetensors` may also be Paddle's:
-    told apart by the format its metadata names)."""
+def _variant_name(name: str, variant: str) -> str:
+    """diffusers' `_add_variant`: the variant before the last extension (`model.safetensors` ->
+    `model.fp16.safetensors`, `model.safetensors.index.json` -> `model.safetensors.index.fp16.json`)."""
+    stem, extension = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{extension}" if variant else name
+
+
+def _index_files(index: str) -> list[str]:
+    """The files a Hugging Face shard index names (its `weight_map`), as paths beside it."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TorchLayoutError(f"{index}: not a readable shard index ({e})") from None
+    files = [os.path.join(os.path.dirname(index), name) for name in names]
+    missing = [name for name, path in zip(names, files, strict=True) if not os.path.isfile(path)]
+    if missing:
+        raise TorchLayoutError(f"{index} names {', '.join(missing[:3])}, which is not there: copy the whole folder "
+                               "again")
+    return files
+
+
+def _torch_files(folder: str, variant: str) -> list[str] | None:
+    """The PyTorch-layout weights of `folder` under `variant` ("" for the plain ones): one file, or the shards an
+    index names; None when it holds none."""
     for name in TORCH_WEIGHT_FILES:
-        path = os.path.join(folder, name)
+        path = os.path.join(folder, _variant_name(name, variant))
         if os.path.isfile(path) and (name.endswith(".bin") or safetensors_format(path) == TORCH_FORMAT):
-            return path
+            return [path]
+        index = os.path.join(folder, _variant_name(f"{name}.index.json", variant))
+        if os.path.isfile(index):
+            files = _index_files(index)
+            if name.endswith(".bin") or all(safetensors_format(f) == TORCH_FORMAT for f in files):
+                return files
     return None
 
 
+def variants(folder: str) -> list[str]:
+    """The weight variants a part folder holds (`fp16` of `diffusion_pytorch_model.fp16.safetensors`)."""
+    found = set()
+    for entry in os.listdir(folder):
+        for name in TORCH_WEIGHT_FILES:
+            for form in (name, f"{name}.index.json"):
+                stem, extension = form.rsplit(".", 1)
+                if entry.startswith(stem + ".") and entry.endswith("." + extension) and entry != form:
+                    variant = entry[len(stem) + 1:-len(extension) - 1]
+                    if variant and "." not in variant and "-of-" not in variant:
+                        found.add(variant)
+    return sorted(found)
+
+
+def torch_weights_files(folder: str) -> list[str] | None:
+    """The PyTorch-layout weights of a part folder, if it holds such: one file or the shards of an index (diffusers'
+    `max_shard_size`), the plain weights or else a variant (a `model.safetensors` may also be Paddle's: told apart
+    by the format its metadata names)."""
+    chosen = os.environ.get(VARIANT_VARIABLE, "")
+    if chosen:
+        files = _torch_files(folder, chosen)
+        if files is None and os.path.isdir(folder) and chosen not in variants(folder):
+            raise TorchLayoutError(f"{VARIANT_VARIABLE}={chosen}: {folder} holds no such variant (it holds "
+                                   f"{', '.join(variants(folder)) or 'none'})")
+        if files is not None:
+            return files
+    plain = _torch_files(folder, "")
+    if plain is not None or not os.path.isdir(folder):
+        return plain
+    held = [v for v in variants(folder) if _torch_files(folder, v) is not None]
+    if len(held) > 1:
+        raise TorchLayoutError(f"{folder} holds the weight variants {', '.join(held)} and no plain weights: choose "
+                               f"one with {VARIANT_VARIABLE}={held[0]}")
+    return _torch_files(folder, held[0]) if held else None
+
+
 def is_torch_layout(folder: str) -> bool:
-    return torch_weights_file(folder) is not None
+    return torch_weights_files(folder) is not None
 
 
 def read_torch_weights(path: str) -> dict[str, np.ndarray]:
@@ -107,11 +172,15 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
 
 def load_torch_layout(model_class, folder: str):
     """A ppdiffusers or PaddleNLP model from a part folder in PyTorch's layout."""
-    path = torch_weights_file(folder)
-    if path is None:
+    files = torch_weights_files(folder)
+    if files is None:
         raise TorchLayoutError(f"{folder}: no PyTorch weights ({', '.join(TORCH_WEIGHT_FILES)})")
     model = _build(model_class, folder)
-    set_torch_state(model, read_torch_weights(path), path, f"{folder}/config.json")
+    state: dict[str, np.ndarray] = {}
+    for path in files:
+        state.update(read_torch_weights(path))
+    set_torch_state(model, state, files[0] if len(files) == 1 else f"{folder} ({len(files)} shards)",
+                    f"{folder}/config.json")
     return model
 
 
@@ -119,6 +188,13 @@ def load_pretrained(model_class, folder: str):
     """A part from its folder in either layout: PyTorch's here, Paddle's by the library's `from_pretrained`. A folder
     with no weights file at all (a half-copied or half-converted pipeline) is said to be so, not left to the library
     (whose message names only its own file names)."""
+    if not os.path.isdir(folder):  # a symlink loop, a dangling link, a file: one line, not the library's search
+        try:
+            os.stat(folder)
+            why = "not a folder"
+        except OSError as e:
+            why = e.strerror or str(e)
+        raise TorchLayoutError(f"{folder}: cannot be read as a model folder ({why})")
     if is_torch_layout(folder):
         return load_torch_layout(model_class, folder)
     if os.path.isdir(folder) and not any(name.endswith((".safetensors", ".bin", ".pdparams", ".index.json"))
