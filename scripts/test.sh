@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the whole test suite: bash scripts/test.sh [pytest arguments]
-# Two test processes (pytest-xdist) by default: most tests wait on a training subprocess's Paddle import
+# Three test processes (pytest-xdist) by default: most tests wait on a training subprocess's Paddle import
 # or on a launched pair of ranks, so two at once take less time on 2 cores (docs/benchmarks.md).
 # TEST_PROCESSES=0 runs everything in this process (and shows the output of print-debugging).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
 cd "$ROOT"
-exec "$PYTHON" -m pytest -n "${TEST_PROCESSES:-2}" --dist worksteal "$@"
+exec "$PYTHON" -m pytest -n "${TEST_PROCESSES:-3}" --dist worksteal "$@"

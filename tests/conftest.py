@@ -57,3 +57,14 @@ def metrics_lines(folder) -> list[dict]:
 
     lines = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
     return [line for line in lines if not any(key.startswith("checkpoint/") for key in line)]
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with the most long tests (marked slow or distributed) first, each kept whole so its module
+    fixtures are set up once: pytest-xdist's workers start on the long tests and the short ones fill the end,
+    rather than one long test running alone while the other workers wait (alphabetical order put the soak last)."""
+    from collections import Counter
+
+    weight = Counter(item.module.__name__ for item in items
+                     if item.get_closest_marker("slow") or item.get_closest_marker("distributed"))
+    items.sort(key=lambda item: -weight[item.module.__name__])

@@ -245,8 +245,9 @@ def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, so
         own = recorded_autoencoder_folder(checkpoint)
         if own is not None and os.path.realpath(own) == os.path.realpath(folder or source):
             check_own_autoencoder(own)  # damaged: says so
-            raise CheckpointError(f"{source}, the autoencoder {checkpoint} was trained with, was modified after the "
-                                  f"run wrote it (its {changed} differ): restore it from a copy")
+            raise CheckpointError(f"{source}, the autoencoder {checkpoint} was trained with, no longer holds it (its "
+                                  f"{changed} differ: modified or replaced after the run wrote it): restore it from a "
+                                  "copy")
         way_out = f"; the run's own is {own}: pass --vae_name_or_path {own}" if own else ""
         raise CheckpointError(f"{checkpoint} was trained with another autoencoder than {source} (its {changed} "
                               f"differ): the UNet learned that autoencoder's latents{way_out}")
