@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite: bash scripts/test.sh [pytest arguments]
 # Three test processes (pytest-xdist) by default: most tests wait on a training subprocess's Paddle import
-# or on a launched pair of ranks, so two at once take less time on 2 cores (docs/benchmarks.md).
+# or on a launched pair of ranks, so three at once take less time on 2 cores than one or two (docs/benchmarks.md).
 # TEST_PROCESSES=0 runs everything in this process (and shows the output of print-debugging).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

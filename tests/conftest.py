@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -44,10 +45,26 @@ def no_loader_left_behind():
 
 @pytest.fixture(scope="session")
 def img2dataset_corpus(tmp_path_factory):
-    """The img2dataset corpus of tests/img2dataset_corpus.py (tars and parquets), downloaded once per session."""
+    """The img2dataset corpus of tests/img2dataset_corpus.py (tars and parquets), downloaded once per run of the
+    suite: the first pytest-xdist worker that needs it builds it under a file lock in the run's temporary folder,
+    the others read it there (the tests only read it; each worker built its own before, 15-20 s each)."""
+    import pickle
+
+    from filelock import FileLock
     from img2dataset_corpus import build
 
-    return build(tmp_path_factory.mktemp("img2dataset"))
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's, above each worker's own folder
+    made = shared / "img2dataset.pkl"
+    with FileLock(str(shared / "img2dataset.lock")):
+        if made.is_file():
+            return pickle.loads(made.read_bytes())
+        folder = shared / "img2dataset"
+        folder.mkdir()
+        paths = build(folder)
+        made.write_bytes(pickle.dumps(paths))
+    return paths
 
 
 def metrics_lines(folder) -> list[dict]:

@@ -51,5 +51,18 @@ def tiny_pipeline(folder: str) -> str:
                            os.path.join(folder, "ppdiffusers"))
 
 
+def plant_code(weights_file, key: str, marker) -> None:
+    """Replace a torch `.bin` by one whose unpickling runs `echo PWNED > marker`: what a malicious download holds."""
+    import pickle
+    import zipfile
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"echo PWNED > {marker}",)
+
+    with zipfile.ZipFile(weights_file, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({key: Payload()}, protocol=2))
+
+
 if __name__ == "__main__":
     print(tiny_pipeline(sys.argv[1]))

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import sys
-import zipfile
 
 import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
-from interop_models import MAX_LENGTH, PROMPT, tiny_pipeline
+from interop_models import MAX_LENGTH, PROMPT, plant_code, tiny_pipeline
 
 from ldm.checkpoint.run_folder import CheckpointError
 from ldm.inference.compvis import CompVisError, split_checkpoint
@@ -121,13 +119,7 @@ def test_a_bin_that_carries_code_is_refused_before_it_runs(tmp_path):
     folder = tmp_path / "pipeline"
     shutil.copytree(FIXTURES / "diffusers-bin", folder)
     marker = tmp_path / "PWNED"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"echo PWNED > {marker}",)
-
-    with zipfile.ZipFile(folder / "bert" / "pytorch_model.bin", "w") as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps({"model.embed_tokens.weight": Payload()}, protocol=2))
+    plant_code(folder / "bert" / "pytorch_model.bin", "model.embed_tokens.weight", marker)
     with pytest.raises(CheckpointError, match="a pickle can run code"):
         load_for_inference(str(folder))
     assert not marker.exists()

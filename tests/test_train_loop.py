@@ -1113,19 +1113,12 @@ def test_a_resume_keeps_the_checkpoints_seed_unless_one_is_given(corpus, tmp_pat
 
 
 def test_a_bin_carrying_code_given_to_init_from_checkpoint_is_one_line_and_never_runs(corpus, tmp_path):
-    import pickle
-    import zipfile
+    from interop_models import plant_code
 
     folder = tmp_path / "pipeline"
     shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "interop", "diffusers-bin"), folder)
     marker = tmp_path / "PWNED"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"echo PWNED > {marker}",)
-
-    with zipfile.ZipFile(folder / "unet" / "diffusion_pytorch_model.bin", "w") as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps({"conv_in.weight": Payload()}, protocol=2))
+    plant_code(folder / "unet" / "diffusion_pytorch_model.bin", "conv_in.weight", marker)
     result = run(corpus + ["--max_train_steps", "1", "--init_from_checkpoint", str(folder), "--vae_name_or_path",
                            str(folder), "--output_dir",
                            str(tmp_path / "run")])
