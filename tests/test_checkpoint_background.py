@@ -73,6 +73,29 @@ def test_the_snapshot_is_a_copy_into_buffers_reused_from_save_to_save():
     assert buffers.nbytes == 12 * 4 + 4
 
 
+def test_buffers_are_carved_from_the_pool_reserved_at_start_then_allocated(tmp_path):
+    """The first snapshot copies into memory touched at the start of the run (the pool), aligned; what does not fit
+    is allocated as before; the written file is the same either way."""
+    state = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 5), np.float16), "c": np.zeros(400, np.float64)}
+    buffers = HostBuffers()
+    buffers.reserve(256)
+    assert buffers.reserved == 256
+    take = buffers.taker("state")
+    taken = {key: take(key, value) for key, value in state.items()}
+    pool = buffers._pool
+    assert np.shares_memory(taken["a"], pool) and np.shares_memory(taken["b"], pool)  # 40 + 30 bytes, aligned
+    assert taken["b"].ctypes.data % HostBuffers.ALIGN == 0
+    assert not np.shares_memory(taken["c"], pool)  # 3,200 bytes: past the pool, allocated
+    for key, value in state.items():
+        np.testing.assert_array_equal(taken[key], value)
+    assert take("a", state["a"] + 1) is taken["a"]  # reused at the next save
+    write_safetensors(str(tmp_path / "pooled.safetensors"), taken)
+    save_file(state, str(tmp_path / "reference.safetensors"))
+    assert all(np.array_equal(load_file(str(tmp_path / "pooled.safetensors"))[k], v)
+               for k, v in {**state, "a": state["a"] + 1}.items())
+    assert HostBuffers(copy=False).reserved == 0  # nothing reserved where nothing is copied
+
+
 def test_a_state_dealt_among_ranks_is_whole_again_when_read(tmp_path):
     """Each rank writes the arrays of its share and the whole structure: the union is the state."""
     from ldm.checkpoint.format import share_out

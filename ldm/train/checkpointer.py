@@ -220,6 +220,17 @@ class PendingSave:
         return (self.sealed_at or time.perf_counter()) - self.written_from
 
 
+def snapshot_bytes(memory: dict, rank: int, world_size: int) -> int:
+    """The host memory rank `rank`'s snapshot takes, from the run's memory record (`ldm.train.memory`): its share of
+    the weights (every rank writes 1/world of them), of the optimizer state and of the EMA (its own shard where they
+    are sharded, else 1/world of the replicated whole)."""
+    mine = memory["ranks"][rank]
+    sharded = memory.get("sharding_degree", 1) > 1
+    weights = mine["weights"] // world_size
+    kept = mine["optimizer"] + mine["ema"]
+    return weights + (kept if sharded else kept // world_size)
+
+
 class Checkpointer:
     def __init__(self, run_dir: RunFolder, dist: Distributed, objective: Objective, *, save_steps: int,
                  parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
@@ -243,6 +254,11 @@ class Checkpointer:
             self.parts[EMA] = ema_part(objective.ema)
         self.async_save = async_save
         self.buffers = HostBuffers(copy=async_save)  # the snapshot's, reused from save to save
+        if async_save and record and record.get("memory"):
+            reserved = snapshot_bytes(record["memory"], dist.rank, dist.world_size)
+            self.buffers.reserve(reserved)
+            logger.info("asynchronous saves: %.2f GiB of host memory per rank for the checkpoint snapshot, reserved "
+                        "now (the first save then stalls as briefly as the later ones)", reserved / 2**30)
         self.writer = BackgroundWriter()
         self.pending: PendingSave | None = None
         self.sealed: PendingSave | None = None  # the newest save this run completed
