@@ -114,6 +114,8 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
 
     assert LDMTextToImagePipeline.from_pretrained(str(out / "pipeline")).unet.config.sample_size == 8
     assert modes_not_as_umask_says(out) == []  # checkpoints, pipeline, images: readable as mkdir/open make them
+    assert re.search(r"asynchronous saves: \d+\.\d\d GiB of host memory per rank for the checkpoint snapshot, "
+                     r"reserved now", result.stderr)
 
     from visualdl import LogReader
 
