@@ -7,7 +7,7 @@ that `paddle.distributed.launch` can start (it takes a script path, not a module
 
 import sys
 
-from ldm.data.tools import main
+from ldm.prepare.tools import main
 
 if __name__ == "__main__":
     sys.exit(main(["encode", *sys.argv[1:]]))

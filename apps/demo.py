@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from ldm.data.synth import caption
+from ldm.prepare.synth import caption
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.tracking import read_scalars
 

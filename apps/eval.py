@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ldm.data.synth import COLOURS, SHAPES, caption
+from ldm.prepare.synth import COLOURS, SHAPES, caption
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.errors import UserError
 
@@ -125,7 +125,7 @@ def eval_prompts() -> list[str]:
 
 def corpus_reference(num_images: int, resolution: int, seed: int = 12345) -> dict:
     """The classifier on real corpus images (records the demo never trained on)."""
-    from ldm.data.synth import record
+    from ldm.prepare.synth import record
 
     captions, readings = [], []
     for i in range(num_images):
@@ -181,9 +181,9 @@ def evaluate_autoencoder(vae, *, resolution: int, num_images: int = 200, seed: i
 
     from ldm.checkpoint.format import refuse_pickles
     from ldm.data.dataset import to_pixel_values
-    from ldm.data.synth import record
     from ldm.inference.sampling import image_grid
     from ldm.models.autoencoder import reconstruct
+    from ldm.prepare.synth import record
 
     folder = vae if isinstance(vae, str) else None
     if folder:

@@ -28,8 +28,8 @@ import paddle.nn.functional.conv as conv
 from bench_train import bare_step_seconds, seconds_per_call
 
 from ldm.config.args import DataArguments, ModelArguments, SamplingArguments
-from ldm.data.synth import synth_corpus
 from ldm.models.autoencoder import AutoencoderTraining
+from ldm.prepare.synth import synth_corpus
 from ldm.runtime.cpu import choose_mkl_kernels, cpu_identity
 from ldm.runtime.device import use_fast_cpu_kernels
 from ldm.train import setup

@@ -32,8 +32,8 @@ import sys
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from ldm.data.tools import main as data_main
-from ldm.data.write import ShardWriter, encode_image, record_line, write_img2dataset_parquet, write_webdataset
+from ldm.prepare.tools import main as data_main
+from ldm.prepare.write import ShardWriter, encode_image, record_line, write_img2dataset_parquet, write_webdataset
 from ldm.runtime.cli import ToolParser
 
 

@@ -42,7 +42,7 @@ def model_folder(work: str, width: int) -> str:
 def bench_args(work: str, width: int) -> list[str]:
     """The training flags the checkpoint benchmarks share: the cut-down 12-layer model (`model_folder`) on a
     synthetic corpus of 64 records made in `work`, batch 1 at 64 px, EMA on, no trackers."""
-    from ldm.data.synth import synth_corpus
+    from ldm.prepare.synth import synth_corpus
 
     listing = synth_corpus(os.path.join(work, "corpus"), 64, resolution=64, seed=0, records_per_shard=16)
     return ["--pretrained_model_name_or_path", model_folder(work, width), "--allow_untrained_vae", "--file_list",

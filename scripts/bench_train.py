@@ -31,7 +31,7 @@ import numpy as np
 import paddle
 
 from ldm.config.args import DataArguments, LoopArguments, ModelArguments, SamplingArguments
-from ldm.data.synth import synth_corpus
+from ldm.prepare.synth import synth_corpus
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.device import use_fast_cpu_kernels
 from ldm.runtime.tracking import read_scalars
@@ -140,7 +140,7 @@ def main() -> None:
 
 def encode(listing: str, vae: str, resolution: int, folder: str) -> str:
     """The corpus encoded by the autoencoder `vae` (`python -m ldm.data encode`); returns its file list."""
-    from ldm.data.tools import main as data_tool
+    from ldm.prepare.tools import main as data_tool
 
     out = os.path.join(folder, "latents")
     code = data_tool(["encode", "--file_list", listing, "--vae_name_or_path", vae, "--output_dir", out,

@@ -109,7 +109,7 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
     """(list of filelists, tokenizer folder, every record as (shard path, line)) of a captioned-shapes corpus."""
     from ldm.data.filelist import read_file_list
     from ldm.data.readers import count_records
-    from ldm.data.synth import synth_corpus
+    from ldm.prepare.synth import synth_corpus
 
     # shapes on canvases of random aspect ratios: segments in aspect-ratio buckets have several to fill
     listing = synth_corpus(folder, records, resolution=32, seed=0, records_per_shard=per_shard, max_aspect_ratio=2.0)

@@ -12,7 +12,7 @@ import numpy as np
 import pybase64
 from PIL import Image
 
-from ldm.data.write import ShardWriter, encode_image, record_line
+from ldm.prepare.write import ShardWriter, encode_image, record_line
 
 
 def photo(width: int = 320, height: int = 240, seed: int = 0) -> Image.Image:

@@ -14,7 +14,7 @@ from ldm.checkpoint.serialization import load_state
 # What every training run and tool imports: the fork server imports it once, and each run starts as a fork
 # of that process instead of a new interpreter that spends 6-10 s importing Paddle, PaddleNLP and ppdiffusers.
 PRELOAD = ["paddle", "paddle.distributed", "paddlenlp.trainer", "ppdiffusers", "visualdl",
-           "ldm.train.loop", "ldm.train.trainer", "ldm.train.autoencoder", "ldm.data.tools"]
+           "ldm.train.loop", "ldm.train.trainer", "ldm.train.autoencoder", "ldm.prepare.tools"]
 _forkserver = None
 
 # `python -c FILE_SIZE_LIMIT BYTES SCRIPT ARGS...`: SCRIPT run with no file allowed past BYTES, a real failed write

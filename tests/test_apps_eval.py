@@ -5,7 +5,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
 from apps.eval import classify, corpus_reference, eval_prompts, parse_caption, score
-from ldm.data.synth import COLOURS, SHAPES, record
+from ldm.prepare.synth import COLOURS, SHAPES, record
 
 
 @pytest.mark.parametrize("resolution", [32, 64])

@@ -11,7 +11,6 @@ from entry import run_python
 
 from ldm.config.args import ArgumentError, DataArguments
 from ldm.data.record import ImageTransform
-from ldm.data.write import encode_image
 from ldm.models.buckets import (
     BucketError,
     area_kept,
@@ -22,6 +21,7 @@ from ldm.models.buckets import (
     parse_buckets,
 )
 from ldm.models.build import model_size_step
+from ldm.prepare.write import encode_image
 
 
 @pytest.mark.parametrize("resolution, step", [(256, 64), (512, 64), (1024, 64), (32, 8), (64, 8)])

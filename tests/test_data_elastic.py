@@ -245,7 +245,7 @@ def test_state_and_resume_stay_small_for_a_large_plan():
 def test_the_plan_from_a_checkpoint_is_what_the_resumed_run_reads(tmp_path, second):
     """`python -m ldm.data plan --from_checkpoint` (its function): the rest of the interrupted pass, per slot of
     the next layout (here another one, and the same), is exactly what that run then reads of the pass."""
-    from ldm.data.tools import resumed_slot_plan
+    from ldm.prepare.tools import resumed_slot_plan
 
     sizes = [9, 14, 5, 11]
     shards = [Shard(s.path, w) for s, w in zip(text_shards(tmp_path, sizes), [1.0, 2.0, 0.5, 1.0], strict=True)]
@@ -280,7 +280,7 @@ def test_another_seed_starts_the_next_pass_with_a_warning_and_other_shards_are_r
 
 def test_the_plan_command_reads_the_checkpoint_through_read_training_state(tmp_path, monkeypatch, capsys):
     import ldm.checkpoint.format
-    from ldm.data.tools import main, resumed_slot_plan
+    from ldm.prepare.tools import main, resumed_slot_plan
 
     shards = text_shards(tmp_path, [9, 4, 13, 6])
     (tmp_path / "f").write_text("".join(f"{s.path}\n" for s in shards))
@@ -354,7 +354,7 @@ def test_partly_filled_buckets_end_with_their_pass_as_counted_short_batches(tmp_
 
 @pytest.mark.parametrize("second", [(1, 3), (2, 2)])
 def test_the_plan_from_a_bucketed_checkpoint_lists_the_held_records(tmp_path, second):
-    from ldm.data.tools import resumed_slot_plan
+    from ldm.prepare.tools import resumed_slot_plan
 
     sizes = [9, 14, 5, 11]
     shards = text_shards(tmp_path, sizes)

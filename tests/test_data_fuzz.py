@@ -38,7 +38,7 @@ from ldm.data.record import REASONS, ImageTransform, SkipRecord, parse_record, s
 from ldm.data.shard import CHUNK, MAX_LINE_BYTES
 from ldm.data.tokenize import CaptionTokenizer, load_tokenizer
 from ldm.data.watchdog import raise_if_error
-from ldm.data.write import encode_image
+from ldm.prepare.write import encode_image
 from ldm.runtime.compat import stop_loader
 
 SEED = 20251123

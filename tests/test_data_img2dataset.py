@@ -28,7 +28,7 @@ from ldm.data.readers import Sample, count_records, iter_records
 from ldm.data.record import ImageTransform
 from ldm.data.shard import iter_lines
 from ldm.data.stream import SlotStream
-from ldm.data.tools import slot_plan
+from ldm.prepare.tools import slot_plan
 from ldm.runtime.compat import stop_loader
 
 

@@ -6,7 +6,7 @@ from corpus import GOOD_KINDS, bad_lines, decode, image_bytes, photo
 from PIL import Image
 
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, to_rgb
-from ldm.data.write import encode_image, record_line
+from ldm.prepare.write import encode_image, record_line
 
 
 @pytest.mark.parametrize("kind", GOOD_KINDS)

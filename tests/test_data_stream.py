@@ -350,9 +350,9 @@ def test_a_resume_over_an_edited_file_list_is_refused_unless_asked_and_plan_says
     """The data position is a position in the shard order it was made for: another set of shards is refused in one
     line (by training and by `plan --from_checkpoint`); asked for, the interrupted pass ends and pass 1 starts."""
     from ldm.checkpoint.serialization import save_state
-    from ldm.data import tools
     from ldm.data.dataset import DataChanged, rank_stream_state
     from ldm.data.filelist import shard_set
+    from ldm.prepare import tools
 
     listing = write_corpus(str(tmp_path / "corpus"), num_records=64, records_per_shard=8)
     extra = write_corpus(str(tmp_path / "more"), num_records=8, records_per_shard=8)
@@ -397,7 +397,7 @@ def test_a_resume_over_an_edited_file_list_is_refused_unless_asked_and_plan_says
 
 @pytest.mark.parametrize("what", ["run_folder", "pipeline", "missing", "pickle", "damaged"])
 def test_plan_from_something_that_is_no_checkpoint_is_one_line(tmp_path, what, capsys):
-    from ldm.data import tools
+    from ldm.prepare import tools
 
     listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
     target = tmp_path / what

@@ -9,7 +9,7 @@ from apps.eval import classify
 from ldm.data.filelist import read_file_list
 from ldm.data.record import ImageTransform, parse_record
 from ldm.data.shard import iter_lines
-from ldm.data.synth import record
+from ldm.prepare.synth import record
 
 
 def test_records_are_deterministic_and_captions_match_pixels():

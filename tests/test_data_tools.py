@@ -111,7 +111,7 @@ def test_convert_folder_tar_and_parquet(tmp_path):
 
 
 def test_convert_of_nothing_usable_or_into_a_used_folder_is_one_line_and_leaves_the_retry_free(tmp_path):
-    from ldm.data.tools import main
+    from ldm.prepare.tools import main
 
     tarfile.open(tmp_path / "empty.tar", "w").close()
     (tmp_path / "bad.gz").write_bytes(b"no tabs here\n" * 3)

@@ -14,7 +14,7 @@ from PIL import Image
 def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
     from apps.demo import SAMPLE_PROMPTS
     from apps.eval import parse_caption
-    from ldm.data.synth import COLOURS
+    from ldm.prepare.synth import COLOURS
 
     words = [parse_caption(prompt) for prompt in SAMPLE_PROMPTS]  # raises on any other wording
     assert sorted(colour for colour, _, _ in words) == sorted(COLOURS)

@@ -332,7 +332,7 @@ def test_fid_of_statistics_of_another_mode_or_weights_is_one_line(tmp_path, caps
 
 
 def test_stats_of_a_corpus_counts_its_bad_records(weights_file, images, tmp_path, capsys):
-    from ldm.data.write import ShardWriter, encode_image, record_line
+    from ldm.prepare.write import ShardWriter, encode_image, record_line
 
     with ShardWriter(str(tmp_path / "corpus"), "val", 10) as writer:
         for i in (0, 1):

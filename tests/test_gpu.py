@@ -65,8 +65,8 @@ def test_the_encoder_in_half_precision_stays_close_to_float32(dtype):
         pytest.skip("this card has no bf16")
     from ppdiffusers import AutoencoderKL
 
-    from ldm.data.encode import encode_moments
     from ldm.models.build import read_config, vae_folder
+    from ldm.prepare.encode import encode_moments
 
     paddle.seed(0)
     vae = AutoencoderKL.from_config(read_config(vae_folder("ldm-tiny")))

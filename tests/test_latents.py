@@ -14,13 +14,13 @@ from corpus import write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
-from ldm.data.encode import encode_moments, load_autoencoder
 from ldm.data.filelist import read_file_list
 from ldm.data.latents import from_bytes, parse_latent_record, to_bytes
 from ldm.data.record import ImageTransform, parse_record, sample_rng
 from ldm.data.shard import iter_lines
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.buckets import nearest_bucket
+from ldm.prepare.encode import encode_moments, load_autoencoder
 
 RESOLUTION = 32
 ENCODE = ["-m", "ldm.data", "encode"]
@@ -213,7 +213,7 @@ def test_a_done_log_cut_by_a_crash_loses_no_shard(corpus, vae, encoded, tmp_path
 
 
 def test_records_whose_moments_do_not_fit_the_stored_dtype_are_skipped_and_counted(tmp_path):
-    from ldm.data.encode import ShardWriters
+    from ldm.prepare.encode import ShardWriters
 
     meta = latents.LatentMeta("v", "float16", (1, 2, 1, 1), 8)
     (tmp_path / ".encode").mkdir()

@@ -106,7 +106,7 @@ def test_no_import_cycle_in_the_package():
 
 
 # bottom to top: each package may import only those before it (the order of the README's map)
-LAYERS = ["runtime", "models", "checkpoint", "data", "config", "inference", "evaluation", "train"]
+LAYERS = ["runtime", "models", "checkpoint", "data", "prepare", "config", "inference", "evaluation", "train"]
 COMMANDS = {"ldm.evaluate", "ldm.export", "ldm.generate", "ldm.plot"}  # `python -m ldm.X`: may use every package
 
 
@@ -123,7 +123,7 @@ def test_packages_depend_on_each_other_one_way_in_the_documented_order():
                     and package_of(m) in LAYERS and (package_of(t) not in LAYERS
                                                      or LAYERS.index(package_of(t)) > LAYERS.index(package_of(m))))
     assert upward == []
-    package_graph = {p: {package_of(t) for m, ts in graph.items() if package_of(m) == p
+    package_graph = {p: {package_of(t) for m, ts in graph.items() if package_of(m) == p and not m.endswith(".__main__")
                          for t in ts if package_of(t) != p} for p in LAYERS}
     assert cycles(package_graph) == []
 
@@ -170,3 +170,13 @@ def test_a_commands_help_is_printed_without_importing_paddle(module):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_the_data_library_stands_on_the_runtime_alone():
+    """The data path imports nothing of the model side: the corpus tools that do (encoding latents, reading a
+    checkpoint's data position) live above it, in `ldm.prepare`."""
+    graph = import_graph()
+    outside = sorted((m, t) for m, targets in graph.items() for t in targets
+                     if package_of(m) == "data" and not m.endswith(".__main__")
+                     and package_of(t) not in ("data", "runtime") and t != "ldm.models.buckets")
+    assert outside == []

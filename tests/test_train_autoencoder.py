@@ -9,7 +9,7 @@ from entry import run_entry
 from safetensors.numpy import load_file
 
 from ldm.data.dataset import to_pixel_values
-from ldm.data.synth import record, synth_corpus
+from ldm.prepare.synth import record, synth_corpus
 from ldm.runtime.tracking import read_scalars
 
 CONFIG = {"_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3, "latent_channels": 4,

@@ -243,7 +243,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
     tarfile.open(tmp_path / "empty.tar", "w").close()  # a valid tar of no members: 10,240 zero bytes
     (tmp_path / "f").write_text(f"{tmp_path / 'good' / 'train-00000.gz'}\nbad.gz\nempty.tar\n")
     (tmp_path / "list").write_text("f\n")
-    from ldm.data.tools import slot_plan
+    from ldm.prepare.tools import slot_plan
 
     # a seed whose second slot reads the bad shard: the first batch (slot 0's, taken before anything is written)
     # is good, and the failure comes once the run has written its folder
@@ -590,7 +590,7 @@ class PixelRegression(Objective):
 
 def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_path):
     from ldm.config.args import DataArguments, LoopArguments
-    from ldm.data.synth import synth_corpus
+    from ldm.prepare.synth import synth_corpus
     from ldm.train.loop import run
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
@@ -741,7 +741,7 @@ class PoisonedPixelRegression(PixelRegression):
 
 def pixel_run(tmp_path, objective, name, **loop_overrides):
     from ldm.config.args import DataArguments, LoopArguments, RunArguments
-    from ldm.data.synth import synth_corpus
+    from ldm.prepare.synth import synth_corpus
     from ldm.train.loop import run
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)

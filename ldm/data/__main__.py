@@ -1,5 +1,5 @@
 import sys
 
-from ldm.data.tools import main
+from ldm.prepare.tools import main
 
 sys.exit(main())

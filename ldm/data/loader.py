@@ -1,5 +1,5 @@
 """Running a Paddle DataLoader over the stream: its workers started safely, watched for stalls, stopped on
-every exit. Training (`ldm.train.batches`) and encoding (`ldm.data.encode`) both read through it."""
+every exit. Training (`ldm.train.batches`) and encoding (`ldm.prepare.encode`) both read through it."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ldm.data.tokenize import write_vocab
-from ldm.data.write import ShardWriter, encode_image, record_line
+from ldm.prepare.write import ShardWriter, encode_image, record_line
 
 COLOURS = {
     "red": (220, 30, 30),

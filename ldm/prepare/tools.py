@@ -19,8 +19,8 @@ from ldm.data.readers import ShardFormatError, folder_records, iter_records, ope
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, sample_rng
 from ldm.data.shard import ShardError, ShardMissing
 from ldm.data.stream import SlotStream, shard_error_reason
-from ldm.data.write import ShardWriter, record_line
 from ldm.models.buckets import add_bucket_flags
+from ldm.prepare.write import ShardWriter, record_line
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.device import VAE_DTYPES
 from ldm.runtime.errors import UserError
@@ -285,7 +285,7 @@ def bench(file_list: str, num_samples: int, resolution: int, rounds: int = 3, ag
     elif buckets:
         reference = real_path(file_list, None, batched=True)[2]
     elif meta is None and all(_is_text(s.path) for s in shards[:4]):
-        from ldm.data.naive import naive_samples
+        from ldm.prepare.naive import naive_samples
 
         def reference():
             return naive_samples([s.path for s in shards], resolution)
@@ -452,8 +452,8 @@ def cmd_convert(args) -> int:
 
 # -- encode ------------------------------------------------------------------------------------
 def cmd_encode(args) -> int:
-    from ldm.data.encode import encode_corpus
     from ldm.models.build import ModelSourceError
+    from ldm.prepare.encode import encode_corpus
     from ldm.runtime.distributed import exit_process, launched_world_size
 
     try:
@@ -469,7 +469,7 @@ def cmd_encode(args) -> int:
 
 # -- synth -------------------------------------------------------------------------------------
 def cmd_synth(args) -> None:
-    from ldm.data.synth import synth_corpus
+    from ldm.prepare.synth import synth_corpus
 
     listing = synth_corpus(args.output_dir, args.num_records, args.resolution, args.seed, args.records_per_shard,
                            args.format.upper(), progress=lambda it: tqdm(it, desc="synth", unit="rec"),
@@ -539,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_convert)
 
     p = sub.add_parser("encode", help="encode a corpus once with the frozen autoencoder into latent shards, which "
-                                      "training then reads instead of images (see ldm/data/encode.py)")
+                                      "training then reads instead of images (see ldm/prepare/encode.py)")
     p.add_argument("--file_list", required=True)
     p.add_argument("--vae_name_or_path", required=True,
                    help="the autoencoder the diffusion model will be trained with (folder or hub name)")
