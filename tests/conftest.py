@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the common umask, whatever the machine's: the tests of the modes of what is written then tell 0600 from 0644
+# (the runs forked for the tests inherit it from this process)
+os.umask(0o022)
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -60,7 +63,7 @@ def img2dataset_corpus(tmp_path_factory):
     with FileLock(str(shared / "img2dataset.lock")):
         if made.is_file():
             return pickle.loads(made.read_bytes())
-        folder = shared / "img2dataset"
+        folder = shared / f"img2dataset-{os.getpid()}"  # a worker whose build failed leaves its own folder
         folder.mkdir()
         paths = build(folder)
         made.write_bytes(pickle.dumps(paths))

@@ -381,3 +381,39 @@ def test_a_lock_of_another_host_with_a_lease_time_that_cannot_be_judged_says_how
     with pytest.raises(CheckpointError, match=says) as error:
         RunFolder(str(out), Distributed()).check(None, overwrite=False)
     assert f"if no run on node-17 uses this folder any more, remove {out / LOCK_NAME}" in str(error.value)
+
+
+def test_a_takeover_waits_a_bounded_time_for_a_lock_held_on_the_folder(tmp_path, monkeypatch):
+    """Something else holding a flock on the output folder (a `flock out/ cmd` wrapper) delays a takeover of a stale
+    lock by at most TAKEOVER_SECONDS, then it is one line; it never hangs the start."""
+    import fcntl
+
+    from ldm.checkpoint import lock
+
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    monkeypatch.setattr(lock, "TAKEOVER_SECONDS", 0.3)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match="another start has been taking over its stale .run.lock"):
+            RunFolder(str(out), Distributed()).check(None, overwrite=False)
+        assert time.monotonic() - started < 5
+    finally:
+        os.close(fd)
+    folder = RunFolder(str(out), Distributed())
+    assert folder.check(None, overwrite=False) is None  # the folder's lock released: taken over
+    folder.release()
+
+
+def test_written_folders_keep_a_shared_folders_setgid_bit(tmp_path):
+    from ldm.runtime.files import temporary_folder
+
+    shared = tmp_path / "project"
+    shared.mkdir()
+    shared.chmod(0o2775)
+    made = temporary_folder(str(shared), "x-")
+    assert os.stat(made).st_mode & 0o7777 == 0o2755  # umask 022 (conftest), the group's setgid kept

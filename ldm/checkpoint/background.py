@@ -22,6 +22,7 @@ refuses; a folder without a manifest is never a checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -32,6 +33,7 @@ import numpy as np
 from ldm.checkpoint.serialization import Written, write_bytes, write_safetensors
 
 RECEIPT_PREFIX = ".written-"
+logger = logging.getLogger("ldm.train")
 
 
 class HostBuffers:
@@ -58,8 +60,13 @@ class HostBuffers:
             return
 
         def fill() -> None:
-            pool = np.empty(nbytes, np.uint8)
-            pool[::4096] = 0  # one write a page: every page is faulted in now, not during the first snapshot
+            try:
+                pool = np.empty(nbytes, np.uint8)
+                pool[::4096] = 0  # one write a page: every page is faulted in now, not during the first snapshot
+            except MemoryError:  # the snapshot allocates as it goes, as without a reservation
+                logger.warning("could not reserve %.2f GiB of host memory for the checkpoint snapshot: the first "
+                               "save allocates it", nbytes / 2**30)
+                return
             self._pool = pool
 
         self._filling = threading.Thread(target=fill, name="checkpoint-host-buffers", daemon=True)

@@ -42,6 +42,7 @@ logger = logging.getLogger("ldm.train")
 LOCK_NAME = ".run.lock"
 RENEW_SECONDS = 30.0
 LEASE_SECONDS = 120.0
+TAKEOVER_SECONDS = 30.0
 
 
 class LockError(UserError, RuntimeError):
@@ -179,17 +180,35 @@ class RunLock:
 
     @contextlib.contextmanager
     def _takeover_guard(self):
-        """One takeover at a time in this folder (an exclusive `flock`, waited for)."""
+        """One takeover at a time in this folder: an exclusive `flock`, tried for up to TAKEOVER_SECONDS (a takeover
+        holds it for milliseconds; something else holding a lock on the folder must not hang the start)."""
         fd = None
         for path, flags in ((self.output_dir, os.O_RDONLY), (self.path + ".takeover", os.O_RDWR | os.O_CREAT)):
             try:
                 fd = os.open(path, flags, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                break
-            except OSError:  # NFS locks a folder opened read-only for nobody: the file next
-                if fd is not None:
+            except OSError:
+                continue
+            deadline = time.monotonic() + TAKEOVER_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        os.close(fd)
+                        raise FolderInUse(f"output_dir {self.output_dir}: another start has been taking over its "
+                                          f"stale {LOCK_NAME} for {TAKEOVER_SECONDS:.0f} s (or something else locks "
+                                          "the folder): try again") from None
+                    time.sleep(0.05)
+                except OSError:  # NFS locks a folder opened read-only for nobody: the file next
                     os.close(fd)
                     fd = None
+                    break
+            if fd is not None:
+                break
+        if fd is None:
+            logger.warning("%s: no file lock can be taken here (the filesystem refuses flock): two starters taking "
+                           "over a stale lock at the same instant are not told apart", self.output_dir)
         try:
             yield
         finally:

@@ -116,7 +116,7 @@ def config_flags(values: dict, path: str) -> list[str]:
     """The command-line spelling of a config file's values."""
     argv: list[str] = []
     for name, value in values.items():
-        if name == "config":  # read, it would be ignored: the command line names one file
+        if name == "config" and value is not None:  # read, it would be ignored: the command line names one file
             raise ConfigError(f"--config {path} names another config file ({value}): a config file holds flags, "
                               "not files to read; put every flag in one file")
         if value is None:

@@ -253,17 +253,27 @@ def _judge_kinds(outcomes: list[tuple[str, Exception | None]], file_list: str) -
 
 def _check_sample(sample: list[str], total: int, file_list: str, exists) -> list[str]:
     """The shards of `sample` that exist (those that could not be looked at left out)."""
-    missing, failed = [], []
+    missing, failed, refused = [], [], []
     for path in sample:
         try:
             if not exists(path):
                 missing.append(path)
-        except remote.StoreRefused as e:  # a misspelled bucket, wrong credentials: every shard would fail alike
-            raise FileListError(f"{file_list} names {path}, and {remote.bucket(path)} refuses it ({e.reason}): check "
-                                "the bucket's name and the store's credentials (docs/data-formats.md)") from None
+        except remote.StoreRefused as e:
+            if e.whole_store:  # a misspelled bucket, wrong keys: every shard would fail alike
+                raise FileListError(f"{file_list} names {path}, and {remote.bucket(path)} refuses it ({e.reason}): "
+                                    "check the bucket's name and the store's credentials (docs/data-formats.md)"
+                                    ) from None
+            refused.append((path, e))  # may be this object's alone (a 403 for a key the policy hides)
+            failed.append(path)
+            logger.warning("shard %s is refused: %s", path, e.reason)
         except OSError as e:
             failed.append(path)
             logger.warning("cannot look for shard %s: %s", path, e)
+    if refused and len(refused) == len(sample):  # every shard looked at: the credentials, not the objects
+        path, error = refused[0]
+        raise FileListError(f"{file_list} names {len(sample)} shard(s) looked at, and the store refuses every one (the "
+                            f"first: {path}: {error.reason}): check the store's credentials and permissions "
+                            "(docs/data-formats.md)")
     looked = len(sample) - len(failed)
     if looked and len(missing) == looked:
         raise FileListError(f"none of the {looked} shard(s) looked at of the {total} named by {file_list} "

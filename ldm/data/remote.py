@@ -39,15 +39,21 @@ class StoreRefused(OSError):
     credentials, access denied. Never retried; at start it ends the run (a typo in a bucket's name would otherwise
     cost every shard its retries). `reason`: the store's answer."""
 
-    def __init__(self, what: str, reason: str):
-        super().__init__(f"{what}: the store refuses it ({reason})")
-        self.reason = reason
+    def __init__(self, what: str, reason: str = "", whole_store: bool = False):
+        super().__init__(f"{what}: the store refuses it ({reason})" if reason else what)
+        self.what, self.reason, self.whole_store = what, reason, whole_store
+
+    def __reduce__(self):  # crosses ranks and worker queues as it is
+        return type(self), (self.what, self.reason, self.whole_store)
 
 
-# Error codes of S3's API (and of the stores that speak it) that no retry changes
-REFUSALS = {"NoSuchBucket", "InvalidBucketName", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
-            "AllAccessDisabled", "AccountProblem", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
-            "AuthorizationHeaderMalformed", "InvalidSecurity", "NotSignedUp"}
+# Error codes of S3's API (and of the stores that speak it) that no retry changes. The first set refuses every
+# object of the store alike (a misspelled bucket, wrong keys); the second may be one object's (a missing key reads
+# as 403 without the right to list the bucket, a policy may deny one prefix).
+WHOLE_STORE = {"NoSuchBucket", "InvalidBucketName", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+               "AllAccessDisabled", "AccountProblem", "ExpiredToken", "AuthorizationHeaderMalformed",
+               "InvalidSecurity", "NotSignedUp"}
+ONE_OBJECT = {"AccessDenied", "401", "403"}
 # botocore's credential errors, by name: raised before any request, so no answer code
 CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                      "UnauthorizedSSOTokenError", "ProfileNotFound", "InvalidConfigError"}
@@ -58,20 +64,21 @@ def _error_code(error: BaseException | None) -> str | None:
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
-def refusal(error: BaseException) -> str | None:
-    """What a store's lasting refusal says (`Code: message`), or None when `error` is not one."""
+def refusal(error: BaseException) -> tuple[str, bool] | None:
+    """What a store's lasting refusal says (`Code: message`) and whether it refuses the whole store alike, or None
+    when `error` is not one."""
     for e in (error, error.__cause__):
         if e is None:
             continue
         if type(e).__name__ in CREDENTIAL_ERRORS:
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no credentials'}"
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no credentials'}", True
         code = _error_code(e)
         if code in ("401", "403"):  # the answer to a HEAD request has no body to say more
-            return f"{code} Forbidden: the credentials are wrong or may not read it"
-        if code in REFUSALS:
-            return f"{code}: {str(e).splitlines()[0][:200]}"
+            return f"{code} Forbidden: the credentials are wrong or may not read it", False
+        if code in WHOLE_STORE or code in ONE_OBJECT:
+            return f"{code}: {str(e).splitlines()[0][:200]}", code in WHOLE_STORE
     if isinstance(error, PermissionError):
-        return f"PermissionError: {str(error).splitlines()[0][:200] if str(error) else 'access denied'}"
+        return f"PermissionError: {str(error).splitlines()[0][:200] if str(error) else 'access denied'}", False
     return None
 
 
@@ -158,7 +165,7 @@ def _retrying(what: str, action, attempts: int | None = None):
         except Exception as e:  # noqa: BLE001 - sorted below
             refused = refusal(e)
             if refused is not None:
-                raise StoreRefused(what, refused) from e
+                raise StoreRefused(what, *refused) from e
             if isinstance(e, PERMANENT) or isinstance(e, FileNotFoundError) and really_missing(e):
                 raise
             problem = describe(e.__cause__ if isinstance(e, FileNotFoundError) else e)
