@@ -53,7 +53,7 @@ class StoreRefused(OSError):
 WHOLE_STORE = {"NoSuchBucket", "InvalidBucketName", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                "AllAccessDisabled", "AccountProblem", "ExpiredToken", "AuthorizationHeaderMalformed",
                "InvalidSecurity", "NotSignedUp"}
-ONE_OBJECT = {"AccessDenied", "401", "403"}
+ONE_OBJECT = {"AccessDenied"}  # and a bare 401/403 (below)
 # botocore's credential errors, by name: raised before any request, so no answer code
 CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                      "UnauthorizedSSOTokenError", "ProfileNotFound", "InvalidConfigError"}

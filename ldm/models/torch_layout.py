@@ -103,19 +103,20 @@ def torch_weights_files(folder: str) -> list[str] | None:
     chosen = os.environ.get(VARIANT_VARIABLE, "")
     if chosen:
         files = _torch_files(folder, chosen)
-        if files is None and os.path.isdir(folder) and chosen not in variants(folder):
-            raise TorchLayoutError(f"{VARIANT_VARIABLE}={chosen}: {folder} holds no such variant (it holds "
-                                   f"{', '.join(variants(folder)) or 'none'})")
         if files is not None:
             return files
+        held = variants(folder) if os.path.isdir(folder) else []
+        if chosen not in held:
+            raise TorchLayoutError(f"{VARIANT_VARIABLE}={chosen}: {folder} holds no such variant (it holds "
+                                   f"{', '.join(held) or 'none'})")
     plain = _torch_files(folder, "")
     if plain is not None or not os.path.isdir(folder):
         return plain
-    held = [v for v in variants(folder) if _torch_files(folder, v) is not None]
+    held = {v: files for v in variants(folder) if (files := _torch_files(folder, v)) is not None}
     if len(held) > 1:
         raise TorchLayoutError(f"{folder} holds the weight variants {', '.join(held)} and no plain weights: choose "
-                               f"one with {VARIANT_VARIABLE}={held[0]}")
-    return _torch_files(folder, held[0]) if held else None
+                               f"one with {VARIANT_VARIABLE}={next(iter(held))}")
+    return next(iter(held.values()), None)
 
 
 def is_torch_layout(folder: str) -> bool:

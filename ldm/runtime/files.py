@@ -24,12 +24,12 @@ def umask() -> int:
     return mask
 
 
-def follow_umask(path: str, folder: bool = False) -> None:
+def follow_umask(path: str, folder: bool = False, mask: int | None = None) -> None:
     """Give `path` the mode `mkdir` or `open` would have given it: `tempfile` makes its files and folders for their
     owner alone (0600 / 0700), and renamed into place they would stay unreadable to a teammate or a serving
     account. A folder keeps its setgid bit (a shared project folder's group passes on); a filesystem that refuses
     the change (some FUSE and CIFS mounts) leaves the mode as it is."""
-    mask = umask()
+    mask = umask() if mask is None else mask
     try:
         mode = os.stat(path).st_mode
         os.chmod(path, (0o777 & ~mask) | mode & 0o7000 if folder else (0o666 | mode & 0o111) & ~mask)
@@ -41,12 +41,13 @@ def follow_umask_tree(folder: str) -> None:
     """`follow_umask` for `folder` and everything in it, before it is renamed into place: besides `tempfile`,
     safetensors writes its files for their owner alone too. Files linked from elsewhere (an upgrade keeps the
     original's files as hard links) keep the mode they have."""
+    mask = umask()
     for root, _, files in os.walk(folder):
-        follow_umask(root, folder=True)
+        follow_umask(root, folder=True, mask=mask)
         for name in files:
             path = os.path.join(root, name)
             if not os.path.islink(path) and os.stat(path).st_nlink == 1:
-                follow_umask(path)
+                follow_umask(path, mask=mask)
 
 
 def temporary_folder(parent: str, prefix: str) -> str:
