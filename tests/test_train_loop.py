@@ -364,7 +364,7 @@ def test_mixed_precision_this_device_cannot_run_falls_back_says_so_and_records_i
 
 
 def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpoint():
-    from ldm.train.loop import progress_target
+    from ldm.train.run import progress_target
 
     assert progress_target(3, 5, 2) == (5, "train")
     assert progress_target(3, 10**9, 100) == (100, "to checkpoint-100")  # the original recipe's 1e9 updates

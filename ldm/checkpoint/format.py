@@ -1,4 +1,4 @@
-"""What a training checkpoint holds, in formats that load without running code (writing: `ldm.train.checkpointer`).
+"""What a training checkpoint holds, in formats that load without running code (writing: `ldm.checkpoint.manager`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_folder`) holds:
   unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once
@@ -204,11 +204,11 @@ def check_own_autoencoder(folder: str) -> None:
             f"({problem}): restore it from a copy, or start the run anew with the autoencoder it was made from")
 
 
-def recorded_autoencoder_folder(path: str) -> str | None:
-    """The folder of the autoencoder checkpoint `path` was trained with (its run's `vqvae/`), if it is there."""
+def recorded_autoencoder_folder(path: str, model: dict | None = None) -> str | None:
+    """The folder of the autoencoder checkpoint `path` was trained with (its run's `vqvae/`), if it is there;
+    `model`: its model record, when read already (`read_model_record`)."""
     try:
-        with open(os.path.join(path, MODEL_JSON)) as f:
-            folder = os.path.normpath(os.path.join(path, json.load(f)["vae"]))
+        folder = os.path.normpath(os.path.join(path, (model or read_model_record(path))["vae"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return folder if os.path.isfile(os.path.join(folder, "config.json")) else None
@@ -253,9 +253,14 @@ def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, so
                               f"differ): the UNet learned that autoencoder's latents{way_out}")
 
 
-def recorded_autoencoder(path: str) -> dict | None:
+def read_model_record(path: str) -> dict:
+    """What a checkpoint records of its model (`ldm_model.json`: the autoencoder it was trained with)."""
     with open(os.path.join(path, MODEL_JSON)) as f:
-        return json.load(f).get("vae_identity")
+        return json.load(f)
+
+
+def recorded_autoencoder(path: str) -> dict | None:
+    return read_model_record(path).get("vae_identity")
 
 
 def load_ldm_weights(path: str, model) -> None:
@@ -344,7 +349,7 @@ def read_ema(path: str) -> dict | None:
 
 # -- training state ----------------------------------------------------------------------------------
 def read_training_state(folder: str) -> dict:
-    """Step, world size and per-rank states of a checkpoint (`ldm.train.checkpointer` writes them)."""
+    """Step, world size and per-rank states of a checkpoint (`ldm.checkpoint.manager` writes them)."""
     if not has_state(folder, TRAINING_STATE):
         refuse_pickles(folder)
         raise CheckpointError(f"{folder} has no {TRAINING_STATE}.json: not a training checkpoint")

@@ -8,7 +8,7 @@
       pipeline/ or vqvae/   the export at the end
 
 This module is the filesystem and nothing else: it imports nothing of `ldm` but the lock, and what goes into a
-checkpoint is decided elsewhere (`ldm.train.checkpointer`, `ldm.checkpoint.format`).
+checkpoint is decided elsewhere (`ldm.checkpoint.manager`, `ldm.checkpoint.format`).
 
 Rules:
 - Nothing is written before every input has been checked (`check` reads only): a failed start
@@ -59,6 +59,7 @@ from ldm.runtime.files import follow_umask_tree, temporary_folder
 logger = logging.getLogger("ldm.train")
 
 RUN_MARKER = "run.json"
+RUN_CONFIG = "run_config.json"  # a checkpoint's record of the run that wrote it (`ldm.config.record`)
 CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"

@@ -24,11 +24,11 @@ import subprocess
 import sys
 import time
 
+from ldm.checkpoint.run_folder import RUN_CONFIG
 from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.train")
 
-RUN_CONFIG = "run_config.json"  # a checkpoint's record of the run that wrote it
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A run changed halfway in these is another run: the weights, the latents or the target no longer fit.
@@ -239,23 +239,22 @@ TRAINER_TO_LOOP = {"per_device_train_batch_size": "train_batch_size", "max_steps
                    "weight_decay": "adam_weight_decay"}
 
 
-def recorded_seed(checkpoint: str) -> int | None:
-    """The --seed the run of `checkpoint` trained with, as its record says (either entry point's)."""
-    try:
-        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
-            groups = json.load(f).get("arguments", {})
-    except (OSError, ValueError, AttributeError):
-        return None
+def recorded_seed(record: dict | None) -> int | None:
+    """The --seed a checkpoint's run trained with, as its record (`run_config.json`) says (either entry point's)."""
+    groups = record.get("arguments", {}) if isinstance(record, dict) else {}
+    groups = groups if isinstance(groups, dict) else {}
     seeds = [group["seed"] for group in groups.values()
              if isinstance(group, dict) and isinstance(group.get("seed"), int)]
     return seeds[0] if seeds else None
 
 
-def resolve_seed(given: int | None, checkpoint: str | None) -> int:
-    """The run's seed: `given` (--seed on the command line or in --config); else, resuming, the checkpoint's, so the
-    interrupted pass goes on in its order; else the recipe's 23. A given seed that differs from the checkpoint's is
-    kept, with one warning: the interrupted pass ends there and the next starts in the new order."""
-    recorded = recorded_seed(checkpoint) if checkpoint else None
+def resolve_seed(given: int | None, resume) -> int:
+    """The run's seed: `given` (--seed on the command line or in --config); else, resuming (`resume`, the checkpoint's
+    `ldm.checkpoint.resume.Resume`), the checkpoint's, so the interrupted pass goes on in its order; else the recipe's
+    23. A given seed that differs from the checkpoint's is kept, with one warning: the interrupted pass ends there and
+    the next starts in the new order."""
+    recorded = recorded_seed(resume.record) if resume else None
+    checkpoint = resume.path if resume else None
     if given is None:
         if recorded is not None:
             logger.info("resuming %s with its seed %d", checkpoint, recorded)
@@ -362,13 +361,21 @@ def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: boo
     """Compare `checkpoint`'s record with this run's: every difference logged (one line each), those of
     `FIXED` refused (a ConfigError naming them all) unless `allow_change`. Returns the lines."""
     path = os.path.join(checkpoint, RUN_CONFIG)
-    if not os.path.isfile(path):
+    saved = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+    return compare_resume(checkpoint, saved, current, allow_change=allow_change, log=log)
+
+
+def compare_resume(checkpoint: str, saved: dict | None, current: dict, *, allow_change: bool,
+                   log: bool = True) -> list[str]:
+    """`check_resume` of a record read already (`saved`: None when the checkpoint has none)."""
+    if saved is None:
         if log:
             logger.warning("%s records no configuration (written before run records existed): nothing to compare",
                            checkpoint)
         return []
-    with open(path) as f:
-        saved = json.load(f)
     lines, refused = [], []
     given = [str(a).split("=", 1)[0] for a in current.get("command", [])]
     for name, old, new in differences(saved, current):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ldm.config.record import RUN_CONFIG
+from ldm.checkpoint.run_folder import RUN_CONFIG
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
 UNKNOWN = "not recorded where this was exported from"

@@ -114,7 +114,7 @@ def sharding_owners(optimizer):
     """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank, the sharding
     group) of fleet's sharding optimizer (stage 1, `DygraphShardingOptimizer`; stage 2's
     `GroupShardedOptimizerStage2`) wherever it sits among fleet's wrappers; None when `optimizer` is not
-    sharded. Its partition is private: the checkpointer writes and reads each rank's part, and the EMA follows
+    sharded. Its partition is private: the checkpoint manager writes and reads each rank's part, and the EMA follows
     it."""
     use = "sharded optimizer state and EMA"
     while optimizer is not None:

@@ -141,6 +141,12 @@ class Distributed:
             dist.barrier()
 
 
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The noise seed of a rank: the same weights everywhere (built before), different noise per rank; a
+    resume that cannot restore a rank's random state (the world size changed) derives it from the step."""
+    return seed + 1000 * rank + step
+
+
 def weights_checksum(parameters) -> float:
     """A fingerprint of the weights (the sum of |w|, each tensor's in float32, together in float64), read to the host
     once: ranks that drifted apart differ here, and a NaN or inf weight shows. Part of a save's stall: summing in

@@ -8,3 +8,8 @@ from __future__ import annotations
 class UserError(Exception):
     """An error the user can correct; its message says what to do. Subclasses keep a built-in base too (ValueError,
     OSError, ...) where callers already catch that."""
+
+
+class NonFiniteStop(UserError, RuntimeError):
+    """The run cannot go on: updates keep failing, or the weights themselves are no longer finite (raised by the
+    non-finite guard, `ldm.train.health`, and by the checkpoint manager, which never saves such weights)."""

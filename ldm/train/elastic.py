@@ -123,7 +123,7 @@ class SampleClock:
             self.assume(training_state["step"], training_state.get("world_size"))
 
     def part(self):
-        """This clock as a checkpoint part (`ldm.train.checkpointer`)."""
-        from ldm.train.checkpointer import Part
+        """This clock as a checkpoint part (`ldm.checkpoint.manager`)."""
+        from ldm.checkpoint.manager import Part
 
         return Part(self.state_dict, self.load_state_dict, missing=self.restore)

@@ -1,9 +1,9 @@
 """The non-finite guard: an update whose loss or gradient norm is NaN or inf is skipped on every rank.
 
 The verdict is computed on the device (`isfinite` of the update's loss and of the global gradient
-norm) and, with several ranks, reduced (max) in the same all-reduce as the graceful stop's vote on a
-signal: the one host read that vote made at every update already answers both, so every rank skips
-the same updates. The skip is Paddle's own, the `found_inf` flag its GradScaler uses: AdamW leaves
+norm) and cast as ballots in the update's one vote (`ldm.runtime.vote`), beside the graceful stop's
+and the checkpoint manager's: the one host read that vote makes at every update answers all of them, so
+every rank skips the same updates. The skip is Paddle's own, the `found_inf` flag its GradScaler uses: AdamW leaves
 the weights, both moments and its bias-correction counters as they were; the schedule and the EMA are
 not stepped. Under fp16 the verdict is merged into the scaler's (which lowers the loss scale).
 
@@ -18,24 +18,20 @@ host, so that the rescaling pass over every gradient runs only when the norm exc
 Each skip is logged with the update and where the rank's batches came from, and counted
 (`train/nonfinite_skips`, per logging window). `max_nonfinite_updates` skips in a row stop the run
 with one line naming the last good checkpoint (`NonFiniteStop`): every rank reaches it at the same
-update. The checkpointer refuses to write weights that are not finite (`check_weights`).
+update. The checkpoint manager refuses to write weights that are not finite
+(`ldm.checkpoint.manager.check_weights`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import paddle
 
 from ldm.runtime.compat import skip_step_if, step_was_skipped
-from ldm.runtime.errors import UserError
+from ldm.runtime.errors import NonFiniteStop
 
 logger = logging.getLogger("ldm.train")
-
-
-class NonFiniteStop(UserError, RuntimeError):
-    """The run cannot go on: updates keep failing, or the weights themselves are no longer finite."""
 
 
 class NonFiniteGuard:
@@ -48,36 +44,23 @@ class NonFiniteGuard:
         self.last_step = 0
 
     @paddle.no_grad()
-    def check(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, stop=None, clip_factor=None, saves=None) -> bool:
-        """Whether to skip this update, the same on every rank: `loss` is this rank's loss of the update (its
-        micro-steps summed), `grad_norm` the norm of the synchronised gradients. With several ranks the verdict
-        travels in one all-reduce with `stop`'s vote on a signal (`GracefulStop.settle`), and that one read
-        answers both: the read the stop vote made at every update before the guard existed.
-
-        `clip_factor` (`ldm.train.gradients.clip_factor`, on the device) is read along, as `self.clip_factor`
-        (the smallest over ranks; 1.0 without one): the loop rescales the gradients only when it is below 1,
-        by a number already on the host. `saves` (the checkpointer) votes along on its background save: whether a
-        rank is still writing, which one failed (`Checkpointer.vote` and `settle`)."""
+    def ballots(self, loss: paddle.Tensor, grad_norm: paddle.Tensor, clip_factor=None) -> dict:
+        """The guard's ballots in the update's vote (`ldm.runtime.vote`), on the device: whether `loss` (this rank's
+        loss of the update, its micro-steps summed) or `grad_norm` (the norm of the synchronised gradients) is not
+        finite, and the negated `clip_factor` (`ldm.train.gradients.clip_factor`; negated, so that the vote's MAX
+        gives every rank the smallest factor)."""
         bad = paddle.logical_not(paddle.isfinite(loss.astype("float32").reshape([1]))
                                  & paddle.isfinite(grad_norm.astype("float32").reshape([1]))).astype("float32")
-        # negated, so that the all-reduce's MAX gives every rank the smallest factor
         negated = -clip_factor.astype("float32").reshape([1]) if clip_factor is not None else \
             paddle.full([1], -1.0, dtype="float32")
-        signalled = stop.signalled() if stop is not None else False
-        busy, failed = saves.vote() if saves is not None else (0.0, 0.0)
-        if self.dist.world_size > 1:
-            flags = paddle.concat([bad, negated, paddle.to_tensor([float(signalled), busy, failed], dtype="float32")])
-            paddle.distributed.all_reduce(flags, op=paddle.distributed.ReduceOp.MAX)
-            found, negated_factor, vote, busy, failed = flags.numpy().tolist()
-            signalled = bool(vote)
-        else:  # the signal and the save are this process's own
-            found, negated_factor = paddle.concat([bad, negated]).numpy().tolist()
-        skipped, self.clip_factor = bool(found), -negated_factor
-        if stop is not None:
-            stop.settle(signalled)
-        if saves is not None:
-            saves.settle(bool(busy), int(failed))
-        return skipped
+        return {"nonfinite": bad, "negated_clip_factor": negated}
+
+    def settle(self, votes: dict[str, float]) -> bool:
+        """Whether to skip this update, the same on every rank (the vote's outcome); the clip factor is kept as
+        `self.clip_factor` (1.0 without one): the loop rescales the gradients only when it is below 1, by a number
+        already on the host."""
+        self.clip_factor = -votes["negated_clip_factor"]
+        return bool(votes["nonfinite"])
 
     def hand_to(self, optimizer, skipped: bool, scaler=None) -> None:
         """Make the coming `optimizer.step()` (or `scaler.step`) skip the update when the verdict says so: as a
@@ -110,30 +93,22 @@ class NonFiniteGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.max_in_row
 
-    def stop_if_exhausted(self, checkpointer) -> None:
+    def stop_if_exhausted(self, checkpoints) -> None:
         """Raise `NonFiniteStop` once `max_in_row` updates in a row were skipped (call after logging them), naming
-        the newest checkpoint of `checkpointer`, saved or resumed (a save in flight is finished first: every rank
-        stops at this update)."""
+        the newest checkpoint of `checkpoints` (the manager), saved or resumed (a save in flight is finished first:
+        every rank stops at this update)."""
         if self.exhausted:
-            checkpointer.wait()
+            checkpoints.wait()
             raise NonFiniteStop(
                 f"{self.in_row} updates in a row (the last at update {self.last_step}) had a non-finite loss or "
                 f"gradient norm and were skipped: the run stops. The last good checkpoint is "
-                f"{checkpointer.last or 'none'}; lower the learning rate or look at the data of those updates "
+                f"{checkpoints.last or 'none'}; lower the learning rate or look at the data of those updates "
                 "before resuming")
 
     def read(self) -> dict[str, float]:
         """The window's count for the logged metrics (`train/nonfinite_skips`); then a new window."""
         count, self.window_skips = self.window_skips, 0
         return {"nonfinite_skips": count}
-
-
-def check_weights(checksums: list[float], step: int, last_checkpoint: str | None) -> None:
-    """Refuse to save weights whose fingerprint (sum of |w| per rank, `ldm.runtime.distributed.weights_checksum`) is
-    not finite: such a checkpoint could only poison a resume."""
-    if not all(math.isfinite(value) for value in checksums):
-        raise NonFiniteStop(f"the weights are not finite at update {step}: checkpoint-{step} is not written. The last "
-                            f"good checkpoint is {last_checkpoint or 'none'}; lower the learning rate before resuming")
 
 
 def batch_positions(stream_state: dict) -> str:

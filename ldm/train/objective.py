@@ -1,9 +1,8 @@
-"""What both training paths train: the objective (model, loss, what a checkpoint holds of it, validation and
-export), the start of its batches and the per-rank seed rule.
+"""What a training run trains: the objective (model, loss, what a checkpoint holds of it, validation and
+export) and the start of its batches.
 
-The hand-written loop (`ldm.train.loop`) and the PaddleNLP Trainer path (`ldm.train.trainer`) call these;
-neither writes its own copy. Gradient norms are `ldm.train.gradients`, the logged window `ldm.train.metrics`,
-the checks before the first write `ldm.train.preflight`.
+The run's life (`ldm.train.run`) calls these, whichever driver runs the updates. Gradient norms are
+`ldm.train.gradients`, the logged window `ldm.train.metrics`, the checks before the first write `ldm.train.preflight`.
 """
 
 from __future__ import annotations
@@ -18,12 +17,10 @@ from ldm.checkpoint.format import (
     check_autoencoder,
     load_initial_weights,
     load_ldm_weights,
-    read_training_state,
-    recorded_autoencoder,
-    recorded_autoencoder_folder,
     save_model,
     write_frozen_autoencoder,
 )
+from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import RunFolder
 from ldm.config.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
 from ldm.data.latents import fingerprint
@@ -38,12 +35,6 @@ from ldm.train import samples, setup
 from ldm.train.batches import TimedBatches, build_batches
 
 logger = logging.getLogger("ldm.train")
-
-
-def rank_seed(seed: int, rank: int, step: int = 0) -> int:
-    """The noise seed of a rank: the same weights everywhere (built before), different noise per rank; a
-    resume that cannot restore a rank's random state (the world size changed) derives it from the step."""
-    return seed + 1000 * rank + step
 
 
 QUARTERS = 4
@@ -69,14 +60,14 @@ class Objective:
         """A fresh run (not a resume): load the starting weights it was asked for; their lineage, or None."""
         return None
 
-    def check_resume(self, checkpoint: str) -> None:
+    def check_resume(self, resume: Resume) -> None:
         """Refuse a checkpoint this objective cannot continue (called before anything is written)."""
 
     def start(self, run_dir: RunFolder) -> None:
         """Write what the run needs before training (the folder exists now)."""
 
     def trained_parts(self) -> dict:
-        """The parts whose weights a checkpoint holds, by folder (`{"unet": layer, ...}`): the checkpointer writes
+        """The parts whose weights a checkpoint holds, by folder (`{"unet": layer, ...}`): the checkpoint manager writes
         their weights, every rank a share (`ldm.checkpoint.format.weight_jobs`)."""
         raise NotImplementedError
 
@@ -120,14 +111,15 @@ class TextToImage(Objective):
     """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
-                 recompute: bool, seed: int, validation: ValidationArguments | None = None, resume: str | None = None):
+                 recompute: bool, seed: int, validation: ValidationArguments | None = None,
+                 resume: Resume | None = None):
         """`resume`: the checkpoint this run continues; without --vae_name_or_path it continues with the autoencoder
         that checkpoint was trained with (its run's `vqvae/`), not the model source's."""
         self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
         self.tokenizer = setup.build_tokenizer(data)
-        vae = model_args.vae_name_or_path or (recorded_autoencoder_folder(resume) if resume else None)
+        vae = model_args.vae_name_or_path or (resume.autoencoder_folder if resume else None)
         if vae and not model_args.vae_name_or_path:
-            logger.info("resuming %s with the autoencoder it was trained with, %s", resume, vae)
+            logger.info("resuming %s with the autoencoder it was trained with, %s", resume.path, vae)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
                                                          seed=seed, vae_name_or_path=vae)
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
@@ -256,10 +248,10 @@ class TextToImage(Objective):
         logger.info("a new stage from %s (%s; EMA: %s)", lineage["init_from"], lineage["kind"], lineage["ema"])
         return lineage
 
-    def check_resume(self, checkpoint):
+    def check_resume(self, resume):
         if self.init_source:
-            logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", checkpoint, self.init_source)
-        check_autoencoder(checkpoint, recorded_autoencoder(checkpoint), self.vae_identity,
+            logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", resume.path, self.init_source)
+        check_autoencoder(resume.path, resume.autoencoder, self.vae_identity,
                           f"this run's autoencoder ({self.components.vae_source})", self.components.vae_source)
 
     def start(self, run_dir):
@@ -317,12 +309,11 @@ def nan_fault_batches() -> set[int]:
     return {int(part) for part in value.split(",") if part.strip().isdigit()}
 
 
-def start_batches(objective: Objective, resume: str | None, data: DataArguments, *, batch_size: int, seed: int,
+def start_batches(objective: Objective, resume: Resume | None, data: DataArguments, *, batch_size: int, seed: int,
                   dist: Distributed, num_workers: int) -> TimedBatches:
     """The started batches, continuing from the data position of `resume` (checked against the objective
-    first); unusable data fails here. Both paths call this after building the model and before the
-    first write."""
-    saved = read_training_state(resume)["stream"] if resume else None
+    first); unusable data fails here. Called after building the model and before the first write."""
+    saved = resume.streams if resume else None
     if resume:
         objective.check_resume(resume)
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,

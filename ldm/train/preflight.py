@@ -3,11 +3,10 @@ lineage), the FLOPs of one training sample, and, resuming, the configuration the
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
-from ldm.config.record import RUN_CONFIG, check_resume
+from ldm.checkpoint.resume import Resume
+from ldm.config.record import compare_resume
 from ldm.models.buckets import bucket_name
 from ldm.models.flops import SampleFlops
 from ldm.runtime.distributed import Distributed
@@ -36,25 +35,16 @@ def count_flops(objective: Objective, batches: TimedBatches, record: dict) -> Sa
     return SampleFlops(flops["total"], by_bucket)
 
 
-def recorded_lineage(checkpoint: str) -> dict | None:
-    """Where the run of `checkpoint` began (`--init_from_checkpoint`), as its record says."""
-    try:
-        with open(os.path.join(checkpoint, RUN_CONFIG)) as f:
-            return json.load(f).get("lineage")
-    except (OSError, ValueError):
-        return None
-
-
-def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: str | None, *,
+def check_before_writing(objective: Objective, batches: TimedBatches, record: dict, resume: Resume | None, *,
                          allow_config_change: bool, dist: Distributed) -> SampleFlops | None:
     """What both paths check once the batches have started and before the first write: the held-out data,
     the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
     stops the loader workers, which are running already, when this fails."""
-    lineage = objective.start_from() if not resume else recorded_lineage(resume)
+    lineage = objective.start_from() if not resume else resume.lineage
     if lineage:
         record["lineage"] = lineage  # a resumed stage's checkpoints keep naming where it began
     objective.start_validation(dist)
     flops = count_flops(objective, batches, record)
     if resume:
-        check_resume(resume, record, allow_change=allow_config_change, log=dist.is_main)
+        compare_resume(resume.path, resume.record, record, allow_change=allow_config_change, log=dist.is_main)
     return flops

@@ -116,7 +116,7 @@ class GracefulStop:
         return 128 + self.signum if self.signum else 0
 
     def announce(self, step: int, checkpoint: str | None, save=None) -> None:
-        """The stop's last line; `save` (`ldm.train.checkpointer.PendingSave`): the stop save, timed from the signal's
+        """The stop's last line; `save` (`ldm.checkpoint.manager.PendingSave`): the stop save, timed from the signal's
         update to its seal."""
         took = f" in {save.seconds:.1f} s" if save is not None else ""
         logger.warning("%s: stopped after update %d and saved %s%s; continue with --resume_from_checkpoint latest",

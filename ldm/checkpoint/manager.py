@@ -1,6 +1,7 @@
-"""The checkpointer: the one owner of a run's state on every path (the loop, the Trainer, the autoencoder).
+"""The checkpoint manager: the one owner of a run's state on disk on every path (the loop, the Trainer, the
+autoencoder).
 
-It is handed the objective (its weights save and load themselves in the pipeline layout) and named
+It is handed the model (what a checkpoint holds of it saves and loads itself in the pipeline layout) and named
 parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
 schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
 fingerprint. It decides when a checkpoint is due, writes it (every rank its share: its own shard of a sharded
@@ -11,13 +12,15 @@ optimizer state and EMA, else a share of the state every rank holds, and a share
 A save runs in three steps: a snapshot into host buffers while the updates wait, the files written beside
 training by a thread of each rank (`ldm.checkpoint.background`), and the seal by rank 0 (the manifest, from every
 rank's receipt, and the rename into place: `ldm.checkpoint.run_folder`). The ranks learn that every rank has
-written its files, or that one failed, from the update's one vote (`ldm.train.health.NonFiniteGuard.check`):
-a failure ends the run at the next update, on every rank, with one line.
+written its files, or that one failed, from the ballots the manager casts in the update's one vote
+(`ldm.runtime.vote`): a failure ends the run at the next update, on every rank, with one line. A resume restores
+from the checkpoint read once (`ldm.checkpoint.resume.Resume`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -29,8 +32,17 @@ import numpy as np
 import paddle
 
 from ldm.checkpoint.background import BackgroundWriter, FileJob, HostBuffers, read_receipts, write_files
-from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, read_training_state, share_out, weight_jobs
-from ldm.checkpoint.run_folder import NO_SPACE, CheckpointError, RunFolder, checkpoint_problem, remove, write_json
+from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, share_out, weight_jobs
+from ldm.checkpoint.resume import Resume
+from ldm.checkpoint.run_folder import (
+    NO_SPACE,
+    RUN_CONFIG,
+    CheckpointError,
+    RunFolder,
+    checkpoint_problem,
+    remove,
+    write_json,
+)
 from ldm.checkpoint.serialization import (
     array_sizes,
     has_state,
@@ -40,11 +52,9 @@ from ldm.checkpoint.serialization import (
     to_paddle,
     write_state_index,
 )
-from ldm.config.record import RUN_CONFIG
 from ldm.runtime.compat import sharding_owners
-from ldm.runtime.distributed import Distributed, weights_checksum
-from ldm.train.health import check_weights
-from ldm.train.objective import Objective, rank_seed
+from ldm.runtime.distributed import Distributed, rank_seed, weights_checksum
+from ldm.runtime.errors import NonFiniteStop
 
 logger = logging.getLogger("ldm.train")
 
@@ -116,19 +126,6 @@ def ema_part(ema) -> Part:
         return lambda key: key.startswith("shadow.") and key[len("shadow."):] in ema.shadow
 
     return Part(part.state, part.load, owned=owned)
-
-
-def shard_ema(ema, model, optimizer) -> None:
-    """Under sharding, the EMA follows the optimizer's partition: each rank keeps the averages of the weights whose
-    optimizer state it keeps (`ldm.models.ema.EMA.shard`). Nothing to do unsharded or without EMA."""
-    shards = sharding_owners(optimizer)
-    if ema is None or shards is None or ema.owner is not None:
-        return
-    owners, rank, group = shards
-    owner = {name: owners[p.name] for name, p in model.named_parameters() if name in ema.parameters}
-    ema.shard(owner, rank, lambda tensor, src: paddle.distributed.broadcast(tensor, src=group.ranks[src], group=group))
-    logger.info("EMA sharded like the optimizer state: this rank keeps %d of %d averages", len(ema.shadow),
-                len(ema.parameters))
 
 
 def scaler_part(scaler) -> Part:
@@ -231,16 +228,24 @@ def snapshot_bytes(memory: dict, rank: int, world_size: int) -> int:
     return weights + (kept if sharded else kept // world_size)
 
 
-class Checkpointer:
-    def __init__(self, run_dir: RunFolder, dist: Distributed, objective: Objective, *, save_steps: int,
+def check_weights(checksums: list[float], step: int, last_checkpoint: str | None) -> None:
+    """Refuse to save weights whose fingerprint (sum of |w| per rank, `ldm.runtime.distributed.weights_checksum`) is
+    not finite: such a checkpoint could only poison a resume."""
+    if not all(math.isfinite(value) for value in checksums):
+        raise NonFiniteStop(f"the weights are not finite at update {step}: checkpoint-{step} is not written. The last "
+                            f"good checkpoint is {last_checkpoint or 'none'}; lower the learning rate before resuming")
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: RunFolder, dist: Distributed, objective, *, save_steps: int,
                  parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
                  data_position: Callable[[], dict], record: dict | None = None, async_save: bool = True):
-        """`parts` beyond the ones every run has: the random state, the data position (restored when the
-        batches are built, `objective.start_batches`), the weights fingerprint and, with EMA, the EMA.
+        """`objective`: what a checkpoint holds of the model (`ldm.train.objective.Objective`: `trained_parts()`,
+        `save`, `load`, `ema`). `parts` beyond the ones every run has: the random state, the data position (restored
+        when the batches are built), the weights fingerprint and, with EMA, the EMA.
         `record`: the run's configuration (`ldm.config.record.describe_run`), written into every checkpoint.
         `async_save`: files are written beside training (`ldm.checkpoint.background`); else each save is waited for."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
-        self._read: tuple[str, dict] | None = None  # (checkpoint, its training state) last read
         self.record = record
         self.last: str | None = None  # the newest checkpoint sealed or resumed by this run
         self.random = RandomState(dist, seed)
@@ -384,21 +389,22 @@ class Checkpointer:
                             for n in names)
 
     # -- the background save, agreed at every update -------------------------------------------------
-    def vote(self) -> tuple[float, float]:
-        """This rank's part of the update's vote (`ldm.train.health.NonFiniteGuard.check`): whether its writer is
-        busy, and its rank + 1 when its writing failed (0 otherwise)."""
+    def ballots(self) -> dict[str, float]:
+        """This rank's ballots in the update's vote (`ldm.runtime.vote`): whether its writer is busy, and its rank + 1
+        when its writing failed (0 otherwise)."""
         if self.pending is None:
-            return 0.0, 0.0
+            return {"writer_busy": 0.0, "write_failed": 0.0}
         busy, task = self.writer.busy, self.writer.task  # busy first: a task that ends now is seen at the next vote
         failed = not busy and task is not None and task.error is not None
-        return float(busy), float(self.dist.rank + 1 if failed else 0)
+        return {"writer_busy": float(busy), "write_failed": float(self.dist.rank + 1 if failed else 0)}
 
-    def settle(self, busy: bool, failed_rank: int) -> None:
+    def settle(self, votes: dict[str, float]) -> None:
         """After the vote, on every rank with the same figures: a failed write ends the run (one line naming the
         newest complete checkpoint); once every rank wrote its files, rank 0 seals in the background; once no
         rank is busy after that, the checkpoint is complete."""
         if self.pending is None:
             return
+        busy, failed_rank = bool(votes["writer_busy"]), int(votes["write_failed"])
         if failed_rank:  # every rank is here: each waits for its writer, then all learn the failed rank's cause
             task = self.writer.wait()
             self._fail(self.dist.gather(readable(task.error) if task is not None else None))
@@ -486,13 +492,11 @@ class Checkpointer:
             remove(pending.temp)
             logger.warning("%s was not completed (%s): it is not a checkpoint", pending.final, e)
 
-    def load(self, checkpoint: str, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
-        """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from
-        `checkpoint`; returns its step."""
+    def load(self, resume: Resume, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
+        """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from the checkpoint
+        `resume`; returns its step."""
         started = time.perf_counter()
-        if self._read is None or self._read[0] != checkpoint:  # the Trainer path loads its parts in two calls
-            self._read = (checkpoint, read_training_state(checkpoint))
-        state = self._read[1]
+        checkpoint, state = resume.path, resume.training_state
         self.random.step = state["step"]
         self.last = checkpoint
         if weights:

@@ -1,0 +1,63 @@
+"""The checkpoint a run continues from, read once.
+
+A resume needs the checkpoint's training state (the step, the world size it was saved on, every rank's data
+position and random state, the small parts), the record of the run that wrote it (its seed, its settings, its
+lineage) and its model record (the autoencoder it was trained with). `Resume` reads each file once, before
+anything is written, and every part of the run that needs one of them is handed the view: the seed, the model's
+set-up, the data position, the check of the settings, the clock of samples and the checkpoint manager.
+The optimizer's and the EMA's own files are read by the manager when it restores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ldm.checkpoint.format import read_model_record, read_training_state, recorded_autoencoder_folder
+from ldm.checkpoint.run_folder import RUN_CONFIG
+
+
+class Resume:
+    def __init__(self, path: str):
+        self.path = path
+        self.training_state = read_training_state(path)
+        self.record = _json_or_none(os.path.join(path, RUN_CONFIG))  # None: written before run records existed
+        try:
+            self.model = read_model_record(path)
+        except (OSError, ValueError):  # not a text-to-image checkpoint (the autoencoder's), or from before the record
+            self.model = None
+
+    def __str__(self) -> str:
+        return self.path
+
+    @property
+    def step(self) -> int:
+        return self.training_state["step"]
+
+    @property
+    def streams(self) -> list[dict]:
+        """Every saved rank's data position."""
+        return self.training_state["stream"]
+
+    @property
+    def lineage(self) -> dict | None:
+        """Where the run of this checkpoint began (`--init_from_checkpoint`), as its record says."""
+        return self.record.get("lineage") if isinstance(self.record, dict) else None
+
+    @property
+    def autoencoder(self) -> dict | None:
+        """The identity of the autoencoder it was trained with (`ldm.models.autoencoder.autoencoder_identity`)."""
+        return (self.model or {}).get("vae_identity")
+
+    @property
+    def autoencoder_folder(self) -> str | None:
+        """The folder of that autoencoder (its run's `vqvae/`), if it is there."""
+        return recorded_autoencoder_folder(self.path, self.model) if self.model is not None else None
+
+
+def _json_or_none(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
