@@ -180,3 +180,54 @@ def test_the_data_library_stands_on_the_runtime_alone():
                      if package_of(m) == "data" and not m.endswith(".__main__")
                      and package_of(t) not in ("data", "runtime") and t != "ldm.models.buckets")
     assert outside == []
+
+
+def ldm_names(path: str) -> set[str]:
+    """The `ldm` names a module imports (`from ldm.a import b, c`: b and c; `import ldm.a`: ldm.a), anywhere in it."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ldm"):
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("ldm")}
+    return names
+
+
+def longest_function(path: str) -> tuple[int, str]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    return max((node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(tree)
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef))
+
+
+def test_the_two_drivers_share_one_run_lifecycle_instead_of_copying_it():
+    """The hand-written loop and the Trainer path each wire a handful of building blocks; the run's life (set-up,
+    the update's vote, logging, saves, stops, teardown) is `ldm.train.run`'s, not theirs twice."""
+    loop, trainer = (ldm_names(os.path.join(PACKAGE, "train", f"{name}.py")) for name in ("loop", "trainer"))
+    assert len(loop) <= 20 and len(trainer) <= 20, (sorted(loop), sorted(trainer))
+    assert len(loop & trainer) <= 6, sorted(loop & trainer)
+    assert "ldm.train.run.TrainingRun" in loop & trainer
+    lines, name = longest_function(os.path.join(PACKAGE, "train", "loop.py"))
+    assert lines <= 80, f"{name} is {lines} lines"
+
+
+def test_the_checkpoint_package_owns_saving_and_resuming():
+    """The checkpoint manager (parts, per-rank layout, background writes, sealing, loading) and the resume view live
+    below training; training only says when to save and what the run state is made of."""
+    defined = {}
+    for module, path in modules().items():
+        with open(path) as f:
+            for node in ast.parse(f.read(), path).body:
+                if isinstance(node, ast.ClassDef):
+                    defined[node.name] = module
+    assert defined["CheckpointManager"] == "ldm.checkpoint.manager"
+    assert defined["Resume"] == "ldm.checkpoint.resume"
+    assert defined["UpdateVote"] == "ldm.runtime.vote"  # neither the guard's nor the manager's
+    # the checkpoint is read once, by the resume view: no module of training reads a checkpoint's files itself
+    readers = sorted(m for m, path in modules().items() if package_of(m) == "train" for name in ldm_names(path)
+                     if name in ("ldm.checkpoint.format.read_training_state", "ldm.config.record.check_resume",
+                                 "ldm.checkpoint.format.recorded_autoencoder",
+                                 "ldm.checkpoint.format.recorded_autoencoder_folder"))
+    assert readers == []

@@ -194,7 +194,7 @@ def test_skipped_updates_count_as_consumed_and_leave_the_schedule_where_it_was()
 def test_a_scaler_state_from_a_run_without_fp16_leaves_the_fresh_scaler():
     import paddle
 
-    from ldm.train.checkpointer import scaler_part
+    from ldm.checkpoint.manager import scaler_part
 
     scaler = paddle.amp.GradScaler(enable=True, init_loss_scaling=1024.0)
     scaler._enable = True  # Paddle disables fp16 scaling on a CPU; an enabled scaler refuses an empty state

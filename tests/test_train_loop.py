@@ -803,7 +803,7 @@ def test_a_non_finite_update_is_skipped_whole_and_the_run_goes_on(tmp_path):
 
 
 def test_updates_non_finite_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tmp_path):
-    from ldm.train.health import NonFiniteStop
+    from ldm.runtime.errors import NonFiniteStop
 
     with pytest.raises(NonFiniteStop) as stopped:
         pixel_run(tmp_path, PoisonedPixelRegression({3, 4, 5, 6}), "run", max_train_steps=10, save_steps=2,
@@ -914,9 +914,9 @@ def test_progress_bar_or_nothing_when_asked(corpus, tmp_path, mode):
 def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path, monkeypatch):
     """How the guard's cost was checked: every read of a device value into Python (bool, item, float, int,
     numpy, tolist) is counted by where it comes from, in runs of 3 and 6 updates that log and save only at
-    their end; the 3 updates more cost exactly 3 reads, all of them the guard's verdict (on a GPU a host
-    synchronisation each; with several ranks the stop vote's read, which it replaces), and Paddle's optimizer
-    step reads nothing (the verdict reaches it as a Python bool)."""
+    their end; the 3 updates more cost exactly 3 reads, all of them the update's vote, which carries the guard's
+    verdict (`ldm.runtime.vote`; on a GPU a host synchronisation each; with several ranks the stop vote's read, which
+    it replaces), and Paddle's optimizer step reads nothing (the verdict reaches it as a Python bool)."""
     import traceback
     from collections import Counter
 
@@ -942,7 +942,7 @@ def test_an_update_reads_the_device_once_for_the_guard_and_nowhere_else(tmp_path
         assert result["step"] == updates
         counts.append(Counter(reads))
     extra = counts[1] - counts[0]
-    assert extra == {"health.py:check": 3}, (counts[0], counts[1])
+    assert extra == {"vote.py:cast": 3}, (counts[0], counts[1])
 
 
 @pytest.mark.slow
@@ -1027,7 +1027,7 @@ class CorruptingPixelRegression(PixelRegression):
 
 
 def test_a_checkpoint_of_non_finite_weights_is_never_written(tmp_path):
-    from ldm.train.health import NonFiniteStop
+    from ldm.runtime.errors import NonFiniteStop
 
     with pytest.raises(NonFiniteStop) as stopped:
         pixel_run(tmp_path, CorruptingPixelRegression(), "run", max_train_steps=5, save_steps=1)
