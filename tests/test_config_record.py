@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from ldm.config.record import ConfigError, check_resume, differences, expand_config, read_config_file
+from ldm.config.record import ConfigError, compare_resume, differences, expand_config, read_config_file
 
 
 def test_a_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
@@ -82,23 +82,22 @@ def record(lr=1e-4, model="ldm-tiny", resolution=256, prediction="epsilon", comm
 
 def test_a_resume_logs_each_change_and_refuses_those_a_run_cannot_make(tmp_path, caplog):
     saved = record()
-    (tmp_path / "run_config.json").write_text(json.dumps(saved))
     resumed = record(lr=5e-5, commit="def")
     resumed["arguments"]["LoopArguments"]["resume_from_checkpoint"] = "latest"  # expected to differ: not logged
     resumed["world"]["hosts"] = ["b"]
     with caplog.at_level(logging.WARNING, logger="ldm.train"):
-        lines = check_resume(str(tmp_path), resumed, allow_change=False)
+        lines = compare_resume(str(tmp_path), saved, resumed, allow_change=False)
     assert lines == ["resume changes --learning_rate: 0.0001 -> 5e-05", "resume changes git.commit: 'abc' -> 'def'"]
     assert [r.getMessage() for r in caplog.records] == lines
 
     for changed in (record(model="ldm-demo"), record(resolution=512), record(prediction="v_prediction")):
         with pytest.raises(ConfigError, match="cannot change halfway") as refused:
-            check_resume(str(tmp_path), changed, allow_change=False, log=False)
+            compare_resume(str(tmp_path), saved, changed, allow_change=False, log=False)
         assert "--allow_config_change" in str(refused.value)
-        assert len(check_resume(str(tmp_path), changed, allow_change=True, log=False)) == 1
+        assert len(compare_resume(str(tmp_path), saved, changed, allow_change=True, log=False)) == 1
     assert differences(saved, saved) == []
     # a checkpoint written before records existed: nothing to compare, a warning
-    assert check_resume(str(tmp_path / "missing"), resumed, allow_change=False, log=False) == []
+    assert compare_resume(str(tmp_path / "missing"), None, resumed, allow_change=False, log=False) == []
 
 
 def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog):
@@ -202,8 +201,8 @@ def test_a_change_is_named_by_the_flag_the_command_line_gave(tmp_path):
     resumed = record()
     resumed["arguments"]["LoopArguments"]["checkpoints_total_limit"] = 1
     resumed["command"] = ["python", "train.py", "--save_total_limit", "1"]
-    assert check_resume(str(tmp_path), resumed, allow_change=False, log=False) == [
+    assert compare_resume(str(tmp_path), saved, resumed, allow_change=False, log=False) == [
         "resume changes --save_total_limit: 2 -> 1"]
     resumed["command"] = ["python", "train.py", "--checkpoints_total_limit=1"]
-    assert check_resume(str(tmp_path), resumed, allow_change=False, log=False) == [
+    assert compare_resume(str(tmp_path), saved, resumed, allow_change=False, log=False) == [
         "resume changes --checkpoints_total_limit: 2 -> 1"]

@@ -227,7 +227,7 @@ def test_the_checkpoint_package_owns_saving_and_resuming():
     assert defined["UpdateVote"] == "ldm.runtime.vote"  # neither the guard's nor the manager's
     # the checkpoint is read once, by the resume view: no module of training reads a checkpoint's files itself
     readers = sorted(m for m, path in modules().items() if package_of(m) == "train" for name in ldm_names(path)
-                     if name in ("ldm.checkpoint.format.read_training_state", "ldm.config.record.check_resume",
+                     if name in ("ldm.checkpoint.format.read_training_state", "ldm.checkpoint.format.read_model_record",
                                  "ldm.checkpoint.format.recorded_autoencoder",
                                  "ldm.checkpoint.format.recorded_autoencoder_folder"))
     assert readers == []

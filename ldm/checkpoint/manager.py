@@ -167,7 +167,7 @@ class RandomState:
 
     def __init__(self, dist: Distributed, seed: int):
         self.dist, self.seed = dist, seed
-        self.step = 0  # set by the checkpointer before `load`: what a new rank's seed derives from
+        self.step = 0  # set by the manager before `load`: what a new rank's seed derives from
 
     def state(self) -> dict:
         return {"paddle": [list(g.__getstate__()) for g in paddle.get_rng_state()],

@@ -24,8 +24,11 @@ class Resume:
         self.record = _json_or_none(os.path.join(path, RUN_CONFIG))  # None: written before run records existed
         try:
             self.model = read_model_record(path)
-        except (OSError, ValueError):  # not a text-to-image checkpoint (the autoencoder's), or from before the record
+        except FileNotFoundError:  # not a text-to-image checkpoint (the autoencoder's), or from before the record
             self.model = None
+
+    def __fspath__(self) -> str:
+        return self.path
 
     def __str__(self) -> str:
         return self.path
@@ -56,8 +59,9 @@ class Resume:
 
 
 def _json_or_none(path: str):
+    """The file's JSON; None when there is no such file (a damaged one is an error, as when it is read alone)."""
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None

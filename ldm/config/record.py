@@ -4,7 +4,7 @@
 line, the world (ranks, hosts, loader workers per rank), the versions of Python, Paddle, PaddleNLP,
 ppdiffusers and this project, the git commit and the model and autoencoder identity. It goes to
 `<output_dir>/run.json`, into every checkpoint (`run_config.json`) and to the trackers as
-hyperparameters. A resume compares the checkpoint's record with this run's (`check_resume`): each
+hyperparameters. A resume compares the checkpoint's record with this run's (`compare_resume`): each
 difference is logged on a line of its own, and the settings a run cannot change halfway (the model,
 the resolution, the prediction type) are refused unless `--allow_config_change` is given.
 
@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-from ldm.checkpoint.run_folder import RUN_CONFIG
 from ldm.runtime.errors import UserError
 
 logger = logging.getLogger("ldm.train")
@@ -357,20 +356,11 @@ def flag_as_given(name: str, command: list[str]) -> str:
     return next((f"--{other}" for other in spellings if f"--{other}" in command), f"--{name}")
 
 
-def check_resume(checkpoint: str, current: dict, *, allow_change: bool, log: bool = True) -> list[str]:
-    """Compare `checkpoint`'s record with this run's: every difference logged (one line each), those of
-    `FIXED` refused (a ConfigError naming them all) unless `allow_change`. Returns the lines."""
-    path = os.path.join(checkpoint, RUN_CONFIG)
-    saved = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
-    return compare_resume(checkpoint, saved, current, allow_change=allow_change, log=log)
-
-
 def compare_resume(checkpoint: str, saved: dict | None, current: dict, *, allow_change: bool,
                    log: bool = True) -> list[str]:
-    """`check_resume` of a record read already (`saved`: None when the checkpoint has none)."""
+    """Compare the record `saved` of `checkpoint` (its `run_config.json`, read once: `ldm.checkpoint.resume`; None
+    when it has none) with this run's: every difference logged (one line each), those of `FIXED` refused (a
+    ConfigError naming them all) unless `allow_change`. Returns the lines."""
     if saved is None:
         if log:
             logger.warning("%s records no configuration (written before run records existed): nothing to compare",

@@ -66,20 +66,21 @@ def run(loop: args.LoopArguments, data: args.DataArguments, build_objective, *, 
     training.adopt(optimizer)
     scaler = paddle.amp.GradScaler(enable=training.precision == "fp16", init_loss_scaling=2.0**16)
     training.keep(optimizer=lambda: optimizer, schedule=lambda: lr, scaler=lambda: scaler)
-    with training.started():
-        step = training.restore()
-        updates(training, optimizer, lr, scaler, step, loop.gradient_accumulation_steps,
-                loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf"))
+    with training.started(), training.stoppable():
+        batches = updates(training, optimizer, lr, scaler, loop.gradient_accumulation_steps,
+                          loop.max_grad_norm if loop.max_grad_norm > 0 else float("inf"))
+        training.finish(batches)
     return training.result
 
 
-def updates(training: TrainingRun, optimizer, lr, scaler, step: int, accumulation: int, max_norm: float) -> None:
-    """The updates from `step` to the run's last (or a stop), then `training.end`."""
+def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max_norm: float):
+    """The updates from where the run starts to its last (or a stop), then `training.end`; returns the iterator of
+    batches (the export may go on drawing from it)."""
     model, trained, dist, window = training.objective.model, training.trained, training.dist, training.window
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
     model.train()
-    batches = iter(training.batches)
+    batches, step = iter(training.batches), training.step
     while step < training.max_steps and not training.stop.agreed:
         for _ in range(accumulation):
             batch = next(batches)
@@ -109,4 +110,5 @@ def updates(training: TrainingRun, optimizer, lr, scaler, step: int, accumulatio
         if logging_step:
             training.log_update(step, {"learning_rate": optimizer.get_lr()})
         training.between_updates(step, last=last, logging_step=logging_step, batch=batch)
-    training.end(step, stopped=training.stop.agreed, batches=batches)
+    training.end(step, stopped=training.stop.agreed)
+    return batches

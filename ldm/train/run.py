@@ -6,15 +6,18 @@ what only it makes; `TrainingRun` does everything else, once:
 
 1. `TrainingRun(plan)`: logging, the sharding layout, the run folder's policy and the checkpoint to resume
    (read once: `ldm.checkpoint.resume.Resume`), the seed and the precision. Nothing is written.
-2. `build(...)`: the objective (`ldm.train.objective`) and the run's record; `adopt(optimizer)` and `keep(...)`:
-   the driver's optimizer (the EMA is sharded like it) and the parts of the run state only the driver makes.
+2. `build(...)`: the objective (`ldm.train.objective`) and the run's record; `keep(...)`: the parts of the run
+   state only the driver makes (its optimizer, schedule, scaler: functions that return them, so the Trainer's may
+   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it).
 3. `with run.started():` the memory record, the batches, the checkpoint manager (`ldm.checkpoint.manager`), the
-   non-finite guard, the clocks, the checks before the first write, the first write, the trackers, progress and
-   the graceful stop; at every exit the save in flight, the loader, the trackers and the lock are closed, and a
-   failure is recorded in the run folder.
-4. At each update the driver calls `agree` (the update's one vote: `ldm.runtime.vote`), `updated` (the counters,
-   the EMA), the logging (`log_update` or `window_metrics`) and `between_updates` (progress, evaluation, sample
-   images, saves); at the end `end` (the last save sealed, then the stop's last line or the export).
+   non-finite guard, the checks before the first write, the first write, the restored state (the loop's; the
+   Trainer restores in its hooks, `restore`), the trackers and progress; at every exit the save in flight, the
+   loader, the trackers and the lock are closed, and a failure is recorded in the run folder.
+4. `with run.stoppable():` around the updates: SIGTERM/SIGINT become a stop the ranks agree on. At each update the
+   driver calls `agree` (the update's one vote: `ldm.runtime.vote`), `updated` (the counters, the EMA), the
+   logging (`log_update`, or the Trainer's own log with `window_metrics`) and `between_updates` (progress,
+   evaluation, sample images, saves); then `end` (the last save sealed) and `finish` (the stop's last line, or
+   the export).
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ class RunPlan:
     resume: str | None  # --resume_from_checkpoint: latest, auto, a folder, or None
     overwrite: bool
     save_steps: int
-    keep: int | None  # checkpoints kept (--checkpoints_total_limit, --save_total_limit)
+    checkpoints_kept: int | None  # --checkpoints_total_limit, --save_total_limit
     seed: int | None  # as given: None takes a resumed checkpoint's, else the recipe's
     mixed_precision: str  # no, fp16 or bf16, as asked
-    sharding: list  # --sharding's options (the loop's string, PaddleNLP's parsed list)
+    sharding: list[str]  # --sharding's options (the loop's one, or PaddleNLP's)
     sharding_degree: int
     split_param: bool
     batch_size: int  # per rank and micro-step
@@ -82,8 +85,10 @@ class RunPlan:
     logging_steps: int
     image_logging_steps: int
     progress: str  # our progress output (the Trainer's own bar, when it draws one, leaves ours "none")
-    report_to: list[str] | None  # trackers the run starts; None: the driver's own (the Trainer's)
-    paddlenlp: bool = False  # the Trainer's process group exists already (PaddleNLP made it)
+    report_to: list[str]  # trackers the run starts (the loop's); the Trainer starts its own
+    # PaddleNLP's Trainer drives: its process group exists already, it starts its trackers, logs and saves on its own
+    # schedule, restores the run state in its hooks; our progress counts to its max_steps
+    trainer_drives: bool = False
     driver_bar: bool = False  # the driver draws its own progress bar (the Trainer's, on a terminal)
     resize_note: str = ""  # what the driver adds to the message of a resume with another global batch
 
@@ -92,12 +97,12 @@ def loop_plan(loop, run_args: RunArguments, image_logging_steps: int) -> RunPlan
     """The hand-written loop's flags (`ldm.config.args.LoopArguments`)."""
     return RunPlan(
         output_dir=loop.output_dir, resume=loop.resume_from_checkpoint, overwrite=loop.overwrite_output_dir,
-        save_steps=loop.save_steps, keep=loop.checkpoints_total_limit, seed=loop.seed,
+        save_steps=loop.save_steps, checkpoints_kept=loop.checkpoints_total_limit, seed=loop.seed,
         mixed_precision=loop.mixed_precision, sharding=[loop.sharding] if loop.sharding else [],
         sharding_degree=loop.sharding_parallel_degree, split_param=False, batch_size=loop.train_batch_size,
         accumulation=loop.gradient_accumulation_steps, max_steps=loop.max_train_steps, num_workers=loop.num_workers,
         logging_steps=loop.logging_steps, image_logging_steps=image_logging_steps, progress=run_args.progress,
-        report_to=loop.report_to)
+        report_to=loop.report_to or [])
 
 
 def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main: bool) -> RunPlan:
@@ -107,15 +112,16 @@ def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main
     progress = resolve_mode(run_args.progress) if is_main else "none"
     return RunPlan(
         output_dir=args.output_dir, resume="latest" if resume in ("True", "true", True) else resume,
-        overwrite=args.overwrite_output_dir, save_steps=args.save_steps, keep=args.save_total_limit, seed=args.seed,
+        overwrite=args.overwrite_output_dir, save_steps=args.save_steps, checkpoints_kept=args.save_total_limit,
+        seed=args.seed,
         mixed_precision="fp16" if args.fp16 else "bf16" if args.bf16 else "no",
         sharding=[str(getattr(option, "value", option)) for option in args.sharding],
         sharding_degree=args.sharding_parallel_degree,
         split_param="split_param" in (args.sharding_parallel_config or "").split(),
         batch_size=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
         max_steps=args.max_steps, num_workers=args.dataloader_num_workers, logging_steps=args.logging_steps,
-        image_logging_steps=image_logging_steps, progress="lines" if progress == "lines" else "none", report_to=None,
-        paddlenlp=True, driver_bar=progress == "bar",
+        image_logging_steps=image_logging_steps, progress="lines" if progress == "lines" else "none",
+        report_to=args.report_to, trainer_drives=True, driver_bar=progress == "bar",
         resize_note=" (the Trainer path stretches its schedule over the new max_steps)")
 
 
@@ -146,7 +152,7 @@ class TrainingRun:
     def __init__(self, plan: RunPlan, run_args: RunArguments | None = None):
         """Everything read and decided before the objective is built; nothing is written (see the module's doc)."""
         self.plan, self.run_args = plan, run_args or RunArguments()
-        if plan.paddlenlp:
+        if plan.trainer_drives:
             import paddle.distributed as pdist
 
             self.dist = Distributed(pdist.get_rank(), pdist.get_world_size())
@@ -155,18 +161,22 @@ class TrainingRun:
         setup_logging(self.dist)
         check_sharding(set(plan.sharding) - {""}, plan.split_param)
         self.shards, self.stage = sharding_layout(plan.sharding, plan.sharding_degree, self.dist)
-        self.run_dir = RunFolder(plan.output_dir, self.dist, plan.keep)
+        self.run_dir = RunFolder(plan.output_dir, self.dist, plan.checkpoints_kept)
         found = self.run_dir.check(plan.resume, plan.overwrite)
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.objective = self.record = self.data = None
-        self.optimizer, self.parts = None, {}
-        self.writer, self.progress, self.manager, self.stop, self.batches = NullWriter(), None, None, None, None
-        self.step, self.stopped = 0, False
+        self.objective = self.record = self.data = self.trained = None  # `build`
+        self.optimizer, self.parts = None, {}  # `adopt`, `keep`
+        # `started`:
+        self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
+        self.writer, self.progress = NullWriter(), None
+        self.stop = self.eval_clock = None  # `stoppable`
+        self.step, self.stopped = 0, False  # where the run ended, and whether on a stop (`end`)
+        self.log_through = None  # the driver's logger of scalars, when it has one (the Trainer's)
         self.closing = []  # what the driver opened that an exit closes (the Trainer's metrics file)
 
-    def build(self, objective, data, groups) -> None:
+    def build(self, objective, data, groups):
         """The objective (`objective()`, built on every rank alike) and the run's record of the argument `groups`
         (a collective); `data`: the data arguments its batches are started with."""
         self.objective, self.data = objective(), data
@@ -182,7 +192,9 @@ class TrainingRun:
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
-        save and load: the Trainer makes them late); kept in this order, before the ones every run has."""
+        save and load: the Trainer makes them late). Their order is the checkpoint's (`training_state.json`):
+        the parts kept before `started` come first, in the order optimizer, schedule, scaler, then the ones every run
+        has; a part kept later comes after those (the Trainer's scaler, known once its Trainer exists)."""
         given = {"optimizer": optimizer and optimizer_part(optimizer),
                  "lr_scheduler": schedule and stateful(Deferred(schedule)),
                  "scaler": scaler and scaler_part(Deferred(scaler))}
@@ -212,29 +224,28 @@ class TrainingRun:
                                      plan.max_steps)
             if self.resume:
                 self.clock.restore(self.resume.training_state)
-                if self.clock.message:
+                if self.clock.message and plan.trainer_drives:  # the loop says it once restored (`restore`)
                     logger.warning("%s%s", self.clock.message, plan.resize_note)
+            self.guard = NonFiniteGuard(dist, self.run_args.max_nonfinite_updates)
+            self.vote, self.window = UpdateVote(dist.world_size), MetricsWindow()
+            self.flops = check_before_writing(objective, self.batches, self.record, self.resume,
+                                              allow_config_change=self.run_args.allow_config_change, dist=dist)
+            self.run_dir.create(self.resume.path if self.resume else None, self.record)  # the first write
+            objective.start(self.run_dir)
             self.manager = CheckpointManager(
                 self.run_dir, dist, objective, save_steps=plan.save_steps, seed=self.seed, trained=self.trained,
                 data_position=self.batches.tracker.state_dict, record=self.record, async_save=self.run_args.async_save,
                 parts={**self.parts, "samples": self.clock.part()})
             self.manager.last = self.resume.path if self.resume else None
-            self.guard = NonFiniteGuard(dist, self.run_args.max_nonfinite_updates)
-            self.vote = UpdateVote(dist.world_size)
-            self.window, self.eval_clock = MetricsWindow(), EvalClock()
-            self.flops = check_before_writing(objective, self.batches, self.record, self.resume,
-                                              allow_config_change=self.run_args.allow_config_change, dist=dist)
-            self.run_dir.create(self.resume.path if self.resume else None, self.record)  # the first write
-            objective.start(self.run_dir)
-            self.step = self.resume.step if self.resume else 0
-            if plan.report_to is not None:
+            self.step = self.restore() if not plan.trainer_drives else self.resume.step if self.resume else 0
+            if not plan.trainer_drives:
                 self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
                                           dist.is_main, resume_step=self.step if self.resume else None)
-            target, label = progress_target(self.step, self.max_steps, plan.save_steps)
+            target, label = (self.max_steps, "train") if plan.trainer_drives else \
+                progress_target(self.step, self.max_steps, plan.save_steps)
             self.progress = Progress(plan.progress, total=target, initial=self.step, label=label,
                                      enabled=dist.is_main, seconds=self.run_args.progress_seconds)
-            with GracefulStop(dist) as self.stop:  # a repeated signal during the last save is the same request
-                yield self
+            yield self
         except Exception as e:
             self.run_dir.record_failure(e)
             raise
@@ -250,13 +261,25 @@ class TrainingRun:
             self.run_dir.release()
         dist.barrier()
 
+    @contextlib.contextmanager
+    def stoppable(self):
+        """The updates (and the loop's export): the first SIGTERM or SIGINT is a stop every rank agrees on at the next
+        update (`ldm.train.signals`); a repeated one during the last save is the same request."""
+        self.eval_clock = EvalClock()  # the evaluation's share of time counts from the first update
+        with GracefulStop(self.dist) as self.stop:
+            yield self
+
     def log(self, values: dict, step: int) -> None:
-        """Scalars for the trackers (the Trainer's driver logs through the Trainer instead)."""
-        self.writer.scalars(values, step)
+        """Scalars for the trackers, or through the driver's logger (the Trainer's: `log_through`)."""
+        if self.log_through is not None:
+            self.log_through(values)
+        else:
+            self.writer.scalars(values, step)
 
     def restore(self, names=None, *, weights: bool = True) -> int:
         """Resuming: the objective's weights (`weights`) and the parts `names` (all when None) from the checkpoint;
-        a fresh run seeds each rank's noise. Returns the step the run continues from."""
+        a fresh run seeds each rank's noise. Returns the step the run continues from. The loop's run restores all at
+        its start; the Trainer's in its hooks, in three calls."""
         if self.resume is None:
             if names is None or "random" in names:
                 paddle.seed(rank_seed(self.seed, self.dist.rank))
@@ -265,19 +288,23 @@ class TrainingRun:
         if names is None:
             logger.info("resumed from %s at update %d (read in %.2f s)", self.resume.path, step,
                         self.manager.load_seconds)
+            if self.clock.message:
+                logger.warning("%s%s", self.clock.message, self.plan.resize_note)
         return step
 
-    def end(self, step: int, stopped: bool, batches=None) -> None:
-        """After the last update (`stopped`: on a signal, before the end): the last save written by every rank and
-        sealed before anything reads it; then the stop's last line, or the objective's export (`batches`: the
-        iterator the driver drew from, which the export may go on drawing from; default the batches)."""
+    def end(self, step: int, stopped: bool) -> None:
+        """After the last update (`stopped`: on a signal, before the end): the last save, written by every rank, sealed
+        before anything reads it."""
         self.step, self.stopped = step, stopped
         self.manager.wait()
-        for values in self.manager.take_metrics():
-            self.log(values, step)
+        self.log_saves(step)
         self.progress.close()
-        if stopped:
-            self.stop.announce(step, self.manager.last, self.manager.sealed)
+
+    def finish(self, batches=None) -> None:
+        """The stop's last line, or the objective's export (`batches`: the iterator the driver drew from, which the
+        export may go on drawing from; default the batches)."""
+        if self.stopped:
+            self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
@@ -325,32 +352,43 @@ class TrainingRun:
         return step % self.plan.logging_steps == 0 or last or self.stop.agreed or self.guard.exhausted
 
     def log_update(self, step: int, logs: dict) -> None:
-        """The window's log (every rank: it holds collectives), then the stop of an exhausted guard."""
+        """The loop's log of the window (every rank: it holds collectives)."""
         metrics = self.window_metrics(logs)
         self.log(metrics, step)
         self.progress.show({"loss": f"{metrics['loss']:.4f}",
                             "samples_s": f"{metrics['global_samples_per_second']:.1f}",
                             "data_wait": f"{metrics['data_wait_fraction']:.0%}"})
-        self.stop_if_exhausted()
 
     def stop_if_exhausted(self) -> None:
+        """After the update's log: the one-line stop once the guard skipped too many updates in a row."""
         self.guard.stop_if_exhausted(self.manager)  # every rank at the same update: the verdict is shared
 
-    def between_updates(self, step: int, *, last: bool, logging_step: bool, batch=None, saves: bool = True) -> None:
-        """After update `step` and its log: progress, held-out evaluation and sample images when due, the checkpoint
-        when due (`saves`: the Trainer saves on its own schedule, `save`), the sealed saves' metrics."""
+    def between_updates(self, step: int, *, last: bool, logging_step: bool, batch=None) -> None:
+        """After update `step` and (on the loop) its log: progress, the stop of an exhausted guard (the Trainer logs
+        later, and stops then), held-out evaluation and sample images when due, the checkpoint when due (the Trainer
+        saves on its own schedule: `save`), the sealed saves' metrics."""
+        drives = self.plan.trainer_drives
+        if drives:
+            self.log_saves(step)
         self.progress.update(step, logging_step=logging_step, saving=self.manager.in_flight)
+        if not drives:
+            self.stop_if_exhausted()
         if self.objective.validation_due(step, last) and not self.stop.agreed:
             self.log(evaluate(self.objective, self.dist, step, self.eval_clock, self.batches), step)
         if self.plan.image_logging_steps and step % self.plan.image_logging_steps == 0:
             self.objective.log_images(self.writer, step, batch)  # every rank: a sharded EMA is gathered first
-        if saves and self.manager.due(step, last=last, stopping=self.stop.agreed):
+        if not drives and self.manager.due(step, last=last, stopping=self.stop.agreed):
             self.save(step)
+        if not drives:
+            self.log_saves(step)
+
+    def log_saves(self, step: int) -> None:
+        """The metrics of the saves sealed since the last call (rank 0's)."""
         for values in self.manager.take_metrics():
             self.log(values, step)
 
     def save(self, step: int, also=None) -> None:
         """checkpoint-<step> (`also(folder)` adds files); an endless run's progress then counts toward the next."""
         self.manager.save(step, also=also)
-        if step >= self.progress.total and not self.stop.agreed:
+        if not self.plan.trainer_drives and step >= self.progress.total and not self.stop.agreed:
             self.progress.retarget(*progress_target(step, self.max_steps, self.plan.save_steps))

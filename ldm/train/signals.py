@@ -1,8 +1,9 @@
 """Stopping on SIGTERM or SIGINT without losing work: finish the update, save it, exit.
 
 Cluster schedulers (SLURM, Kubernetes, spot instances) send SIGTERM some time before they kill.
-The first SIGTERM or SIGINT only sets a flag; every rank asks `requested()` once per optimizer
-update, all ranks agree (an all-reduce of the flag), save a checkpoint of that update and exit with
+The first SIGTERM or SIGINT only sets a flag; every rank casts it once per optimizer update in the
+update's one vote (`ldm.runtime.vote`; `requested()` alone where there is no such vote), all ranks
+agree, save a checkpoint of that update and exit with
 128 + the signal number (143 for SIGTERM), the shell's convention for "ended by a signal".
 
 A rank that has not stopped `STOP_GRACE_SECONDS` after the first signal (stuck in a collective with
@@ -100,8 +101,8 @@ class GracefulStop:
         return self.signum is not None
 
     def settle(self, flag: bool) -> bool:
-        """Act on the outcome of a vote that every rank took together (`requested`, or one carried by another
-        collective of the update: the non-finite guard's, `ldm.train.health`)."""
+        """Act on the outcome of a vote that every rank took together (`requested`, or the update's one vote,
+        `ldm.runtime.vote`, which carries this rank's `signalled`)."""
         if flag and self.signum is None:  # another rank was signalled: stop the same way, from now
             self._first, self.signum = time.monotonic(), signal.SIGTERM  # _first before signum: read unlocked
         self.agreed = self.agreed or flag

@@ -68,8 +68,7 @@ class LDMCallback(TrainerCallback):
         self.trainer.update_loss = paddle.zeros([])
         if run.guard.exhausted:
             control.should_log = True  # the window that ends the run is logged first (`LDMTrainer.log` stops it)
-        run.between_updates(step, last=step == state.max_steps, logging_step=step % args.logging_steps == 0,
-                            saves=False)
+        run.between_updates(step, last=step == state.max_steps, logging_step=step % args.logging_steps == 0)
         if run.stop.agreed:  # SIGTERM/SIGINT (voted with the guard): save this update, stop
             control.should_save = control.should_training_stop = True
 
@@ -105,7 +104,7 @@ class LDMTrainer(Trainer):
         if "loss" in logs:  # the update's own log, on every rank (a save's metrics are rank 0's alone)
             self.run.stop_if_exhausted()
 
-    def log_aside(self, values: dict, step: int | None = None) -> None:
+    def log_aside(self, values: dict) -> None:
         """Log `values` between the update's hooks, leaving the update's own log due: PaddleNLP's `on_log` clears
         `should_log`, and the update's log holds collectives every rank must reach."""
         should_log = self.control.should_log
@@ -113,6 +112,7 @@ class LDMTrainer(Trainer):
         self.control.should_log = should_log
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
+        # PaddleNLP passes back the checkpoint `train` was given: the run's, read once (`run.resume`)
         if resume_from_checkpoint:
             self.run.restore((), weights=True)
 
@@ -161,7 +161,7 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
             # wandb writes below the Trainer's logging_dir only if it exists (else in the system's temp folder)
             os.makedirs(training_args.logging_dir, exist_ok=True)
         trainer = LDMTrainer(run, training_args)
-        run.log = lambda values, step: trainer.log_aside(values)
+        run.log_through = trainer.log_aside  # scalars between the update's hooks go through the Trainer's log
         if run.dist.is_main:
             # scalars go through the Trainer's own trackers (--report_to) and the metrics file; images through
             # the trackers here
@@ -175,10 +175,12 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
                         run.max_steps)
             run.end(run.clock.updates, stopped=False)
         else:
-            trainer.train(resume_from_checkpoint=run.resume.path if run.resume else None)
-            step = trainer.state.global_step
-            stopped = run.stop.agreed and step < trainer.state.max_steps  # a signal after the last update: no stop
-            if not stopped:
-                save_trainer_checkpoint(trainer)  # returns at once if saved already
-            run.end(step, stopped)
+            with run.stoppable():
+                trainer.train(resume_from_checkpoint=run.resume.path if run.resume else None)
+                step = trainer.state.global_step
+                stopped = run.stop.agreed and step < trainer.state.max_steps  # a signal after the last update: no stop
+                if not stopped:
+                    save_trainer_checkpoint(trainer)  # returns at once if saved already
+                run.end(step, stopped)
+        run.finish()
     return run.result
