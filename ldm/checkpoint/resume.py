@@ -14,7 +14,7 @@ import json
 import os
 
 from ldm.checkpoint.format import read_model_record, read_training_state, recorded_autoencoder_folder
-from ldm.checkpoint.run_folder import RUN_CONFIG
+from ldm.checkpoint.run_folder import DAMAGED_WAYS_OUT, RUN_CONFIG, CheckpointError
 
 
 class Resume:
@@ -26,6 +26,8 @@ class Resume:
             self.model = read_model_record(path)
         except FileNotFoundError:  # not a text-to-image checkpoint (the autoencoder's), or from before the record
             self.model = None
+        except ValueError as e:
+            raise damaged(path, "ldm_model.json", e) from None
 
     def __fspath__(self) -> str:
         return self.path
@@ -59,9 +61,17 @@ class Resume:
 
 
 def _json_or_none(path: str):
-    """The file's JSON; None when there is no such file (a damaged one is an error, as when it is read alone)."""
+    """The file's JSON; None when there is no such file; a damaged one is refused in one line."""
     try:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except ValueError as e:
+        raise damaged(os.path.dirname(path), os.path.basename(path), e) from None
+
+
+def damaged(checkpoint: str, name: str, error: ValueError) -> CheckpointError:
+    # a sealed checkpoint's manifest catches a damaged file first: this is a checkpoint from before manifests
+    return CheckpointError(f"--resume_from_checkpoint {checkpoint}: its {name} is not valid JSON ({error}). "
+                           f"{DAMAGED_WAYS_OUT}")
