@@ -754,6 +754,35 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                run_args=RunArguments(max_nonfinite_updates=max_in_row))
 
 
+def test_phase_timing_says_where_each_window_of_updates_spent_its_time(tmp_path):
+    """With --phase_timing, each logging step adds the fraction of the window's time in each phase (`ldm.train.phases`):
+    all of them, adding up to 1, the ones every update has above 0; off, none is logged."""
+    from ldm.config.args import DataArguments, LoopArguments, RunArguments
+    from ldm.prepare.synth import synth_corpus
+    from ldm.train.loop import run as train_loop
+    from ldm.train.phases import PHASES
+
+    listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
+    data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
+    for timing in (True, False):
+        out = tmp_path / f"timing-{timing}"
+        loop = LoopArguments(output_dir=str(out), train_batch_size=4, gradient_accumulation_steps=2, max_train_steps=4,
+                             num_workers=0, save_steps=2, logging_steps=2, report_to=["none"])
+        train_loop(loop, data, lambda dist, resume, resolved: PixelRegression(),
+                   run_args=RunArguments(phase_timing=timing))
+        logged = [m for m in metrics_lines(out) if "train/loss" in m]
+        phases = [{k[len("train/phase_"):]: v for k, v in m.items() if k.startswith("train/phase_")} for m in logged]
+        if not timing:
+            assert phases == [{}, {}]
+            continue
+        assert [sorted(p) for p in phases] == [sorted(PHASES)] * 2
+        for window in phases:
+            assert abs(sum(window.values()) - 1) < 1e-6, window
+            assert all(window[name] > 0 for name in ("data", "forward", "backward", "clip", "vote", "optimizer",
+                                                     "ema")), window  # (one process: no gradient to all-reduce)
+        assert phases[0]["checkpoint"] == 0 and phases[1]["checkpoint"] > 0  # update 2's save, after its log
+
+
 def test_the_loop_rescales_gradients_only_when_their_norm_exceeds_the_maximum(tmp_path):
     """One update with `adam_epsilon` 100, so that the update is nearly proportional to the gradient: a binding
     `max_grad_norm` shrinks it by max / norm; a maximum the norm stays within (whose rescaling pass the loop

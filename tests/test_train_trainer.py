@@ -243,12 +243,20 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     evals = [m for m in metrics if "eval/loss" in m]
     assert [m["step"] for m in evals] == [2] and {"eval/loss_t250", "eval/loss_t750"} <= set(evals[0])
 
-    resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert not [key for m in metrics for key in m if key.startswith("train/phase_")]  # --phase_timing is off
+
+    resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest",
+                   "--phase_timing"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume changes --max_steps: 2 -> 3" in resumed.stderr
     assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
     metrics = metrics_lines(out)
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2, 3]
+    # where the update's time went, from the Trainer's hooks: every phase, adding up to the window's time
+    last = [m for m in metrics if "train/loss" in m][-1]
+    phases = {key: value for key, value in last.items() if key.startswith("train/phase_")}
+    assert len(phases) == 10 and abs(sum(phases.values()) - 1) < 1e-6, phases
+    assert min(phases[f"train/phase_{name}"] for name in ("forward", "backward", "optimizer")) > 0, phases
 
 
 def test_resuming_a_finished_run_trains_nothing_more(corpus, tmp_path):

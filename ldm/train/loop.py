@@ -80,27 +80,35 @@ def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
     model.train()
-    batches, step = iter(training.batches), training.step
+    batches, step, lap = iter(training.batches), training.step, training.phases.lap  # lap: `--phase_timing`
     while step < training.max_steps and not training.stop.agreed:
         for _ in range(accumulation):
             batch = next(batches)
+            lap("data")
             with no_sync(), autocast(training.precision):
                 loss, extra = training.objective.loss(ddp, batch)
+            lap("forward")
             scaler.scale(loss / accumulation).backward()
             window.add_micro_step(loss, extra, 1 / accumulation)
+            lap("backward")
         sync_gradients(trained, dist.world_size)
+        lap("sync")
         scaler.unscale_(optimizer)
         grad_norm, update_loss = global_grad_norm(trained), window.update_loss()
+        lap("clip")
         # the update's one host read: the non-finite verdict, the stop and save votes and the clip factor, agreed
         # by every rank; a norm within the maximum has a factor of exactly 1: no rescaling pass
         skip = training.agree(update_loss, grad_norm, clip_factor(grad_norm, max_norm))
+        lap("vote")
         if training.guard.clip_factor < 1 and not skip:
             scale_gradients(trained, training.guard.clip_factor)
+            lap("clip")
         training.guard.hand_to(optimizer, skip, scaler)
         scaler.step(optimizer)
         scaler.update()
         skipped = training.guard.was_skipped(optimizer)  # ours, or an fp16 overflow
         optimizer.clear_grad()
+        lap("optimizer")
         step += 1
         training.updated(step, skipped, loss=update_loss, grad_norm=grad_norm)
         if not skipped:

@@ -44,6 +44,7 @@ from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import start_batches
+from ldm.train.phases import PhaseClock
 from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress, resolve_mode
 from ldm.train.setup import setup_logging, sharding_layout
@@ -172,6 +173,7 @@ class TrainingRun:
         self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
         self.writer, self.progress = NullWriter(), None
         self.stop = self.eval_clock = None  # `stoppable`
+        self.phases = PhaseClock(False)  # `stoppable`: where the updates' time goes (`--phase_timing`)
         self.step, self.stopped = 0, False  # where the run ended, and whether on a stop (`end`)
         self.log_through = None  # the driver's logger of scalars, when it has one (the Trainer's)
         self.closing = []  # what the driver opened that an exit closes (the Trainer's metrics file)
@@ -266,6 +268,7 @@ class TrainingRun:
         """The updates (and the loop's export): the first SIGTERM or SIGINT is a stop every rank agrees on at the next
         update (`ldm.train.signals`); a repeated one during the last save is the same request."""
         self.eval_clock = EvalClock()  # the evaluation's share of time counts from the first update
+        self.phases = PhaseClock(self.run_args.phase_timing)
         with GracefulStop(self.dist) as self.stop:
             yield self
 
@@ -339,11 +342,14 @@ class TrainingRun:
             self.clock.advance()
             if self.objective.ema is not None:
                 self.objective.ema.update()
+        self.phases.lap("ema")
 
     def window_metrics(self, logs: dict, with_loss: bool = True) -> dict:
-        """`logs` with the window's means, the data path's figures, the guard's count and the throughput."""
+        """`logs` with the window's means, the data path's figures, the guard's count, the throughput and, with
+        `--phase_timing`, where the window's time went (this rank's: `ldm.train.phases`)."""
         logs.update(self.window.read(self.dist, self.batches, with_loss=with_loss))
         logs.update(self.guard.read())
+        logs.update(self.phases.read())
         logs.update(throughput_metrics(self.flops and self.flops.mean(logs), logs["global_samples_per_second"],
                                        self.dist.world_size, self.run_args.peak_tflops))
         return logs
@@ -381,6 +387,7 @@ class TrainingRun:
             self.save(step)
         if not drives:
             self.log_saves(step)
+        self.phases.lap("other")
 
     def log_saves(self, step: int) -> None:
         """The metrics of the saves sealed since the last call (rank 0's)."""
@@ -389,6 +396,8 @@ class TrainingRun:
 
     def save(self, step: int, also=None) -> None:
         """checkpoint-<step> (`also(folder)` adds files); an endless run's progress then counts toward the next."""
+        self.phases.lap("other")
         self.manager.save(step, also=also)
+        self.phases.lap("checkpoint")
         if not self.plan.trainer_drives and step >= self.progress.total and not self.stop.agreed:
             self.progress.retarget(*progress_target(step, self.max_steps, self.plan.save_steps))

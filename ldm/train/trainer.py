@@ -48,14 +48,18 @@ class LDMCallback(TrainerCallback):
 
     def on_optimizer_begin(self, args, state, control, scaler=None, **kwargs):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
-        t = self.trainer
+        t, lap = self.trainer, self.run.phases.lap
+        lap("sync")  # from the last micro-step's backward: the gradients' all-reduce
         norm = global_grad_norm(self.run.trained)  # PaddleNLP clips (with --max_grad_norm) in its step
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
+        lap("clip")
         # the update's one host read: the non-finite verdict and the stop and save votes, agreed by every rank
         self.run.guard.hand_to(t.optimizer, self.run.agree(t.update_loss, self.grad_norm), scaler)
+        lap("vote")
 
     def on_optimizer_end(self, args, state, control, scaler=None, **kwargs):
         t = self.trainer
+        self.run.phases.lap("optimizer")  # PaddleNLP's step, its clipping included
         self.skipped = self.run.guard.was_skipped(t.optimizer)
         if self.skipped and scaler is None:
             # PaddleNLP steps the schedule unless its scaler saw an overflow: take that step back
@@ -87,8 +91,15 @@ class LDMTrainer(Trainer):
     def get_train_dataloader(self):
         return self.run.batches
 
+    def training_step(self, model, inputs):
+        loss = super().training_step(model, inputs)
+        self.run.phases.lap("backward")
+        return loss
+
     def compute_loss(self, model, inputs, return_outputs=False):
+        self.run.phases.lap("data")  # since the last lap: PaddleNLP took the batch
         loss, extra = self.objective.loss(model, inputs)
+        self.run.phases.lap("forward")
         self.update_loss = self.update_loss + loss.detach()
         self.run.window.add_micro_step(loss, extra, 1 / self.args.gradient_accumulation_steps)
         return (loss, None) if return_outputs else loss
