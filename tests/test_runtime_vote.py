@@ -4,6 +4,7 @@ ballots alike, from one collective; one process reads its device ballots at once
 import json
 
 import paddle
+import pytest
 from entry import launch_ranks
 
 from ldm.runtime.vote import UpdateVote
@@ -25,6 +26,7 @@ print("VOTES", rank, json.dumps(votes), flush=True)
 """
 
 
+@pytest.mark.distributed
 def test_two_ranks_agree_on_every_ballots_largest_value(tmp_path):
     result = launch_ranks(["-c", RANKS], tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]

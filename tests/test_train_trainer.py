@@ -256,7 +256,8 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     last = [m for m in metrics if "train/loss" in m][-1]
     phases = {key: value for key, value in last.items() if key.startswith("train/phase_")}
     assert len(phases) == 10 and abs(sum(phases.values()) - 1) < 1e-6, phases
-    assert min(phases[f"train/phase_{name}"] for name in ("forward", "backward", "optimizer")) > 0, phases
+    assert min(phases[f"train/phase_{name}"] for name in ("data", "forward", "backward", "sync", "clip", "vote",
+                                                           "optimizer", "ema")) > 0, phases
 
 
 def test_resuming_a_finished_run_trains_nothing_more(corpus, tmp_path):

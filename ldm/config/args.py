@@ -286,7 +286,7 @@ class RunArguments:
                                  "to host memory (false: every save is waited for)")
     phase_timing: bool = arg(False, "log at each logging step the fraction of the time spent in each phase of the "
                                     "updates (data, forward, backward, sync, clip, vote, optimizer, ema, checkpoint, "
-                                    "other): train/phase_<name>; waits for the device at each phase")
+                                    "other): train/phase_<name>, rank 0's; waits for the device at each phase")
 
     def __post_init__(self):
         _check(self.progress in PROGRESS, f"--progress must be one of {', '.join(PROGRESS)}, not {self.progress!r}")

@@ -38,7 +38,8 @@ FIXED = {
 }
 # Expected to differ between a run and its resume, or a record of the moment rather than a setting.
 NOT_SETTINGS = ("arguments.resume_from_checkpoint", "arguments.overwrite_output_dir", "arguments.config",
-                "arguments.logging_dir", "command", "created", "step", "world.hosts", "lineage", "memory")
+                "arguments.logging_dir", "arguments.phase_timing", "command", "created", "step", "world.hosts",
+                "lineage", "memory")
 
 
 class ConfigError(UserError, ValueError):

@@ -81,6 +81,7 @@ def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
     model.train()
     batches, step, lap = iter(training.batches), training.step, training.phases.lap  # lap: `--phase_timing`
+    training.phases.restart()
     while step < training.max_steps and not training.stop.agreed:
         for _ in range(accumulation):
             batch = next(batches)

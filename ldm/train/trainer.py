@@ -42,6 +42,7 @@ class LDMCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.run.restore(["random"], weights=False)
         self.run.writer.add_config(self.run.record, hyperparameters(self.run.record))
+        self.run.phases.restart()  # the Trainer's set-up and the restore are no phase of an update
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.run.stop_if_exhausted()  # when the Trainer did not log the update that exhausted the guard
@@ -114,6 +115,7 @@ class LDMTrainer(Trainer):
             self.metrics.write(self.state.global_step, scalars)
         if "loss" in logs:  # the update's own log, on every rank (a save's metrics are rank 0's alone)
             self.run.stop_if_exhausted()
+        self.run.phases.lap("other")  # the trackers' writes
 
     def log_aside(self, values: dict) -> None:
         """Log `values` between the update's hooks, leaving the update's own log due: PaddleNLP's `on_log` clears
