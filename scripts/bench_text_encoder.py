@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
+
+from bench_encoder_share import seconds
 
 GIB = 2**30
 
@@ -42,16 +42,6 @@ def clip_text(width: int, layers: int, heads: int, ffn: int):
 
     return CLIPTextModel(CLIPTextConfig(**{**CLIP_L_TEXT, "hidden_size": width, "num_hidden_layers": layers,
                                            "num_attention_heads": heads, "intermediate_size": ffn}))
-
-
-def median_seconds(step, steps: int) -> float:
-    step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def step_times(preset: str, resolution: int, batch: int, steps: int) -> dict[str, float]:
@@ -102,7 +92,7 @@ def step_times(preset: str, resolution: int, batch: int, steps: int) -> dict[str
     }
     times = {}
     for name, (parameters, encode) in modes.items():  # one optimizer's state at a time: a UNet's is gigabytes
-        times[name] = median_seconds(trainer(parameters, encode), steps)
+        times[name] = seconds(trainer(parameters, encode), steps)  # one warm-up, the median
         gc.collect()
     return times
 
@@ -170,8 +160,8 @@ def main() -> None:
     times = step_times(args.unet, args.resolution, args.batch, args.steps)
     print(f"training step on latents, {args.unet}'s UNet, {args.resolution} px, batch {args.batch} (median of "
           f"{args.steps}):")
-    for name, seconds in times.items():
-        print(f"  {name:<7} {seconds:7.3f} s   {seconds / times['joint']:.2f} of joint")
+    for name, took in times.items():
+        print(f"  {name:<7} {took:7.3f} s   {took / times['joint']:.2f} of joint")
     joint, frozen, cached = times["joint"], times["frozen"], times["cached"]
     print(f"cached / frozen on the fly: {cached / frozen:.2f}; frozen / joint: {frozen / joint:.2f}; "
           f"cached / joint: {cached / joint:.2f}")

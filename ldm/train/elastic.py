@@ -121,9 +121,3 @@ class SampleClock:
             self.load_state_dict(training_state["samples"])
         else:
             self.assume(training_state["step"], training_state.get("world_size"))
-
-    def part(self):
-        """This clock as a checkpoint part (`ldm.checkpoint.manager`)."""
-        from ldm.checkpoint.manager import Part
-
-        return Part(self.state_dict, self.load_state_dict, missing=self.restore)

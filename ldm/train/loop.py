@@ -36,7 +36,7 @@ def train(loop: args.LoopArguments, model_args: args.ModelArguments, data: args.
           sampling: args.SamplingArguments, run_args: args.RunArguments | None = None,
           validation: args.ValidationArguments | None = None) -> dict:
     """The LDM through the hand-written loop; ends with `<output_dir>/pipeline`."""
-    run_args = run_args or args.RunArguments()
+    run_args = run_args or args.RunArguments()  # recorded among the groups
     return run(loop, data, lambda dist, resume, resolved: TextToImage(
                    model_args, data, sampling, recompute=resolved.recompute, seed=resolved.seed,
                    validation=validation, resume=resume),

@@ -28,7 +28,7 @@ import logging
 
 import paddle
 
-from ldm.checkpoint.manager import CheckpointManager, optimizer_part, scaler_part, stateful
+from ldm.checkpoint.manager import CheckpointManager, Part, optimizer_part, scaler_part, stateful
 from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import RunFolder
 from ldm.config.args import RunArguments
@@ -185,7 +185,6 @@ class TrainingRun:
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision)
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
-        return self.objective
 
     def adopt(self, optimizer) -> None:
         """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition."""
@@ -237,9 +236,12 @@ class TrainingRun:
             self.manager = CheckpointManager(
                 self.run_dir, dist, objective, save_steps=plan.save_steps, seed=self.seed, trained=self.trained,
                 data_position=self.batches.tracker.state_dict, record=self.record, async_save=self.run_args.async_save,
-                parts={**self.parts, "samples": self.clock.part()})
+                parts={**self.parts, "samples": Part(self.clock.state_dict)})  # restored above, from the view
             self.manager.last = self.resume.path if self.resume else None
-            self.step = self.restore() if not plan.trainer_drives else self.resume.step if self.resume else 0
+            if plan.trainer_drives:  # the Trainer restores in its hooks
+                self.step = self.resume.step if self.resume else 0
+            else:
+                self.step = self.restore()
             if not plan.trainer_drives:
                 self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
                                           dist.is_main, resume_step=self.step if self.resume else None)
