@@ -205,9 +205,10 @@ def part_weights(folder, stem):
 
 
 def weights(checkpoint):
-    """Every UNet, LDMBert and EMA weight of a checkpoint by name, and the EMA update counter."""
+    """Every UNet, LDMBert (when it trains) and EMA weight of a checkpoint by name, and the EMA update counter."""
     out = {f"unet.{k}": v for k, v in part_weights(os.path.join(checkpoint, "unet"), "diffusion_paddle_model").items()}
-    out.update({f"bert.{k}": v for k, v in part_weights(os.path.join(checkpoint, "bert"), "model").items()})
+    if os.path.isdir(os.path.join(checkpoint, "bert")):
+        out.update({f"bert.{k}": v for k, v in part_weights(os.path.join(checkpoint, "bert"), "model").items()})
     ema = load_state(str(checkpoint), "ema")
     out.update({k: np.asarray(v) for k, v in ema.items() if k.startswith("shadow.")})
     return out, ema["num_updates"]

@@ -4,6 +4,7 @@ set from numpy's generator rather than Paddle's initialisers, and none of them z
 zeroes the UNet's output layers, which would make its prediction 0 whatever the layout).
 
     .venv/bin/python tests/interop_models.py FOLDER    writes FOLDER/ppdiffusers (the pipeline) and FOLDER/vocab
+    .venv/bin/python tests/interop_models.py FOLDER --sd    writes FOLDER/ppdiffusers, the seeded sd-tiny pipeline
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def tiny_pipeline(folder: str) -> str:
                            os.path.join(folder, "ppdiffusers"))
 
 
+def tiny_sd_pipeline(folder: str) -> str:
+    """The sd-tiny pipeline (a CLIP text encoder, its own tokenizer) with seeded weights, as a ppdiffusers folder."""
+    sys.path.insert(0, ROOT)
+    from ldm.inference.export import export_pipeline
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components
+
+    c = build_components("sd-tiny")
+    for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
+        fill_seeded(part, 20 + seed)
+    tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
+    return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer, dict(c.noise_scheduler.config),
+                           os.path.join(folder, "ppdiffusers"))
+
+
 def plant_code(weights_file, key: str, marker) -> None:
     """Replace a torch `.bin` by one whose unpickling runs `echo PWNED > marker`: what a malicious download holds."""
     import pickle
@@ -65,4 +81,4 @@ def plant_code(weights_file, key: str, marker) -> None:
 
 
 if __name__ == "__main__":
-    print(tiny_pipeline(sys.argv[1]))
+    print(tiny_sd_pipeline(sys.argv[1]) if "--sd" in sys.argv[2:] else tiny_pipeline(sys.argv[1]))

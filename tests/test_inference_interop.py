@@ -196,7 +196,8 @@ def test_a_new_stage_starts_from_a_diffusers_folder(exported):
     model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler)
     for parameter in model.unet.parameters():
         parameter.set_value(paddle.zeros_like(parameter))
-    lineage = load_initial_weights(str(folder), model, None, autoencoder_identity(c.vae))
+    parts = {"unet": model.unet, "bert": model.text_encoder}
+    lineage = load_initial_weights(str(folder), parts, model, None, autoencoder_identity(c.vae))
     assert lineage["kind"] == "pipeline"
     unet, *_ = load_for_inference(source)
     for name, value in unet.state_dict().items():

@@ -227,7 +227,7 @@ def test_checkpoint_export_from_pretrained_generate_round_trip(tokenizer, tmp_pa
     with paddle.no_grad():
         c.unet.conv_in.weight.set_value(c.unet.conv_in.weight + 1.0)  # raw weights now differ from EMA ones
     checkpoint = tmp_path / "checkpoint-1"
-    save_model(str(checkpoint), unet=c.unet, text_encoder=c.text_encoder, tokenizer=tokenizer,
+    save_model(str(checkpoint), parts={"unet": c.unet, "bert": c.text_encoder}, tokenizer=tokenizer,
                noise_scheduler=c.noise_scheduler, vae_folder=str(tmp_path / "vqvae"),
                vae_identity=autoencoder_identity(c.vae))
     save_state(str(checkpoint), "ema", ema.state_dict())

@@ -104,7 +104,8 @@ def test_a_frozen_text_encoder_costs_its_forward_only(vocab_dir):
 
     data = DataArguments(tokenizer_name=vocab_dir, model_max_length=16, resolution=32)
     model, _ = setup.build_model(ModelArguments(model_name_or_path="ldm-tiny", allow_untrained_vae=True,
-                                                freeze_text_encoder=True), data, setup.build_tokenizer(data),
+                                                freeze_text_encoder=True,
+                                                allow_untrained_text_encoder=True), data, setup.build_tokenizer(data),
                                  recompute=False, seed=0)
     assert ldm_training_flops(model, resolution=32, text_length=16)["text_encoder"] == tiny_bert()
 

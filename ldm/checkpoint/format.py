@@ -1,9 +1,11 @@
 """What a training checkpoint holds, in formats that load without running code (writing: `ldm.checkpoint.manager`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_folder`) holds:
-  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once
+  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once (`text_encoder/`
+                                 for a CLIP text encoder trained with --train_text_encoder)
   tokenizer/, scheduler/         the tokenizer and the DDPM noise scheduler config: the folder describes itself
-  ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity
+  ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity; the
+                                 same for a frozen text encoder
   ema.json, ema.safetensors      EMA weights and update counter (with --use_ema)
   optimizer.json, .safetensors   the optimizer's moments and counters
   training_state.json, .safetensors
@@ -12,7 +14,8 @@ A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_
                                  on the Trainer path, which PaddleNLP reads back itself)
   manifest.json                  every file's size and sha256, written last
 An autoencoder run's checkpoints hold `vqvae/` and the same training files. The frozen autoencoder is
-written once per run to `<output_dir>/vqvae/` rather than into every checkpoint (it is large: docs/checkpoints.md).
+written once per run to `<output_dir>/vqvae/` rather than into every checkpoint (it is large: docs/checkpoints.md),
+and a frozen text encoder to `<output_dir>/text_encoder/`.
 
 Nothing here unpickles. Checkpoints of earlier versions (`training_state.pkl`, `*.pdparams`, `*.pdopt`)
 are refused with the command that converts them: `python -m ldm.checkpoint upgrade DIR`, which does
@@ -85,8 +88,9 @@ def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
 # -- model parts -------------------------------------------------------------------------------------
 # The trained parts' weight files as their libraries name them, and the `format` each writes into the safetensors
 # metadata (ppdiffusers reads "pt" as PyTorch's layout and transposes: never write that here)
-WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np"),
+WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np"), "text_encoder": ("model", "np"),
                 "vqvae": ("diffusion_paddle_model", "pd")}
+TEXT_ENCODER_FOLDER = "text_encoder"  # a run's frozen text encoder, beside its vqvae/
 
 
 def share_out(sizes: dict[str, int], world_size: int) -> list[list[str]]:
@@ -144,26 +148,32 @@ def _write_weight_index(folder: str, part: str, shares: list[list[str]], layer) 
         json.dump(index, f, indent=1)
 
 
-def save_model(folder: str, *, unet, text_encoder, tokenizer, noise_scheduler, vae_folder: str, vae_identity: dict,
-               final_folder: str | None = None, shares: list[dict[str, list[str]]] | None = None) -> None:
-    """Write the model parts of a checkpoint into `folder` (created; existing files replaced).
+def save_model(folder: str, *, parts: dict, tokenizer, noise_scheduler, vae_folder: str, vae_identity: dict,
+               final_folder: str | None = None, shares: list[dict[str, list[str]]] | None = None,
+               frozen_text: tuple[str, dict] | None = None) -> None:
+    """Write the model of a checkpoint into `folder` (created; existing files replaced): the trained `parts`
+    (`{"unet": layer, "bert": layer}`), the tokenizer, the noise schedule and the record of the frozen parts.
 
-    `final_folder` is where the checkpoint will live when `folder` is a temporary one: the path to
-    the autoencoder is written relative to it. `shares`: the ranks write the weights (`weight_jobs`, each rank's
-    names): only the configurations and indexes are written here.
+    `final_folder` is where the checkpoint will live when `folder` is a temporary one: the paths to the frozen
+    autoencoder and text encoder (`frozen_text`: its folder and identity) are written relative to it. `shares`: the
+    ranks write the weights (`weight_jobs`, each rank's names): only the configurations and indexes are written here.
     """
     os.makedirs(folder, exist_ok=True)
     if shares is not None:
-        write_part_configs(folder, {"unet": unet, "bert": text_encoder}, shares)
+        write_part_configs(folder, parts, shares)
     else:
         with writes_failing_as_os_errors(folder):
-            unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
-            text_encoder.save_pretrained(os.path.join(folder, "bert"), safe_serialization=True)  # else a pickle
+            for name, layer in parts.items():
+                layer.save_pretrained(os.path.join(folder, name), safe_serialization=True)  # else a pickle
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
-    vae = os.path.relpath(os.path.abspath(vae_folder), os.path.abspath(final_folder or folder))
+    here = os.path.abspath(final_folder or folder)
+    record = {"vae": os.path.relpath(os.path.abspath(vae_folder), here), "vae_identity": vae_identity}
+    if frozen_text is not None:
+        record.update(text_encoder=os.path.relpath(os.path.abspath(frozen_text[0]), here),
+                      text_encoder_identity=frozen_text[1])
     with open(os.path.join(folder, MODEL_JSON), "w") as f:
-        json.dump({"vae": vae, "vae_identity": vae_identity}, f, indent=2)
+        json.dump(record, f, indent=2)
 
 
 def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
@@ -179,7 +189,7 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
     def write() -> None:
         if os.path.isfile(os.path.join(folder, "config.json")):
             refuse_pickles(folder, "autoencoder")
-            check_own_autoencoder(folder)
+            check_own_part(folder, "frozen autoencoder")
             if autoencoder_identity(AutoencoderKL.from_pretrained(folder)) != identity:
                 raise CheckpointError(
                     f"{folder} holds another autoencoder than this run's --vae_name_or_path; resume with the "
@@ -193,15 +203,50 @@ def write_frozen_autoencoder(run_dir, vae, identity: dict) -> str:
     return folder
 
 
-def check_own_autoencoder(folder: str) -> None:
-    """The run's own `vqvae/` as the run wrote it, checked against its manifest (runs before manifests: unchecked)."""
+def write_frozen_text_encoder(run_dir, text_encoder, identity: dict, identify) -> str:
+    """A frozen text encoder, written once to `<output_dir>/text_encoder` (as `write_frozen_autoencoder`; `identify`
+    gives the identity of the one found there): its folder."""
+    from ldm.models.torch_layout import load_pretrained
+
+    folder = run_dir.path(TEXT_ENCODER_FOLDER)
+
+    def write() -> None:
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            refuse_pickles(folder, "text encoder")
+            check_own_part(folder, "frozen text encoder")
+            if identify(load_pretrained(type(text_encoder), folder)) != identity:
+                raise CheckpointError(
+                    f"{folder} holds another text encoder than this run's: the run started with another model; "
+                    "resume with the model it started with, or start a new run in another --output_dir")
+        else:
+            with atomic_folder(folder) as temp, writes_failing_as_os_errors(folder):
+                text_encoder.save_pretrained(temp, safe_serialization=True)
+                write_manifest(temp)
+
+    run_dir.dist.from_main(write)
+    return folder
+
+
+def recorded_text_encoder_folder(path: str, model: dict | None = None) -> str | None:
+    """The folder of the frozen text encoder checkpoint `path` was trained with (its run's `text_encoder/`), if it
+    recorded one and it is there."""
+    try:
+        relative = (model or read_model_record(path)).get("text_encoder")
+    except (OSError, ValueError, AttributeError):
+        return None
+    folder = os.path.normpath(os.path.join(path, relative)) if isinstance(relative, str) else None
+    return folder if folder and os.path.isfile(os.path.join(folder, "config.json")) else None
+
+
+def check_own_part(folder: str, what: str) -> None:
+    """A frozen part the run wrote (`vqvae/`, `text_encoder/`) as it wrote it, checked against its manifest."""
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
         return
     problem = checkpoint_problem(folder)
     if problem is not None:
         raise CheckpointError(
-            f"{folder}, the frozen autoencoder this run wrote, was damaged or modified after it was written "
-            f"({problem}): restore it from a copy, or start the run anew with the autoencoder it was made from")
+            f"{folder}, the {what} this run wrote, was damaged or modified after it was written ({problem}): restore "
+            "it from a copy, or start the run anew with the model it was made from")
 
 
 def recorded_autoencoder_folder(path: str, model: dict | None = None) -> str | None:
@@ -244,7 +289,7 @@ def check_autoencoder(checkpoint: str, recorded: dict | None, identity: dict, so
                                if recorded.get(k) != identity.get(k))
         own = recorded_autoencoder_folder(checkpoint)
         if own is not None and os.path.realpath(own) == os.path.realpath(folder or source):
-            check_own_autoencoder(own)  # damaged: says so
+            check_own_part(own, "frozen autoencoder")  # damaged: says so
             raise CheckpointError(f"{source}, the autoencoder {checkpoint} was trained with, no longer holds it (its "
                                   f"{changed} differ: modified or replaced after the run wrote it): restore it from a "
                                   "copy")
@@ -263,29 +308,31 @@ def recorded_autoencoder(path: str) -> dict | None:
     return read_model_record(path).get("vae_identity")
 
 
-def load_ldm_weights(path: str, model) -> None:
-    """UNet and LDMBert weights of a checkpoint into the training wrapper's parts."""
-    from ppdiffusers import UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+def load_ldm_weights(path: str, parts: dict) -> None:
+    """The trained parts' weights of a checkpoint (`{"unet": layer, "bert": layer}`) into them."""
+    from ldm.models.torch_layout import load_pretrained
 
     refuse_pickles(path)
-    model.unet.set_state_dict(UNet2DConditionModel.from_pretrained(os.path.join(path, "unet")).state_dict())
-    model.text_encoder.set_state_dict(LDMBertModel.from_pretrained(os.path.join(path, "bert")).state_dict())
+    for name, layer in parts.items():
+        layer.set_state_dict(load_pretrained(type(layer), os.path.join(path, name)).state_dict())
 
 
-def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
-    """A new stage's starting weights: the UNet's and LDMBert's of a training checkpoint or an exported pipeline
-    `path` into `model`, and its EMA (a checkpoint's, with its update counter; else the loaded weights) into
-    `ema`. Refused in one line when the architecture or the autoencoder differ. Returns the lineage for run.json:
+def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
+                         frozen_text: tuple | None = None) -> dict:
+    """A new stage's starting weights: the trained `parts`' (`{"unet": layer, "bert": layer}`) of a training
+    checkpoint or a pipeline `path` (ours, or a diffusers Stable Diffusion folder), and its EMA (a checkpoint's, with
+    its update counter; else the loaded weights) into `ema`. Refused in one line when the architecture, the
+    autoencoder or the frozen text encoder differ (`frozen_text`: this run's identity of it, the function that gives
+    a text encoder's identity, and its class). Returns the lineage for run.json:
     where the weights came from, the parent run, the step and the sha256 of the checkpoint's manifest (a
     pipeline's model_index.json)."""
     import hashlib
 
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+    from ppdiffusers import AutoencoderKL
 
     from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
+    from ldm.models.build import ModelSourceError, vae_folder
     from ldm.models.torch_layout import load_pretrained  # a pipeline in either layout: ppdiffusers' or diffusers'
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
@@ -302,9 +349,18 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
         if problem:
             raise CheckpointError(f"--init_from_checkpoint {path}: not a usable checkpoint: {problem}")
         check_autoencoder(path, recorded_autoencoder(path), vae_identity, "this run's autoencoder")
-    elif autoencoder_identity(load_pretrained(AutoencoderKL, os.path.join(path, "vqvae"))) != vae_identity:
-        raise CheckpointError(f"--init_from_checkpoint {path} was trained with another autoencoder than this run's: "
-                              "the UNet learned that autoencoder's latents (pass its vqvae/ as --vae_name_or_path)")
+    else:
+        try:
+            own_vae = vae_folder(path)
+        except ModelSourceError:
+            raise CheckpointError(f"--init_from_checkpoint {path}: a pipeline without an autoencoder (vqvae/ or "
+                                  "vae/)") from None
+        if autoencoder_identity(load_pretrained(AutoencoderKL, own_vae)) != vae_identity:
+            raise CheckpointError(f"--init_from_checkpoint {path} was trained with another autoencoder than this "
+                                  f"run's: the UNet learned that autoencoder's latents (pass {own_vae} as "
+                                  "--vae_name_or_path)")
+    if frozen_text is not None:
+        check_initial_text_encoder(path, pipeline, *frozen_text)
     scheduler_config = os.path.join(path, "scheduler", "scheduler_config.json")
     if os.path.isfile(scheduler_config):
         with open(scheduler_config) as f:
@@ -313,8 +369,11 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
             raise CheckpointError(f"--init_from_checkpoint {path} predicts {prediction} and this run "
                                   f"{model.prediction_type}: pass --prediction_type {prediction} (another target needs "
                                   "another model, not a new stage)")
-    for part, cls, target in (("unet", UNet2DConditionModel, model.unet), ("bert", LDMBertModel, model.text_encoder)):
-        state = load_pretrained(cls, os.path.join(path, part)).state_dict()
+    for part, target in parts.items():
+        if not os.path.isfile(os.path.join(path, part, "config.json")):
+            raise CheckpointError(f"--init_from_checkpoint {path} has no {part}/, which this run trains: it is another "
+                                  "kind of model (a text encoder of another family, or one it kept frozen)")
+        state = load_pretrained(type(target), os.path.join(path, part)).state_dict()
         expected = {name: tuple(value.shape) for name, value in target.state_dict().items()}
         got = {name: tuple(value.shape) for name, value in state.items()}
         if got != expected:
@@ -340,6 +399,25 @@ def load_initial_weights(path: str, model, ema, vae_identity: dict) -> dict:
             "step": None if pipeline else checkpoint_step(path), "parent_run": parent_run,
             f"{os.path.basename(identity_file).replace('.json', '')}_sha256": digest,
             "ema": "checkpoint" if saved_ema is not None and ema is not None else "loaded weights"}
+
+
+def check_initial_text_encoder(path: str, pipeline: bool, identity: dict, identify, model_class) -> None:
+    """The frozen text encoder of a new stage's source is this run's: the UNet learned that encoder's states."""
+    from ldm.models.torch_layout import load_pretrained
+
+    if pipeline:
+        folder = os.path.join(path, "text_encoder")
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise CheckpointError(f"--init_from_checkpoint {path} has no text_encoder/: not a model of this run's text "
+                                  f"encoder family ({identity['family']})")
+        theirs = identify(load_pretrained(model_class, folder))
+    else:
+        theirs = read_model_record(path).get("text_encoder_identity")
+    if theirs != identity:
+        differ = [k for k in identity if (theirs or {}).get(k) != identity[k]] or ["family"]
+        raise CheckpointError(f"--init_from_checkpoint {path} was trained with another text encoder than this run's "
+                              f"({', '.join(differ)} differ): the UNet learned that encoder's states. Pass its model "
+                              "as --model_name_or_path")
 
 
 def read_ema(path: str) -> dict | None:

@@ -13,7 +13,12 @@ from __future__ import annotations
 import json
 import os
 
-from ldm.checkpoint.format import read_model_record, read_training_state, recorded_autoencoder_folder
+from ldm.checkpoint.format import (
+    read_model_record,
+    read_training_state,
+    recorded_autoencoder_folder,
+    recorded_text_encoder_folder,
+)
 from ldm.checkpoint.run_folder import DAMAGED_WAYS_OUT, RUN_CONFIG, CheckpointError
 
 
@@ -58,6 +63,17 @@ class Resume:
     def autoencoder_folder(self) -> str | None:
         """The folder of that autoencoder (its run's `vqvae/`), if it is there."""
         return recorded_autoencoder_folder(self.path, self.model) if self.model is not None else None
+
+    @property
+    def text_encoder(self) -> dict | None:
+        """The identity of the frozen text encoder it was trained with (`ldm.models.text.text_encoder_identity`);
+        None when its text encoder trained (it is in the checkpoint)."""
+        return (self.model or {}).get("text_encoder_identity")
+
+    @property
+    def text_encoder_folder(self) -> str | None:
+        """The folder of that frozen text encoder (its run's `text_encoder/`), if it is there."""
+        return recorded_text_encoder_folder(self.path, self.model) if self.model is not None else None
 
 
 def _json_or_none(path: str):

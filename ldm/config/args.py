@@ -44,7 +44,8 @@ def arg_list(default: list, help: str, **metadata):
 @dataclass
 class ModelArguments:
     model_name_or_path: str = arg(
-        "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny), folder of configs, pipeline folder or hub name",
+        "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny, sd-1.5, sd-2-base, sd-tiny), folder of configs, "
+        "pipeline folder (ours, or a diffusers Stable Diffusion one) or hub name",
         aliases=["--pretrained_model_name_or_path"])
     vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder: a folder, or a hub name org/repo[/subfolder] "
                                                 "(default: the model's vqvae/)")
@@ -54,7 +55,12 @@ class ModelArguments:
                                                "else epsilon)")
     noise_offset: float = arg(0.0, "noise offset (0: off)")
     snr_gamma: Optional[float] = arg(None, "min-SNR loss weighting gamma (e.g. 5.0; default off)")
-    freeze_text_encoder: bool = arg(False, "train the UNet only")
+    train_text_encoder: Optional[bool] = arg(None, "train the text encoder with the UNet (default: true for "
+                                                   "LDMBert, false for a pretrained CLIP text encoder, which stays "
+                                                   "frozen: no gradient, optimizer state, EMA or checkpoint copy)")
+    freeze_text_encoder: bool = arg(False, "the same as --train_text_encoder false (an earlier spelling)")
+    allow_untrained_text_encoder: bool = arg(False, "keep a text encoder that has no trained weights frozen (tests "
+                                                    "only: its states are random)")
     use_ema: bool = arg(False, "keep an EMA of every trained weight; exported by default")
     attention: str = arg("default", "UNet attention: default (ppdiffusers') or sdpa (Paddle's fused "
                                     "scaled_dot_product_attention: FlashAttention on a GPU in fp16/bf16)")
@@ -67,6 +73,10 @@ class ModelArguments:
               "run.json. Ignored when the run resumes a checkpoint of its own")
 
     def __post_init__(self):
+        _check(not (self.freeze_text_encoder and self.train_text_encoder),
+               "--freeze_text_encoder and --train_text_encoder true contradict each other: pass one")
+        if self.freeze_text_encoder:
+            self.train_text_encoder = False
         _check(self.prediction_type in (None, "epsilon", "v_prediction"),
                f"--prediction_type must be epsilon or v_prediction, not {self.prediction_type!r}")
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")

@@ -35,6 +35,7 @@ FIXED = {
     "arguments.model_name_or_path": "the model",
     "arguments.resolution": "the latent size",
     "model.prediction_type": "the prediction type",
+    "model.text_encoder_trained": "whether the text encoder trains (a frozen one is in no checkpoint)",
 }
 # Expected to differ between a run and its resume, or a record of the moment rather than a setting.
 NOT_SETTINGS = ("arguments.resume_from_checkpoint", "arguments.overwrite_output_dir", "arguments.config",

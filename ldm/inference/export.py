@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from ppdiffusers import LDMTextToImagePipeline
+from ppdiffusers import LDMTextToImagePipeline, StableDiffusionPipeline
 
 from ldm.checkpoint.run_folder import CheckpointError, atomic_folder
 from ldm.checkpoint.serialization import writes_failing_as_os_errors
@@ -49,16 +49,25 @@ def check_diffusers_context(text_encoder) -> None:
 
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str,
                     to_diffusers: bool = False, card: str | None = None) -> str:
+    """An `LDMTextToImagePipeline` folder (LDMBert) or a `StableDiffusionPipeline` one (a CLIP text encoder: no
+    safety checker, as a pretraining framework's own samples need none)."""
     check_output(output)
-    if to_diffusers:
+    ldmbert = type(text_encoder).__name__.startswith("LDMBert")
+    if to_diffusers and ldmbert:
         check_diffusers_context(text_encoder)
-    pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
-                                      scheduler=ddim_scheduler(scheduler_config))
+    scheduler = ddim_scheduler(scheduler_config)
+    if ldmbert:
+        pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
+                                          scheduler=scheduler)
+    else:
+        pipeline = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                           scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
         pipeline.save_pretrained(folder, to_diffusers=to_diffusers)
-        if to_diffusers:  # but leaves bert/ in Paddle's layout: rewritten in PyTorch's, as transformers reads it
-            _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert"))
+        if to_diffusers:  # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's, as transformers reads it
+            _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert" if ldmbert else "text_encoder"))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)

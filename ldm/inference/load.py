@@ -10,11 +10,19 @@ import tempfile
 import paddle
 from paddlenlp.transformers import BertTokenizer
 from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
-from ldm.checkpoint.format import MODEL_JSON, checkpoint_autoencoder, is_checkpoint, read_ema, refuse_pickles
+from ldm.checkpoint.format import (
+    MODEL_JSON,
+    checkpoint_autoencoder,
+    is_checkpoint,
+    read_ema,
+    read_model_record,
+    recorded_text_encoder_folder,
+    refuse_pickles,
+)
 from ldm.checkpoint.run_folder import CheckpointError
-from ldm.models.build import read_config
+from ldm.models.build import read_config, vae_folder
+from ldm.models.text import FAMILIES, LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family
 from ldm.models.torch_layout import TorchLayoutError, load_pretrained
 
 
@@ -44,6 +52,33 @@ def load_pipeline_tokenizer(folder: str):
                               model_max_length=config.get("model_max_length", 77))
     tokenizer.vocab_folder = temp  # its save_pretrained copies the file: the folder lives as long as it does
     return tokenizer
+
+
+def text_encoder_of(path: str) -> tuple[TextFamily, str]:
+    """(family, folder) of the text encoder of a pipeline or a checkpoint: its own `bert/` or `text_encoder/`, or the
+    frozen one its run wrote (recorded in the checkpoint's ldm_model.json)."""
+    if is_checkpoint(path):
+        identity = read_model_record(path).get("text_encoder_identity")
+        if identity is not None:
+            folder = recorded_text_encoder_folder(path)
+            if folder is None:
+                raise CheckpointError(f"{path} was trained with the frozen text encoder its run wrote beside it "
+                                      "(text_encoder/), which is gone: copy the whole run folder")
+            return next(f for f in FAMILIES if f.name == identity["family"]), folder
+    try:
+        family = text_family(path)
+    except TextEncoderError as e:
+        raise CheckpointError(str(e)) from None
+    return family, os.path.join(path, family.folder)
+
+
+def load_tokenizer_of(family: TextFamily, folder: str):
+    if family is LDMBERT:
+        return load_pipeline_tokenizer(folder)
+    try:
+        return load_text_tokenizer(family, folder)
+    except TextEncoderError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def apply_ema(state: dict, unet, text_encoder) -> None:
@@ -78,11 +113,12 @@ def _load_for_inference(path: str, use_ema: bool):
                                 "(model_index.json)")
     refuse_pickles(path, "pipeline" if is_pipeline(path) else "checkpoint")
     unet = load_pretrained(UNet2DConditionModel, os.path.join(path, "unet"))
-    text_encoder = load_pretrained(LDMBertModel, os.path.join(path, "bert"))
-    tokenizer = load_pipeline_tokenizer(os.path.join(path, "tokenizer"))
+    family, text_folder = text_encoder_of(path)
+    text_encoder = load_pretrained(family.model_class(), text_folder)
+    tokenizer = load_tokenizer_of(family, os.path.join(path, "tokenizer"))
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     if is_pipeline(path):
-        vae = load_pretrained(AutoencoderKL, os.path.join(path, "vqvae"))
+        vae = load_pretrained(AutoencoderKL, vae_folder(path))
     else:
         vae = checkpoint_autoencoder(path)
     ema = read_ema(path) if use_ema else None

@@ -74,21 +74,30 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
     made = f"converted from {origin}" if origin else "trained with ldm-laion (PaddlePaddle)"
     config, scores = record["config"], record["scores"]
     u, b, v = unet.config, text_encoder.config, vae.config
+    ldmbert = type(text_encoder).__name__.startswith("LDMBert")
+    pipeline_class = "LDMTextToImagePipeline" if ldmbert else "StableDiffusionPipeline"
+    if ldmbert:
+        text_line = (f"- LDMBert text encoder: {_parameters(text_encoder)}, {b.encoder_layers} layers of width "
+                     f"{b.d_model}, {b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, "
+                     f"{b.max_position_embeddings} tokens")
+    else:
+        text_line = (f"- CLIP text encoder (frozen in training, as its source made it): {_parameters(text_encoder)}, "
+                     f"{b.num_hidden_layers} layers of width {b.hidden_size}, {b.num_attention_heads} heads, "
+                     f"vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens")
     score_lines = [f"- {name.split('/')[1]} {value:.4g} (held-out evaluation at update {step})"
                    for name, (step, value) in sorted(scores.items())] or ["- FID, CLIP score: not measured during "
                                                                           "training (`python -m ldm.evaluate run`)"]
     lines = [
         "---", "library_name: diffusers", "pipeline_tag: text-to-image", "tags: [latent-diffusion, text-to-image]",
         "---", "", "# Text-to-image latent diffusion model", "",
-        f"A `LDMTextToImagePipeline` {made} and exported in diffusers' layout: PyTorch safetensors for the UNet, "
-        "the LDMBert text encoder and the KL autoencoder.", "",
+        f"A `{pipeline_class}` {made} and exported in diffusers' layout: PyTorch safetensors for the UNet, "
+        "the text encoder and the KL autoencoder.", "",
         "## Architecture", "",
         f"- UNet2DConditionModel: {_parameters(unet)}, channels {list(u.block_out_channels)}, "
         f"{u.layers_per_block} ResNet layers per block, {u.attention_head_dim} attention heads, cross-attention "
         f"width {u.cross_attention_dim}, latents {u.in_channels}x{u.sample_size}x{u.sample_size}, predicts "
         f"{scheduler_config.get('prediction_type', 'epsilon')}",
-        f"- LDMBert text encoder: {_parameters(text_encoder)}, {b.encoder_layers} layers of width {b.d_model}, "
-        f"{b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens",
+        text_line,
         f"- AutoencoderKL (frozen): {_parameters(vae)}, channels {list(v.block_out_channels)}, "
         f"{v.latent_channels} latent channels, scaling factor {v.scaling_factor}",
         f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
@@ -99,8 +108,8 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         "## Evaluation", "", *score_lines, "",
         "## Loading", "", "diffusers (PyTorch; its pipeline gives the text encoder 77 tokens, which this one reads: "
         "ldm-laion refuses to export a model of fewer for diffusers):", "", "```python",
-        "from diffusers import LDMTextToImagePipeline", "",
-        'pipeline = LDMTextToImagePipeline.from_pretrained("THIS_FOLDER")',
+        f"from diffusers import {pipeline_class}", "",
+        f'pipeline = {pipeline_class}.from_pretrained("THIS_FOLDER")',
         'image = pipeline("a red circle on a blue background", num_inference_steps=50).images[0]', "```", "",
         "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout (ppdiffusers' own "
         "`from_pretrained(..., from_diffusers=True)` fails for the LDMBert text encoder in 0.29):", "",

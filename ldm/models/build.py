@@ -1,6 +1,7 @@
 """Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
 
-A source is laid out like a ppdiffusers pipeline folder: `unet/`, `bert/`, `vqvae/`, `scheduler/`
+A source is laid out like a ppdiffusers pipeline folder: `unet/`, a text encoder (`bert/` for LDMBert, or
+`text_encoder/` + `tokenizer/` for a CLIP text model: `ldm.models.text`), `vqvae/` (or `vae/`), `scheduler/`
 (and `tokenizer/` when exported). A part whose folder holds weights is loaded, in Paddle's layout or in
 PyTorch's (a diffusers pipeline: `torch_layout`); a part with a config only is built and initialised from
 scratch (`init.init_ldm_weights`).
@@ -14,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ldm.models.text import LDMBERT, TextFamily, text_family
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
 
@@ -191,6 +193,8 @@ class Components:
     source: str
     vae_source: str
     pretrained: dict = field(default_factory=dict)  # part -> loaded weights?
+    family: TextFamily = LDMBERT
+    text_source: str = ""  # the folder the text encoder was read from
 
     def parameter_counts(self) -> dict[str, int]:
         return {name: sum(int(p.numel()) for p in getattr(self, name).parameters())
@@ -221,6 +225,16 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
         config["max_position_embeddings"] = max_length
     config["pad_token_id"] = pad_token_id
     return LDMBertModel(LDMBertConfig(**config)), False
+
+
+def load_frozen_text_encoder(family: TextFamily, folder: str):
+    """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone."""
+    model_class = family.model_class()
+    if has_weights(folder):
+        return load_pretrained(model_class, folder), True
+    config = read_config(folder)
+    config.pop("architectures", None)
+    return model_class(model_class.config_class(**config)), False
 
 
 def load_part(model_class, folder: str):
@@ -278,30 +292,49 @@ def build_components(
     pad_token_id: int = 0,
     prediction_type: str | None = None,
     seed: int | None = None,
+    text_encoder_from: str | None = None,
 ) -> Components:
-    """Build or load the UNet, LDMBert, frozen VAE and DDPM noise scheduler of a model source."""
+    """Build or load the UNet, text encoder, frozen VAE and DDPM noise scheduler of a model source. `vocab_size`,
+    `model_max_length` and `pad_token_id` shape an LDMBert built from scratch (its tokenizer is chosen apart);
+    `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy)."""
     import paddle
     from ppdiffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
     from ldm.models.init import init_ldm_weights
+    from ldm.models.text import TextEncoderError
 
     source = resolve_source(model_name_or_path)
-    for part in ("unet", "bert"):
-        if not os.path.isfile(os.path.join(source, part, "config.json")):
-            raise ModelSourceError(f"{model_name_or_path}: no {part}/config.json (expected a preset, a folder of "
-                                   "configs or a ppdiffusers pipeline folder)")
+    if not os.path.isfile(os.path.join(source, "unet", "config.json")):
+        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json (expected a preset, a folder of "
+                               "configs or a pipeline folder)")
+    try:
+        family = text_family(source)
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
     unet, unet_loaded = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
-    text_encoder, text_loaded = load_text_encoder(os.path.join(source, "bert"), vocab_size, model_max_length,
-                                                  pad_token_id)
-    if not unet_loaded or not text_loaded:
-        init_ldm_weights(None if unet_loaded else unet, None if text_loaded else text_encoder)
+    text_source = text_encoder_from or os.path.join(source, family.folder)
+    if family is LDMBERT:
+        text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
+    else:
+        text_encoder, text_loaded = load_frozen_text_encoder(family, text_source)
+    check_context(unet, text_encoder, model_name_or_path)
+    if not unet_loaded or (family is LDMBERT and not text_loaded):
+        init_ldm_weights(None if unet_loaded else unet, None if text_loaded or family is not LDMBERT else text_encoder)
     vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
     scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
-                      {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded})
+                      {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source)
+
+
+def check_context(unet, text_encoder, name: str) -> None:
+    """The UNet's cross-attention reads states as wide as the text encoder makes them."""
+    width = getattr(text_encoder.config, "hidden_size", None) or text_encoder.config.d_model
+    if unet.config.cross_attention_dim != width:
+        raise ModelSourceError(f"{name}: the UNet's cross_attention_dim is {unet.config.cross_attention_dim} and its "
+                               f"text encoder's states are {width} wide: they cannot work together")
 
 
 def check_autoencoder_source(model_name_or_path: str, vae_name_or_path: str | None, allowed: bool) -> None:

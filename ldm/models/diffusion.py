@@ -56,7 +56,8 @@ class LatentDiffusion(nn.Layer):
             freeze(text_encoder)
         if recompute:
             unet.enable_gradient_checkpointing()
-            text_encoder.model.gradient_checkpointing = True
+            if not freeze_text_encoder and hasattr(text_encoder, "model"):  # LDMBert's; a frozen one keeps nothing
+                text_encoder.model.gradient_checkpointing = True
         alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
         self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
 

@@ -149,6 +149,18 @@ def _build(model_class, folder: str):
     return model_class.from_config(config)  # ppdiffusers'
 
 
+def with_model_prefix(model, state: dict) -> dict:
+    """transformers 5 saves a CLIP text model's weights without the `text_model.` its model (and transformers 4, and
+    every Stable Diffusion folder on the hub) names them with: the prefix is put back where every name lacks it."""
+    prefixes = {name.split(".", 1)[0] for name in model.state_dict()}
+    if len(prefixes) != 1 or not state:
+        return state
+    prefix = prefixes.pop() + "."
+    if any(name.startswith(prefix) for name in state):
+        return state
+    return {prefix + name: value for name, value in state.items()}
+
+
 def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_by: str) -> None:
     """Set a PyTorch-layout state dict (diffusers' names) into a model built from its config (see the module's
     docstring); `source` and `described_by` name the weights and the config in errors."""
@@ -156,6 +168,7 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
 
     if hasattr(model, "_convert_deprecated_attention_blocks"):  # diffusers' older names (query, key, value, ...)
         model._convert_deprecated_attention_blocks(state)
+    state = with_model_prefix(model, state)
     state = convert_pytorch_state_dict_to_paddle(model, state)
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))

@@ -19,7 +19,9 @@ from ldm.checkpoint.format import (
     load_ldm_weights,
     save_model,
     write_frozen_autoencoder,
+    write_frozen_text_encoder,
 )
+from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import RunFolder
 from ldm.config.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
@@ -29,6 +31,7 @@ from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
 from ldm.models.ema import EMA
 from ldm.models.flops import ldm_training_flops
+from ldm.models.text import text_encoder_identity
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import NullWriter
 from ldm.train import samples, setup
@@ -108,7 +111,8 @@ class Objective:
 
 
 class TextToImage(Objective):
-    """The latent diffusion model: UNet + LDMBert trained, the autoencoder frozen."""
+    """The latent diffusion model: the UNet trained, the autoencoder frozen, the text encoder trained (LDMBert, by
+    default) or frozen (a pretrained CLIP's: `ldm.models.text`)."""
 
     def __init__(self, model_args: ModelArguments, data: DataArguments, sampling: SamplingArguments, *,
                  recompute: bool, seed: int, validation: ValidationArguments | None = None,
@@ -116,12 +120,16 @@ class TextToImage(Objective):
         """`resume`: the checkpoint this run continues; without --vae_name_or_path it continues with the autoencoder
         that checkpoint was trained with (its run's `vqvae/`), not the model source's."""
         self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
-        self.tokenizer = setup.build_tokenizer(data)
+        self.text = setup.text_source(model_args, resume)
+        self.tokenizer = setup.build_tokenizer(data, self.text)
         vae = model_args.vae_name_or_path or (resume.autoencoder_folder if resume else None)
         if vae and not model_args.vae_name_or_path:
             logger.info("resuming %s with the autoencoder it was trained with, %s", resume.path, vae)
         self.model, self.components = setup.build_model(model_args, data, self.tokenizer, recompute=recompute,
-                                                         seed=seed, vae_name_or_path=vae)
+                                                         seed=seed, vae_name_or_path=vae, text=self.text)
+        self.text_identity = None if self.text.trained else text_encoder_identity(
+            self.model.text_encoder, self.text.family, data.model_max_length)
+        self.text_folder = None
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)
@@ -239,12 +247,16 @@ class TextToImage(Objective):
     def identity(self):
         return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,
                 "prediction_type": self.model.prediction_type, "autoencoder_source": self.components.vae_source,
-                "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__}
+                "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__,
+                "text_encoder_trained": self.text.trained, "text_encoder_identity": self.text_identity}
 
     def start_from(self):
         if not self.init_source:
             return None
-        lineage = load_initial_weights(self.init_source, self.model, self.ema, self.vae_identity)
+        frozen = None if self.text_identity is None else (self.text_identity, self.identify_text,
+                                                          type(self.model.text_encoder))
+        lineage = load_initial_weights(self.init_source, self.trained_parts(), self.model, self.ema, self.vae_identity,
+                                       frozen)
         logger.info("a new stage from %s (%s; EMA: %s)", lineage["init_from"], lineage["kind"], lineage["ema"])
         return lineage
 
@@ -253,9 +265,22 @@ class TextToImage(Objective):
             logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", resume.path, self.init_source)
         check_autoencoder(resume.path, resume.autoencoder, self.vae_identity,
                           f"this run's autoencoder ({self.components.vae_source})", self.components.vae_source)
+        if resume.text_encoder != self.text_identity:
+            said = ("trained its text encoder" if resume.text_encoder is None else
+                    f"kept the text encoder {resume.text_encoder.get('family')} "
+                    f"{resume.text_encoder.get('weights_sha256', '')[:12]} frozen")
+            raise CheckpointError(f"{resume.path} {said}, and this run's is "
+                                  f"{'trained' if self.text_identity is None else 'another, frozen'}: resume with the "
+                                  "model and --train_text_encoder the run started with")
+
+    def identify_text(self, layer) -> dict:
+        return text_encoder_identity(layer, self.text.family, self.data.model_max_length)
 
     def start(self, run_dir):
         self.vae_folder = write_frozen_autoencoder(run_dir, self.components.vae, self.vae_identity)
+        if self.text_identity is not None:
+            self.text_folder = write_frozen_text_encoder(run_dir, self.model.text_encoder, self.text_identity,
+                                                         self.identify_text)
 
     def loss(self, net, batch):
         loss, per_sample, timesteps = net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments"),
@@ -274,15 +299,19 @@ class TextToImage(Objective):
         return loss, extra
 
     def trained_parts(self):
-        return {"unet": self.model.unet, "bert": self.model.text_encoder}
+        parts = {"unet": self.model.unet}
+        if self.text.trained:
+            parts[self.text.family.folder] = self.model.text_encoder
+        return parts
 
     def save(self, folder, final_folder, shares):
-        save_model(folder, unet=self.model.unet, text_encoder=self.model.text_encoder, tokenizer=self.tokenizer,
+        frozen = None if self.text_identity is None else (self.text_folder, self.text_identity)
+        save_model(folder, parts=self.trained_parts(), tokenizer=self.tokenizer,
                    noise_scheduler=self.model.noise_scheduler, vae_folder=self.vae_folder,
-                   vae_identity=self.vae_identity, final_folder=final_folder, shares=shares)
+                   vae_identity=self.vae_identity, final_folder=final_folder, shares=shares, frozen_text=frozen)
 
     def load(self, folder):
-        load_ldm_weights(folder, self.model)
+        load_ldm_weights(folder, self.trained_parts())
 
     def log_images(self, writer, step, batch):
         with self.ema.gathered() if self.ema is not None else contextlib.nullcontext():  # on every rank

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from dataclasses import dataclass
 
 import paddle
 
@@ -11,7 +13,15 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
-from ldm.models.build import build_components, check_autoencoder_source, check_autoencoder_trained
+from ldm.models.build import (
+    ModelSourceError,
+    build_components,
+    check_autoencoder_source,
+    check_autoencoder_trained,
+    has_weights,
+    resolve_source,
+)
+from ldm.models.text import LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family, train_text_encoder
 from ldm.models.diffusion import LatentDiffusion
 from ldm.runtime.device import resolve_vae_dtype
 from ldm.runtime.distributed import Distributed
@@ -54,12 +64,52 @@ def sharding_layout(options, degree: int, dist: Distributed) -> tuple[int, int]:
     return degree, max(stages)
 
 
-def build_tokenizer(data: DataArguments):
-    return load_tokenizer(data.tokenizer_name, data.model_max_length)
+@dataclass(frozen=True)
+class TextSource:
+    """Where a run's text encoder and its tokenizer come from: LDMBert's tokenizer is `--tokenizer_name`; a pretrained
+    (CLIP) encoder's is its model's `tokenizer/`, and its weights may come from elsewhere than the model source
+    (`encoder`): a resumed run's own copy, or a new stage's pipeline when the source (an architecture preset) has
+    none."""
+
+    family: TextFamily
+    trained: bool
+    encoder: str | None = None
+    tokenizer: str | None = None
+
+
+def text_source(model_args: ModelArguments, resume=None) -> TextSource:
+    try:
+        source = resolve_source(model_args.model_name_or_path)
+        family = text_family(source)
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None
+    trained = train_text_encoder(family, model_args.train_text_encoder)
+    if family is LDMBERT:
+        return TextSource(family, trained)
+    if resume is not None and resume.text_encoder_folder:  # the copy the run wrote: no hub, no other folder needed
+        return TextSource(family, trained, resume.text_encoder_folder, os.path.join(resume.path, "tokenizer"))
+    init = model_args.init_from_checkpoint
+    if (init and not has_weights(os.path.join(source, family.folder)) and os.path.isfile(os.path.join(
+            init, "model_index.json")) and os.path.isfile(os.path.join(init, family.folder, "config.json"))):
+        logger.info("the %s text encoder and tokenizer of %s (%s has no weights for it)", family.name, init,
+                    model_args.model_name_or_path)
+        return TextSource(family, trained, os.path.join(init, family.folder), os.path.join(init, "tokenizer"))
+    return TextSource(family, trained, None, os.path.join(source, "tokenizer"))
+
+
+def build_tokenizer(data: DataArguments, text: TextSource | None = None):
+    """The captions' tokenizer: `--tokenizer_name` for LDMBert, the model's own for a pretrained encoder."""
+    if text is None or text.family is LDMBERT:
+        return load_tokenizer(data.tokenizer_name, data.model_max_length)
+    try:
+        return load_text_tokenizer(text.family, text.tokenizer, data.model_max_length)
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{e}: pass a Stable Diffusion folder as --model_name_or_path (or as "
+                               "--init_from_checkpoint with an architecture preset)") from None
 
 
 def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int,
-                vae_name_or_path: str | None = None):
+                vae_name_or_path: str | None = None, text: TextSource | None = None):
     """The LatentDiffusion wrapper and its components, identical on every rank for a seed.
 
     Built under a fresh unique-name scope, so parameter names (and with them optimizer state keys)
@@ -76,12 +126,14 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             pad_token_id=tokenizer.pad_token_id,
             prediction_type=model_args.prediction_type,
             seed=seed,
+            text_encoder_from=text.encoder if text else None,
         )
+        trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
         model = LatentDiffusion(
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
-            freeze_text_encoder=model_args.freeze_text_encoder, recompute=recompute,
+            freeze_text_encoder=not trained, recompute=recompute,
             vae_dtype=resolve_vae_dtype(model_args.vae_dtype),
         )
     latent = data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
@@ -92,4 +144,19 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
         components.unet.register_to_config(sample_size=latent)
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
+    check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
     return model, components
+
+
+def check_text_encoder_trained(components, trained: bool, allowed: bool) -> None:
+    """Refuse a frozen text encoder with no trained weights: the UNet would learn from random states."""
+    if trained or components.pretrained["text_encoder"]:
+        return
+    if not allowed:
+        raise ModelSourceError(
+            f"the {components.family.name} text encoder from {components.text_source} has no trained weights and would "
+            "stay frozen: the UNet would learn from random states. Pass a model whose text encoder is pretrained "
+            "(a Stable Diffusion folder as --model_name_or_path or --init_from_checkpoint), or --train_text_encoder "
+            "true; --allow_untrained_text_encoder trains on it anyway (tests)")
+    logger.warning("--allow_untrained_text_encoder: the frozen text encoder from %s has NO TRAINED WEIGHTS; what this "
+                   "run learns is useful for tests only", components.text_source)

@@ -1,0 +1,191 @@
+"""Text encoders, by family: the one a model's folder holds decides how captions are tokenized and encoded, whether
+the encoder trains, and where its weights live.
+
+- `ldmbert`: the CompVis LDM's LDMBert (`bert/`), trained with the UNet by default, on a BERT WordPiece tokenizer
+  (`--tokenizer_name`);
+- `clip`: a CLIP text tower (`text_encoder/` + `tokenizer/`, Stable Diffusion 1.x and 2.x), frozen by default. Its
+  last hidden state (after the final layer norm) conditions the UNet, as diffusers' pipelines use it; Stable
+  Diffusion 2's "penultimate layer" is its config's `num_hidden_layers` (23 of OpenCLIP's 24), as diffusers ships it.
+
+A frozen encoder is part of the run's model, not of its checkpoints: written once to `<output_dir>/text_encoder/`
+with its identity (`text_encoder_identity`), which every checkpoint records and a resume compares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ldm.runtime.errors import UserError
+
+
+class TextEncoderError(UserError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TextFamily:
+    name: str
+    folder: str  # the part's folder in a pipeline
+    trained_by_default: bool
+    model_types: tuple[str, ...]  # a config's `model_type` values of this family
+
+    def model_class(self):
+        if self.name == "ldmbert":
+            from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+
+            return LDMBertModel
+        from ppdiffusers.transformers import CLIPTextModel  # transformers' weight names, as ppdiffusers' pipelines
+
+        return CLIPTextModel
+
+    def tokenizer_class(self):
+        from paddlenlp.transformers import BertTokenizer
+        from ppdiffusers.transformers import CLIPTokenizer
+
+        return BertTokenizer if self.name == "ldmbert" else CLIPTokenizer
+
+
+LDMBERT = TextFamily("ldmbert", "bert", True, ("ldmbert",))
+CLIP = TextFamily("clip", "text_encoder", False, ("clip_text_model", "clip"))
+FAMILIES = (LDMBERT, CLIP)
+
+
+def text_family(source: str) -> TextFamily:
+    """The family of the text encoder a model folder (preset, configs or pipeline) holds: its `bert/` or its
+    `text_encoder/`, told by the config's `model_type`."""
+    for family in FAMILIES:
+        config = os.path.join(source, family.folder, "config.json")
+        if not os.path.isfile(config):
+            continue
+        try:
+            with open(config, encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type", family.model_types[0])
+        except (OSError, ValueError, AttributeError) as e:
+            raise TextEncoderError(f"{config}: not a readable config ({e})") from None
+        if model_type not in family.model_types:
+            known = ", ".join(t for f in FAMILIES for t in f.model_types)
+            raise TextEncoderError(f"{config}: a {model_type!r} text encoder; this framework trains with {known}")
+        return family
+    raise TextEncoderError(f"{source}: no bert/config.json (LDMBert) nor text_encoder/config.json (CLIP): expected a "
+                           "preset, a folder of configs or a pipeline folder")
+
+
+def train_text_encoder(family: TextFamily, asked: bool | None) -> bool:
+    """`--train_text_encoder` as given, else the family's default (LDMBert: trained; CLIP: frozen)."""
+    return family.trained_by_default if asked is None else asked
+
+
+def config_dict(layer) -> dict:
+    """A part's config as a plain dict: ppdiffusers' FrozenDict or PaddleNLP's PretrainedConfig."""
+    config = layer.config.to_dict() if hasattr(layer.config, "to_dict") else dict(layer.config)
+    volatile = ("paddlenlp_version", "transformers_version", "architectures", "torch_dtype", "dtype")
+    return {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
+
+
+def weights_sha256(layer) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(layer.state_dict().items()):
+        array = np.ascontiguousarray(tensor.numpy())
+        digest.update(f"{name}:{array.dtype}:{array.shape};".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
+    """What makes two frozen text encoders the same for a UNet trained on their states: the family, the config, the
+    weights, the layer read and the caption length."""
+    config = json.dumps(config_dict(layer), sort_keys=True, default=str)
+    return {"family": family.name, "class": type(layer).__name__,
+            "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": weights_sha256(layer),
+            "hidden_layer": "last", "max_length": int(max_length)}
+
+
+def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None):
+    """The tokenizer of a CLIP-family model: its `tokenizer/` folder, with vocab.json and merges.txt, or, when
+    transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE vocabulary and merges are
+    written out as the two files first."""
+    files = [os.path.join(folder, name) for name in ("vocab.json", "merges.txt")]
+    if not all(os.path.isfile(f) for f in files):
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            raise TextEncoderError(f"{folder}: no vocab.json and merges.txt (nor tokenizer.json), the {family.name} "
+                                   "tokenizer of this model")
+        folder = bpe_files(folder)
+    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return family.tokenizer_class().from_pretrained(folder, **kwargs)
+
+
+def bpe_files(folder: str) -> str:
+    """A folder holding transformers' `tokenizer.json` (a BPE model) as the vocab.json and merges.txt it describes,
+    with the folder's configs: a temporary copy, removed when the process ends."""
+    import atexit
+    import shutil
+    import tempfile
+
+    source = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(source, encoding="utf-8") as f:
+            model = json.load(f)["model"]
+        if model.get("type") != "BPE":
+            raise ValueError(f"a {model.get('type')} model, not BPE")
+        vocab, merges = dict(model["vocab"]), [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TextEncoderError(f"{source}: not a CLIP BPE tokenizer ({e})") from None
+    copy = tempfile.mkdtemp(prefix="ldm-bpe-")
+    atexit.register(shutil.rmtree, copy, True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), copy)
+    with open(os.path.join(copy, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(copy, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(m + "\n" for m in merges))
+    return copy
+
+
+# -- a small CLIP tokenizer, for tests and offline presets -----------------------------------------------------------
+def byte_symbols() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order (CLIP's BPE works on them)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    codes, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for _, c in sorted(zip(printable, codes, strict=True))]
+
+
+def write_clip_vocab(words: list[str], folder: str, model_max_length: int = 77) -> str:
+    """A CLIP BPE tokenizer over single bytes plus merges that make each of `words` one token, in transformers' files
+    (vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json): what `sd-tiny` and the tests use."""
+    os.makedirs(folder, exist_ok=True)
+    symbols = byte_symbols()
+    vocab = symbols + [s + "</w>" for s in symbols]
+    merges: list[str] = []
+    for word in dict.fromkeys(w.lower() for w in words if len(w) > 1):
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            merged = pieces[0] + pieces[1]
+            if f"{pieces[0]} {pieces[1]}" not in merges:
+                merges.append(f"{pieces[0]} {pieces[1]}")
+                vocab.append(merged)
+            pieces = [merged] + pieces[2:]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump({token: i for i, token in enumerate(dict.fromkeys(vocab))}, f, ensure_ascii=False)
+    with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(m + "\n" for m in merges))
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+               "pad_token": "<|endoftext|>"}
+    with open(os.path.join(folder, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump(special, f, indent=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({**special, "model_max_length": model_max_length, "do_lower_case": True,
+                   "tokenizer_class": "CLIPTokenizer"}, f, indent=2)
+    return folder
