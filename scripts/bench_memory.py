@@ -1,13 +1,14 @@
 """What a card holds: the per-rank state of a preset under DDP and sharding (`ldm.train.memory`, the numbers a run
 records in run.json), and the activations of one training step measured on this CPU.
 
-    .venv/bin/python scripts/bench_memory.py [--presets ldm-32layer ldm-12layer] [--cards 8 64]
+    .venv/bin/python scripts/bench_memory.py [--presets ldm-32layer ldm-12layer sd-1.5] [--cards 8 64]
     .venv/bin/python scripts/bench_memory.py --activations ldm-12layer --resolution 256 --batch 1
 
 The state table builds each preset once on the CPU (ldm-32layer: 5.5 GB, about a minute) and counts. The
 activation measurement builds the model, runs one forward and backward pass of the LDM loss (UNet and LDMBert
-trained, the autoencoder encoding), with and without recompute, each in a fresh process, and reports the peak
-resident memory (VmHWM) less what was resident before the step and the gradients the step allocated.
+trained, or a Stable Diffusion preset's UNet with its CLIP text encoder frozen; the autoencoder encoding), with and
+without recompute, each in a fresh process, and reports the peak resident memory (VmHWM) less what was resident
+before the step and the gradients the step allocated.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def layouts(preset: str, cards: list[int], ema: bool) -> list[dict]:
     from ldm.train.memory import memory_by_rank
 
     parts = build_components(preset, vocab_size=30522, model_max_length=77)
-    model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler)
+    model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler,
+                            freeze_text_encoder=not parts.family.trained_by_default)  # as a run of it trains
     rows = []
     for world in cards:
         for name, degree in (("DDP", 1), ("stage1", world)):
@@ -52,7 +54,8 @@ def rss(field):
 preset, resolution, batch, recompute = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 use_fast_cpu_kernels()
 parts = build_components(preset, vocab_size=30522, model_max_length=77)
-model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler, recompute=recompute)
+model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler, recompute=recompute,
+                        freeze_text_encoder=not parts.family.trained_by_default)
 model.train()
 batch_data = {"pixel_values": paddle.uniform([batch, 3, resolution, resolution], min=-1, max=1),
               "input_ids": paddle.randint(1, 30000, [batch, 77])}

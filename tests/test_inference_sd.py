@@ -9,7 +9,6 @@ torch), and a run that continues one:
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import paddle

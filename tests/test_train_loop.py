@@ -101,7 +101,8 @@ def test_stops_exactly_saves_on_its_own_interval_and_rotates(corpus, tmp_path):
                            "--num_workers", "0", "--output_dir", str(out), "--use_ema",
                            "--validation_prompts", str(tmp_path / "prompts.txt"), "a green circle",
                            "--validation_guidance_scales", "1", "4",
-                           "--image_logging_steps", "2", "--num_inference_steps", "2", "--freeze_text_encoder", "--allow_untrained_text_encoder",
+                           "--image_logging_steps", "2", "--num_inference_steps", "2", "--freeze_text_encoder",
+                           "--allow_untrained_text_encoder",
                            "--lr_scheduler", "linear", "--lr_warmup_steps", "2", "--learning_rate", "1e-3"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-5"]

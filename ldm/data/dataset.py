@@ -228,8 +228,9 @@ class CaptionImageStream(IterableDataset):
         self.first_role = state["batches"] % self.workers
         self.resumes_exactly = True
 
-    def make_sample(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        """(uint8 HWC image crop, or float32 latent moments; token ids): the record's kind is read from its content.
+    def make_sample(self, record: Record) -> tuple[np.ndarray, Any]:
+        """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states and whether
+        its caption was dropped): the record's kind is read from its content.
 
         A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
         its image is decoded."""
@@ -248,12 +249,16 @@ class CaptionImageStream(IterableDataset):
         _, caption, payload = record_parts(line, self.transform.parse, self.latents and self.latents.parse,
                                            self.metadata_filter)
         rng = sample_rng(self.seed, record.pass_index, record.seed_key, record.line_number, record.copy)
-        if rng.random() < self.caption_dropout_prob:
+        dropped = rng.random() < self.caption_dropout_prob
+        if dropped:
             caption = ""
         try:
             sample = transform(payload, rng)
         except LatentMismatch as e:
             raise LatentMismatch(f"{record.shard}:{record.line_number}: {e}") from None
+        states = self.latents.text_states(payload) if latent and self.tokenize else None
+        if states is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
+            return sample, (states, dropped)
         return sample, self.tokenize(caption) if self.tokenize else None
 
     def slot_stream(self, role: int) -> SlotStream:
@@ -304,7 +309,17 @@ class CaptionImageStream(IterableDataset):
         else:
             batch["pixel_values"] = to_uint8_batch(samples)
         if self.tokenize:
-            batch["input_ids"] = np.stack([ids for _, ids, _ in taken])
+            texts = [text for _, text, _ in taken]
+            cached = [isinstance(text, tuple) for text in texts]
+            if all(cached):
+                batch["text_states"] = np.stack([states for states, _ in texts])
+                batch["text_dropped"] = np.array([dropped for _, dropped in texts])
+            elif any(cached):
+                record = taken[cached.index(False)][2]
+                raise LatentMismatch(f"{record.shard}:{record.line_number} has no cached text states and other records "
+                                     "of the corpus have: encode all of it with --text_embeddings, or none")
+            else:
+                batch["input_ids"] = np.stack(texts)
         if os.environ.get(CONSUMED_LOG):
             shape = batch_shape(batch, latent_scale=1)  # of latents: in latent units (the stream knows no autoencoder)
             batch["records"] = "".join(f"{r.pass_index} {r.copy} {r.shard} {r.line_number} {shape}\n"

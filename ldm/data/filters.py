@@ -143,7 +143,7 @@ def parse_filters(expressions: Sequence[str] | None) -> MetadataFilters | None:
 # -- a record's parts ------------------------------------------------------------------------------
 def text_metadata(line: bytes) -> dict | None:
     """The JSON object of a text record's fourth column ({} when it has none; None when it is not an object)."""
-    fields = line.split(b"\t", 3)
+    fields = line.split(b"\t", 4)  # a latent record's fifth column: its cached text states
     if len(fields) < 4 or not fields[3].strip():
         return {}
     try:

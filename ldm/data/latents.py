@@ -2,7 +2,7 @@
 
 A latent shard is a gzip text shard like an image shard, one record per line:
 
-    caption \\t key \\t latent:<base64 of the array's bytes> \\t <meta: one-line JSON>
+    caption \\t key \\t latent:<base64 of the array's bytes> \\t <meta: one-line JSON> [\\t text:<base64>]
 
 - the array is the autoencoder's posterior for the record's crop: its moments (mean and log-variance
   concatenated on the channel axis, as `AutoencoderKL` computes them, not yet scaled by the
@@ -15,6 +15,12 @@ A latent shard is a gzip text shard like an image shard, one record per line:
   in aspect-ratio buckets (`--aspect_buckets`: the latent is then that bucket's shape, not R / f square), and
   `"metadata": {...}`, the source record's metadata, when it had some (a tar sample's
   `.json`, a parquet row's columns, a text record's fourth column: what `--metadata_filter` reads).
+
+- text (`encode --text_embeddings`): the frozen text encoder's hidden states of the record's caption, shape
+  `[tokens, width]` in the meta's `"text": {"encoder": <fingerprint>, "dtype": ..., "shape": [...]}` (float16 by
+  default: 118 KB a record for Stable Diffusion 1.5's 77 x 768). Training takes them instead of encoding the caption;
+  a dropped caption gets the empty caption's states, which the run computes once with the same encoder (its identity
+  is the fingerprint's).
 
 The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
 module reads and writes the format; it imports neither Paddle nor PaddleNLP.
@@ -38,6 +44,7 @@ from ldm.runtime.errors import UserError
 FORMAT = 1
 DTYPES = ("float16", "bfloat16", "float32")
 PROBED_SHARDS = 4
+TEXT_PREFIX = b"text:"
 
 
 class LatentMismatch(UserError, ValueError):
@@ -83,6 +90,7 @@ class LatentMeta:
     shape: tuple[int, ...]  # copies, 2 * latent channels, height, width
     resolution: int
     bucket: tuple[int, int] | None = None  # (height, width) of the crop, encoded in aspect-ratio buckets
+    text: dict | None = None  # the cached text states': {"encoder": fingerprint, "dtype": ..., "shape": [L, D]}
 
     @property
     def copies(self) -> int:
@@ -93,6 +101,8 @@ class LatentMeta:
                 "resolution": self.resolution}
         if self.bucket:
             meta["bucket"] = list(self.bucket)
+        if self.text:
+            meta["text"] = self.text
         return json.dumps(meta, separators=(",", ":")).encode()
 
     @classmethod
@@ -101,8 +111,11 @@ class LatentMeta:
         if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES:
             raise ValueError(f"unknown latent format {meta.get('format')!r} / dtype {meta.get('dtype')!r}")
         bucket = tuple(int(n) for n in meta["bucket"]) if meta.get("bucket") else None
+        text = meta.get("text")
+        if text is not None and (not isinstance(text, dict) or text.get("dtype") not in DTYPES):
+            raise ValueError(f"unknown text states {text!r}")
         return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]),
-                   bucket)
+                   bucket, text)
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape[1:]))
@@ -110,22 +123,29 @@ class LatentMeta:
         size = f"{self.resolution}px"
         if self.bucket:
             size += f" buckets (this one {self.bucket[0]}x{self.bucket[1]})"
-        return f"autoencoder {self.vae}, {size}, {self.dtype} moments {shape}{mirrored}"
+        text = (f"; text states of encoder {self.text['encoder']}, {self.text['dtype']} "
+                f"{'x'.join(map(str, self.text['shape']))}" if self.text else "")
+        return f"autoencoder {self.vae}, {size}, {self.dtype} moments {shape}{mirrored}{text}"
 
 
-def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, source: dict | None = None) -> bytes:
+def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, source: dict | None = None,
+                text: np.ndarray | None = None) -> bytes:
     """A latent record; `source`: the metadata of the record it was encoded from, kept in the meta as `metadata`
-    (what `--metadata_filter` reads on latent records)."""
+    (what `--metadata_filter` reads on latent records); `text`: the caption's text states (`meta.text` says how)."""
     caption = " ".join(caption.split())  # tabs and newlines would break the line format
     payload = PREFIX + pybase64.b64encode(to_bytes(moments, meta.dtype))
     info = meta.to_json()
     if source:
         info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
-    return b"\t".join((caption.encode("utf-8"), key.encode("utf-8"), payload, info)) + b"\n"
+    fields = [caption.encode("utf-8"), key.encode("utf-8"), payload, info]
+    if text is not None:
+        fields.append(TEXT_PREFIX + pybase64.b64encode(to_bytes(text, meta.text["dtype"])))
+    return b"\t".join(fields) + b"\n"
 
 
-def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta]]:
-    """A latent shard line -> (caption, (array bytes, meta)); an unusable line raises `SkipRecord`."""
+def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta, bytes | None]]:
+    """A latent shard line -> (caption, (array bytes, meta, text states' bytes or None)); an unusable line raises
+    `SkipRecord`."""
     fields = line.split(b"\t", 4)
     if len(fields) < 4:
         raise SkipRecord("missing_columns", f"{len(fields)} column(s), a latent record has 4")
@@ -136,7 +156,12 @@ def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta]]:
         meta = LatentMeta.from_json(fields[3])
     except (ValueError, KeyError, TypeError) as e:
         raise SkipRecord("bad_latent", f"meta: {e}") from None
-    return caption, (decode_base64(fields[2][len(PREFIX):]), meta)
+    text = None
+    if meta.text is not None:
+        if len(fields) < 5 or not fields[4].startswith(TEXT_PREFIX):
+            raise SkipRecord("bad_latent", "its meta names text states, and it has none")
+        text = fields[4][len(TEXT_PREFIX):]
+    return caption, (decode_base64(fields[2][len(PREFIX):]), meta, text)
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,9 @@ class LatentTransform:
     resolution: int | None = None
     random_flip: bool = False
     buckets: tuple[tuple[int, int], ...] | None = None  # the run's aspect-ratio buckets; None: square crops
+    # the run's frozen text encoder (its fingerprint, `text_fingerprint`): cached text states must be its; "": the run
+    # trains its text encoder (a corpus with text states is refused); None: checks nothing (data tools, held-out)
+    text_encoder: str | None = None
 
     parse = staticmethod(parse_latent_record)
 
@@ -172,6 +200,19 @@ class LatentTransform:
         if self.random_flip and meta.copies < 2:
             raise LatentMismatch("latents without mirror images (encoded without --random_flip); this run asks for "
                                  "--random_flip: encode with --random_flip or train without it")
+        if meta.text is not None and self.text_encoder is not None:
+            self.check_text(meta.text["encoder"])
+
+    def check_text(self, encoder: str) -> None:
+        if not self.text_encoder:
+            raise LatentMismatch(f"latents with the text states of frozen encoder {encoder}, and this run trains its "
+                                 "text encoder: train on a corpus encoded without --text_embeddings, or keep the "
+                                 "encoder frozen")
+        if encoder != self.text_encoder:
+            raise LatentMismatch(f"latents with the text states of encoder {encoder}, and this run's frozen text "
+                                 f"encoder is {self.text_encoder}: the UNet must learn the states it is exported with. "
+                                 "Encode with this run's --model_name_or_path, or train with the one the corpus was "
+                                 "encoded with")
 
     def check_bucket(self, meta: LatentMeta) -> None:
         """Latents of a bucketed encode in a bucketed run of the same buckets; square ones in a square run."""
@@ -185,8 +226,8 @@ class LatentTransform:
                                  f"--aspect_buckets ({', '.join(map(bucket_name, self.buckets))}): train with "
                                  "the buckets the corpus was encoded with")
 
-    def __call__(self, payload: tuple[bytes, LatentMeta], rng: random.Random) -> np.ndarray:
-        data, meta = payload
+    def __call__(self, payload: tuple[bytes, LatentMeta, bytes | None], rng: random.Random) -> np.ndarray:
+        data, meta, _ = payload
         self.check(meta)
         try:
             moments = from_bytes(data, meta.dtype, list(meta.shape))
@@ -194,6 +235,23 @@ class LatentTransform:
             raise SkipRecord("bad_latent", str(e)) from None
         copy = 1 if self.random_flip and rng.random() < 0.5 else 0
         return moments[copy]
+
+    def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]) -> np.ndarray | None:
+        """The record's cached text states (float32 [tokens, width]) when the run takes them; None: it encodes the
+        caption itself."""
+        _, meta, text = payload
+        if text is None or not self.text_encoder:
+            return None
+        try:
+            return from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))
+        except (ValueError, SkipRecord) as e:
+            raise SkipRecord("bad_latent", f"text states: {getattr(e, 'detail', e)}") from None
+
+
+def text_fingerprint(identity: dict) -> str:
+    """A short name of a frozen text encoder (`ldm.models.text.text_encoder_identity`): its family, config, weights,
+    layer and caption length."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def probe(paths: list[str]) -> LatentMeta | None:

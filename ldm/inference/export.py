@@ -66,7 +66,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
         pipeline.save_pretrained(folder, to_diffusers=to_diffusers)
-        if to_diffusers:  # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's, as transformers reads it
+        if to_diffusers:  # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
             _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert" if ldmbert else "text_encoder"))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:

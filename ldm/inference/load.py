@@ -117,10 +117,7 @@ def _load_for_inference(path: str, use_ema: bool):
     text_encoder = load_pretrained(family.model_class(), text_folder)
     tokenizer = load_tokenizer_of(family, os.path.join(path, "tokenizer"))
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
-    if is_pipeline(path):
-        vae = load_pretrained(AutoencoderKL, vae_folder(path))
-    else:
-        vae = checkpoint_autoencoder(path)
+    vae = load_pretrained(AutoencoderKL, vae_folder(path)) if is_pipeline(path) else checkpoint_autoencoder(path)
     ema = read_ema(path) if use_ema else None
     if ema is not None:
         apply_ema(ema, unet, text_encoder)

@@ -237,6 +237,28 @@ def load_frozen_text_encoder(family: TextFamily, folder: str):
     return model_class(model_class.config_class(**config)), False
 
 
+def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False):
+    """(family, text encoder, tokenizer) of a model whose text encoder is frozen (CLIP's), in eval mode: what
+    `encode --text_embeddings` computes the cached text states with. LDMBert, trained with the UNet, has none."""
+    from ldm.models.text import LDMBERT, TextEncoderError, load_text_tokenizer
+
+    source = resolve_source(model_name_or_path)
+    try:
+        family = text_family(source)
+        if family is LDMBERT:
+            raise TextEncoderError("its LDMBert text encoder trains with the UNet: its states change at every update "
+                                   "and cannot be cached. Cached text states are for a frozen encoder (CLIP's)")
+        tokenizer = load_text_tokenizer(family, os.path.join(source, "tokenizer"))
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{model_name_or_path}: {e}") from None
+    encoder, loaded = load_frozen_text_encoder(family, os.path.join(source, family.folder))
+    if not loaded and not allow_untrained:
+        raise ModelSourceError(f"{model_name_or_path}: its text encoder has no trained weights; pass the model the "
+                               "diffusion model will be trained with (--allow_untrained_text_encoder: tests)")
+    encoder.eval()
+    return family, encoder, tokenizer
+
+
 def load_part(model_class, folder: str):
     """(model, loaded): a ppdiffusers model from its weights, or built from its config alone."""
     if has_weights(folder):

@@ -60,6 +60,14 @@ class LatentDiffusion(nn.Layer):
                 text_encoder.model.gradient_checkpointing = True
         alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
         self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
+        self.register_buffer("empty_states", None, persistable=False)  # the empty caption's states (cached text)
+
+    def keep_empty_caption(self, input_ids) -> None:
+        """Encode the empty caption's token ids once: a dropped caption's cached states are replaced by these (a
+        frozen encoder gives every dropped caption the same states)."""
+        with paddle.no_grad():
+            states = self.text_encoder(paddle.to_tensor(input_ids)[None])[0].astype("float32")
+        self.register_buffer("empty_states", states, persistable=False)
 
     def train(self):
         super().train()
@@ -93,10 +101,23 @@ class LatentDiffusion(nn.Layer):
         """Precomputed posterior moments (`ldm.data.latents`) -> scaled latents: what `encode_latents` gives."""
         return DiagonalGaussianDistribution(latent_moments.astype("float32")).sample() * self.scaling_factor
 
-    def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor,
-                latent_moments: paddle.Tensor | None = None, details: bool = False):
-        """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead; `details`:
-        (loss, each sample's loss, each sample's timestep)."""
+    def context(self, input_ids, text_states, text_dropped) -> paddle.Tensor:
+        """The states the UNet attends to: the text encoder's of `input_ids`, or cached ones (`text_states`, float32
+        [B, L, D]) with the empty caption's where `text_dropped`."""
+        if text_states is None:
+            return self.encode_text(input_ids)
+        if self.empty_states is None:
+            raise ValueError("cached text states need the empty caption's (keep_empty_caption)")
+        dropped = paddle.to_tensor(text_dropped).astype("bool").reshape([-1, 1, 1])
+        states = paddle.to_tensor(text_states).astype("float32")
+        return paddle.where(dropped, self.empty_states.expand(states.shape), states)
+
+    def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,
+                latent_moments: paddle.Tensor | None = None, details: bool = False, text_states=None,
+                text_dropped=None):
+        """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead (and of their
+        captions' token ids, or their cached text states: `context`); `details`: (loss, each sample's loss, each
+        sample's timestep)."""
         if latent_moments is not None:
             latents = self.sample_latents(latent_moments)
         else:
@@ -107,7 +128,7 @@ class LatentDiffusion(nn.Layer):
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
         timesteps = paddle.randint(0, self.noise_scheduler.config.num_train_timesteps, [batch], dtype="int64")
         noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        encoder_hidden_states = self.encode_text(input_ids)
+        encoder_hidden_states = self.context(input_ids, text_states, text_dropped)
         model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=encoder_hidden_states).sample
         if self.prediction_type == "epsilon":
             target = noise

@@ -17,6 +17,9 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
   truncated shard gives the records before the break. A shard that cannot be read (missing, or a store
   that kept failing) is not written: the run ends with exit status 1 and names it, and running the same
   command again retries it.
+- **Text states:** with `--text_embeddings`, each record also holds its caption's states from the frozen text
+  encoder of `--model_name_or_path` (`ldm.data.latents`), whose identity (fingerprint) they are recorded with;
+  a run with another encoder, or one that trains its text encoder, refuses the corpus.
 - **Output:** `latents.filelist` (one per distinct input weight) and `latents.filelist.list`, which keeps
   the input's weights, list the output shards that hold records; pass the latter as `--file_list`.
 """
@@ -175,19 +178,24 @@ class ShardWriters:
     def partial(self, index: int) -> str:
         return os.path.join(self.output_dir, f".{output_name(index)}.partial")
 
-    def write(self, index: int, records: list, moments: np.ndarray, meta: LatentMeta) -> None:
-        """Append a batch's records; one whose moments are not finite in the stored dtype is skipped and counted."""
+    def write(self, index: int, records: list, moments: np.ndarray, meta: LatentMeta,
+              texts: np.ndarray | None = None) -> None:
+        """Append a batch's records (`texts`: their captions' text states); one whose moments or text states are not
+        finite in the stored dtype is skipped and counted."""
         import gzip
 
         if index not in self.open:
             self.open[index] = gzip.open(self.partial(index), "wb", compresslevel=1)  # noqa: SIM115 - closed in finish
-        finite = np.isfinite(moments).all(axis=(1, 2, 3, 4))
-        if meta.dtype == "float16":
-            finite &= (np.abs(moments) <= np.finfo(np.float16).max).all(axis=(1, 2, 3, 4))
+        finite = storable(moments, meta.dtype)
         self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
-        self.open[index].write(b"".join(latent_line(caption, key, m, meta, *source)  # source: the record's metadata
-                                        for (caption, key, *source), m, ok in zip(records, moments, finite, strict=True)
-                                        if ok))
+        if texts is not None:
+            text_ok = storable(texts, meta.text["dtype"])
+            self.skipped[index]["non_finite_text"] += int((finite & ~text_ok).sum())
+            finite &= text_ok
+        texts = [None] * len(records) if texts is None else texts
+        self.open[index].write(b"".join(latent_line(caption, key, m, meta, source[0] if source else None, text)
+                                        for (caption, key, *source), m, text, ok in zip(records, moments, texts, finite,
+                                                                                        strict=True) if ok))
 
     def finish(self, index: int, done: dict, meta: LatentMeta) -> None:
         self.write(index, [], np.zeros([0, *meta.shape], np.float32), meta)
@@ -197,7 +205,7 @@ class ShardWriters:
             (self.unreadable if done["unreadable"] else self.missing)[index] = done["unreadable"] or done["missing"]
             return
         counts = Counter(done["counts"]) + self.skipped.pop(index, Counter())
-        counts["ok"] -= counts["non_finite_latent"]
+        counts["ok"] -= counts["non_finite_latent"] + counts["non_finite_text"]
         with open(self.log, "a") as f:  # a line a crash cut stays a line of its own: the next one starts anew
             f.write("\n" + json.dumps({"shard": index, "counts": counts}) + "\n")
             f.flush()
@@ -219,6 +227,38 @@ class ShardWriters:
         self.open = {}
 
 
+def storable(arrays: np.ndarray, dtype: str) -> np.ndarray:
+    """Which of a batch's arrays are finite in the stored `dtype` (float16 overflows at 65504)."""
+    axes = tuple(range(1, arrays.ndim))
+    finite = np.isfinite(arrays).all(axis=axes)
+    if dtype == "float16":
+        finite &= (np.abs(arrays) <= np.finfo(np.float16).max).all(axis=axes)
+    return finite
+
+
+class CaptionStates:
+    """The frozen text encoder of `encode --text_embeddings`: captions in, float32 states [B, L, D] out."""
+
+    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False):
+        from ldm.data.latents import text_fingerprint
+        from ldm.data.tokenize import CaptionTokenizer
+        from ldm.models.build import load_caption_encoder
+        from ldm.models.text import text_encoder_identity
+
+        family, self.encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
+        length = tokenizer.model_max_length
+        self.tokenize = CaptionTokenizer(tokenizer, length)
+        self.identity = text_encoder_identity(self.encoder, family, length)
+        width = self.encoder.config.hidden_size
+        self.meta = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [length, width]}
+
+    @paddle.no_grad()
+    def __call__(self, captions: list[str]) -> np.ndarray:
+        # the caption as the latent record stores it (its whitespace folded), as training would tokenize it
+        ids = np.stack([self.tokenize(" ".join(caption.split())) for caption in captions])
+        return self.encoder(paddle.to_tensor(ids))[0].astype("float32").numpy()
+
+
 def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Bucket, ...] | None = None) -> dict:
     # the shards' order and names make the output's (weights only shape the file lists, written anew each run)
     listed = hashlib.sha256("\n".join(s.path for s in shards).encode()).hexdigest()
@@ -226,7 +266,7 @@ def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Buck
             "vae": meta.vae, "vae_name_or_path": args.vae_name_or_path, "dtype": meta.dtype,
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
             "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype,
-            "aspect_buckets": [bucket_name(b) for b in buckets] if buckets else None,
+            "aspect_buckets": [bucket_name(b) for b in buckets] if buckets else None, "text": meta.text,
             **({"metadata_filter": list(args.metadata_filter)} if getattr(args, "metadata_filter", None) else {})}
 
 
@@ -316,8 +356,10 @@ def encode_corpus(args) -> int:
 
     args.vae_dtype = resolve_vae_dtype(args.vae_dtype)
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
+    captions = CaptionStates(args.model_name_or_path, args.text_dtype, args.allow_untrained_text_encoder) \
+        if args.text_embeddings else None
     meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
-                      args.resolution)
+                      args.resolution, text=captions.meta if captions else None)
     # this autoencoder with the UNet the latents are for, as the training run has them
     buckets = model_buckets(args.aspect_buckets, args.resolution, args.max_aspect_ratio, args.model_name_or_path,
                             vae.config)
@@ -350,7 +392,8 @@ def encode_corpus(args) -> int:
                 moments = encode_moments(vae, pixels, args.random_flip, args.vae_dtype)
                 shaped = dataclasses.replace(meta, shape=tuple(moments.shape[1:]),
                                              bucket=tuple(pixels.shape[2:])) if buckets else meta
-                writers.write(index, records, moments, shaped)
+                texts = captions([caption for caption, *_ in records]) if captions else None
+                writers.write(index, records, moments, shaped, texts)
             if "done" in batch:
                 writers.finish(index, json.loads(batch["done"]), meta)
                 progress.update(1)

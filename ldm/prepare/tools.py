@@ -561,6 +561,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random crops")
     p.add_argument("--allow_untrained_vae", action="store_true", help="encode with an autoencoder without weights "
                    "(tests)")
+    p.add_argument("--text_embeddings", action="store_true",
+                   help="also store each caption's states from the frozen text encoder of --model_name_or_path (a "
+                        "Stable Diffusion model's CLIP): training then runs no text encoder")
+    p.add_argument("--text_dtype", choices=LATENT_DTYPES, default="float16",
+                   help="stored precision of the text states (float32 for runs that must equal encoding on the fly)")
+    p.add_argument("--allow_untrained_text_encoder", action="store_true",
+                   help="encode with a text encoder without weights (tests)")
     p.add_argument("--data_timeout", type=float, default=600,
                    help="seconds without a batch before the run stops with stacks and the shards being read (0: never)")
     p.set_defaults(run=cmd_encode)

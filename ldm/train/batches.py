@@ -106,14 +106,16 @@ class TimedBatches:
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
                   autoencoder_source: str = "", buckets: tuple[tuple[int, int], ...] | None = None,
-                  latent_scale: int = 8) -> TimedBatches:
+                  latent_scale: int = 8, text_encoder: str | None = None) -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
     records (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
     (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. `buckets`:
     the run's aspect-ratio buckets (the objective's, for its model; None: square crops); `latent_scale`, the
-    autoencoder's downsampling, names a latent batch's bucket in pixels.
+    autoencoder's downsampling, names a latent batch's bucket in pixels. `text_encoder`: the fingerprint of the run's
+    frozen text encoder, whose cached text states latent records may carry (batches then carry `text_states` and
+    `text_dropped` instead of `input_ids`); "" when the run trains its text encoder.
     """
     if buckets and dist.is_main:
         logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))
@@ -129,8 +131,8 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
                                  min_image_size=data.min_image_size, buckets=buckets),
-        latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip, buckets)
-        if autoencoder is not None else None,
+        latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip, buckets,
+                                text_encoder) if autoencoder is not None else None,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
         seed=seed,

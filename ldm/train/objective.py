@@ -21,11 +21,11 @@ from ldm.checkpoint.format import (
     write_frozen_autoencoder,
     write_frozen_text_encoder,
 )
-from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.resume import Resume
-from ldm.checkpoint.run_folder import RunFolder
+from ldm.checkpoint.run_folder import CheckpointError, RunFolder
 from ldm.config.args import DataArguments, ModelArguments, SamplingArguments, ValidationArguments
-from ldm.data.latents import fingerprint
+from ldm.data.latents import fingerprint, text_fingerprint
+from ldm.data.tokenize import CaptionTokenizer
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
@@ -53,6 +53,7 @@ class Objective:
     buckets: tuple[tuple[int, int], ...] | None = None  # its --aspect_buckets, for its model's size step; None: squares
     latent_scale = 8  # the autoencoder's downsampling
     autoencoder_source = ""
+    text_encoder: str | None = None  # cached text states it takes (`build_batches`): its frozen encoder's fingerprint
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
         """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model. An extra
@@ -129,6 +130,9 @@ class TextToImage(Objective):
                                                          seed=seed, vae_name_or_path=vae, text=self.text)
         self.text_identity = None if self.text.trained else text_encoder_identity(
             self.model.text_encoder, self.text.family, data.model_max_length)
+        self.text_encoder = text_fingerprint(self.text_identity) if self.text_identity else ""
+        if self.text_identity:  # what a dropped caption's cached states are replaced by
+            self.model.keep_empty_caption(CaptionTokenizer(self.tokenizer, data.model_max_length)(""))
         self.text_folder = None
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
         self.init_source = model_args.init_from_checkpoint
@@ -219,7 +223,6 @@ class TextToImage(Objective):
 
     def generated_metrics(self, dist) -> dict[str, float]:
         """FID (and CLIP score) of the model's images as they are now: the EMA's when the caller swapped it in."""
-        from ldm.data.tokenize import CaptionTokenizer
         from ldm.evaluation.clip import ClipError
         from ldm.evaluation.fid import FIDError
         from ldm.evaluation.generated import pipeline_images
@@ -283,8 +286,9 @@ class TextToImage(Objective):
                                                          self.identify_text)
 
     def loss(self, net, batch):
-        loss, per_sample, timesteps = net(batch.get("pixel_values"), batch["input_ids"], batch.get("latent_moments"),
-                                          details=True)
+        loss, per_sample, timesteps = net(batch.get("pixel_values"), batch.get("input_ids"),
+                                          batch.get("latent_moments"), details=True,
+                                          text_states=batch.get("text_states"), text_dropped=batch.get("text_dropped"))
         self.batches_seen += 1
         if self.batches_seen in self.nan_batches:  # the fault hook of the tests (`nan_fault_batches`)
             loss = loss * float("nan")
@@ -348,6 +352,7 @@ def start_batches(objective: Objective, resume: Resume | None, data: DataArgumen
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
                             num_workers=num_workers, saved_streams=saved,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
-                            buckets=objective.buckets, latent_scale=objective.latent_scale)
+                            buckets=objective.buckets, latent_scale=objective.latent_scale,
+                            text_encoder=objective.text_encoder)
     batches.start()
     return batches

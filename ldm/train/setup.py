@@ -21,8 +21,8 @@ from ldm.models.build import (
     has_weights,
     resolve_source,
 )
-from ldm.models.text import LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family, train_text_encoder
 from ldm.models.diffusion import LatentDiffusion
+from ldm.models.text import LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family, train_text_encoder
 from ldm.runtime.device import resolve_vae_dtype
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import quiet_libraries

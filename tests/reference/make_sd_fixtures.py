@@ -16,7 +16,6 @@ Writes tests/fixtures/sd/:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil

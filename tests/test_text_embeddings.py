@@ -1,0 +1,101 @@
+"""Cached text states (`python -m ldm.data encode --text_embeddings`): a Stable Diffusion model's frozen CLIP encoder
+run once over the captions, its states stored beside each latent, and training that reads them instead of running
+the encoder: the same losses as encoding on the fly, refused by a run of another encoder or one that trains its own."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import metrics_lines
+from corpus import write_corpus
+from entry import run_entry, run_python
+from interop_models import tiny_sd_pipeline
+
+from ldm.data.latents import LatentMeta, LatentMismatch, LatentTransform, parse_latent_record, text_fingerprint
+from ldm.data.shard import iter_lines
+
+RESOLUTION = 32
+ENCODE = ["-m", "ldm.data", "encode"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A Stable Diffusion pipeline folder whose parts have weights (sd-tiny's, seeded)."""
+    return tiny_sd_pipeline(str(tmp_path_factory.mktemp("sd")))
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory, model):
+    """The same corpus encoded twice: with its text states (float32) and without."""
+    folder = tmp_path_factory.mktemp("text")
+    corpus = write_corpus(str(folder / "corpus"), num_records=24, records_per_shard=6, kinds=("jpeg", "png"))
+    out = {}
+    for name, extra in (("cached", ["--text_embeddings", "--text_dtype", "float32"]), ("plain", [])):
+        result = run_python([*ENCODE, "--file_list", corpus, "--vae_name_or_path", model, "--model_name_or_path",
+                             model, "--output_dir", str(folder / name), "--resolution", str(RESOLUTION), "--dtype",
+                             "float32", "--num_workers", "0", "--batch_size", "4", *extra])
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[name] = str(folder / name / "latents.filelist.list")
+    return out
+
+
+def train(model, file_list, out, *extra):
+    return run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--model_name_or_path", model, "--file_list", file_list, "--resolution", str(RESOLUTION),
+        "--train_batch_size", "2", "--max_train_steps", "20", "--save_steps", "20", "--num_workers", "0",
+        "--report_to", "none", "--logging_steps", "1", "--learning_rate", "1e-3", "--caption_dropout_prob", "0.3",
+        "--output_dir", str(out), *extra])
+
+
+def test_cached_text_states_train_to_the_losses_of_encoding_on_the_fly(model, encoded, tmp_path):
+    runs = {}
+    for name, file_list in encoded.items():
+        result = train(model, file_list, tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [line["train/loss"] for line in metrics_lines(tmp_path / name) if "train/loss" in line]
+    assert len(runs["cached"]) == 20
+    np.testing.assert_allclose(runs["cached"], runs["plain"], rtol=1e-5)
+    assert len(set(runs["cached"])) == 20  # updates that differ: the comparison could fail
+
+
+def test_a_cached_record_holds_its_captions_states_as_the_encoder_computes_them(model, encoded):
+    import os
+
+    from ldm.data.latents import from_bytes
+    from ldm.data.record import decode_base64
+    from ldm.prepare.encode import CaptionStates
+
+    shard = os.path.join(os.path.dirname(encoded["cached"]), "latents-000000.gz")
+    caption, (_, meta, text) = parse_latent_record(next(iter(iter_lines(shard))))
+    states = CaptionStates(model, "float32")
+    assert meta.text == states.meta and meta.text["shape"] == [77, 32]
+    stored = from_bytes(decode_base64(text), "float32", meta.text["shape"])
+    np.testing.assert_allclose(stored, states([caption])[0], rtol=1e-5, atol=1e-5)  # batches of other sizes
+    with open(os.path.join(os.path.dirname(encoded["cached"]), ".encode", "settings.json")) as f:
+        settings = json.load(f)
+    assert settings["text"]["encoder"] == text_fingerprint(states.identity)
+
+
+def test_a_run_that_trains_its_text_encoder_or_has_another_refuses_cached_states_in_one_line(model, encoded,
+                                                                                           tmp_path):
+    result = train(model, encoded["cached"], tmp_path / "trained", "--train_text_encoder", "true",
+                   "--max_train_steps", "1")
+    assert result.returncode != 0
+    assert "this run trains its" in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
+    assert not (tmp_path / "trained" / "checkpoint-1").exists()
+    meta = LatentMeta("vae", "float32", (1, 8, 4, 4), RESOLUTION, text={"encoder": "abc", "dtype": "float16",
+                                                                           "shape": [77, 32]})
+    with pytest.raises(LatentMismatch, match="this run's frozen text encoder is def"):
+        LatentTransform(text_encoder="def").check(meta)
+    LatentTransform(text_encoder=None).check(meta)  # the data tools and held-out records check nothing
+
+
+def test_encoding_text_states_of_ldmbert_is_refused_in_one_line(encoded, tmp_path):
+    corpus = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
+    result = run_python([*ENCODE, "--file_list", corpus, "--vae_name_or_path", "ldm-tiny", "--allow_untrained_vae",
+                         "--model_name_or_path", "ldm-tiny", "--output_dir", str(tmp_path / "out"), "--resolution",
+                         str(RESOLUTION), "--num_workers", "0", "--text_embeddings"])
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert "trains with the UNet" in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
