@@ -144,11 +144,12 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     from ldm.inference.load import load_for_inference
     from ldm.inference.sampling import ddim_scheduler, generate, image_grid
     from ldm.models.build import model_resolution
+    from ldm.models.text import prompt_length
 
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(model)
     prompts = eval_prompts()
     repeated = [p for p in prompts for _ in range(num_images_per_prompt)]
-    tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
+    tokenize = CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer))
     images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
                       guidance_scale=guidance_scale, num_inference_steps=num_inference_steps, seed=seed,
                       batch_size=32)

@@ -231,6 +231,7 @@ def cmd_run(args) -> int:
         raise EvalError(f"--model {args.model}: {e}") from None
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.sampling import ddim_scheduler
+    from ldm.models.text import prompt_length
 
     resolution = model_resolution(unet, vae)
     metrics = GeneratedMetrics(inception, reference, clip, args.mode, resolution)
@@ -244,7 +245,7 @@ def cmd_run(args) -> int:
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
     make = pipeline_images(unet, text_encoder, vae, ddim_scheduler(scheduler_config),
-                           CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings), sampling)
+                           CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer)), sampling)
     scored = metrics.evaluate(make, sampling, dist, keep_images=args.grid_images)
     if not dist.is_main:
         return 0

@@ -65,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
     from ldm.inference.sampling import ddim_scheduler, generate, labeled_grid, latent_size
+    from ldm.models.text import prompt_length
 
     try:
         unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(args.model, not args.no_ema)
     except (UserError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
-    tokenize = CaptionTokenizer(tokenizer, text_encoder.config.max_position_embeddings)
+    tokenize = CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer))
     repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]
     try:
         latent_size(unet, vae, args.height, args.width)

@@ -67,6 +67,44 @@ def tiny_sd_pipeline(folder: str) -> str:
                            os.path.join(folder, "ppdiffusers"))
 
 
+def tiny_t5_model(folder: str) -> str:
+    """A model folder whose text encoder is a seeded tiny T5 (with a SentencePiece tokenizer trained here on a few
+    words) beside sd-tiny's UNet and autoencoder, with weights: what the T5 tests train and encode with."""
+    import json
+    import shutil
+
+    import sentencepiece
+
+    sys.path.insert(0, ROOT)
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+    from ppdiffusers.transformers import T5Config, T5EncoderModel
+
+    from ldm.models.build import PRESETS_DIR, read_config
+
+    root = os.path.join(folder, "t5-tiny")
+    tokenizer = os.path.join(root, "tokenizer")
+    os.makedirs(tokenizer)
+    text = os.path.join(folder, "words.txt")
+    with open(text, "w") as f:
+        f.write("\n".join(f"{a} {b} {c}" for a in WORDS for b in WORDS[::3] for c in ("photo 1", "photo 22")))
+    sentencepiece.SentencePieceTrainer.train(input=text, model_prefix=os.path.join(tokenizer, "spiece"),
+                                             vocab_size=64, model_type="bpe", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                             hard_vocab_limit=False, minloglevel=2)
+    os.remove(os.path.join(tokenizer, "spiece.vocab"))
+    with open(os.path.join(tokenizer, "tokenizer_config.json"), "w") as f:
+        json.dump({"extra_ids": 0, "model_max_length": 77, "tokenizer_class": "T5Tokenizer"}, f)
+    preset = PRESETS_DIR / "sd-tiny"
+    shutil.copytree(preset / "scheduler", os.path.join(root, "scheduler"))
+    t5 = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                 feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0, eos_token_id=1))
+    unet = UNet2DConditionModel.from_config(read_config(preset / "unet"))
+    vae = AutoencoderKL.from_config(read_config(preset / "vae"))
+    for seed, (name, part) in enumerate((("unet", unet), ("text_encoder", t5), ("vae", vae))):
+        fill_seeded(part, 40 + seed)
+        part.save_pretrained(os.path.join(root, name), safe_serialization=True)
+    return root
+
+
 def plant_code(weights_file, key: str, marker) -> None:
     """Replace a torch `.bin` by one whose unpickling runs `echo PWNED > marker`: what a malicious download holds."""
     import pickle

@@ -99,3 +99,63 @@ def test_encoding_text_states_of_ldmbert_is_refused_in_one_line(encoded, tmp_pat
     lines = result.stderr.strip().splitlines()
     assert "trains with the UNet" in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def t5_model(tmp_path_factory):
+    from interop_models import tiny_t5_model
+
+    return tiny_t5_model(str(tmp_path_factory.mktemp("t5")))
+
+
+def test_a_t5_encoders_padding_is_masked_so_only_its_real_tokens_condition_the_unet(t5_model):
+    """What a compact cached record leaves out (the states past its caption's end) changes nothing: the UNet's
+    cross-attention and the encoder's self-attention mask them."""
+    import paddle
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.text import encode_prompt, load_text_tokenizer
+
+    c = build_components(t5_model)
+    assert c.family.name == "t5" and c.pretrained["text_encoder"]
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, freeze_text_encoder=True)
+    tokenize = CaptionTokenizer(load_text_tokenizer(c.family, f"{t5_model}/tokenizer"), 16)
+    ids = paddle.to_tensor(np.stack([tokenize("a red circle"), tokenize("the blue square on a green background")]))
+    states, mask = encode_prompt(c.text_encoder, ids)
+    lengths = mask.sum(axis=1)
+    assert 0 < int(lengths[0]) < int(lengths[1]) < 16
+    garbage = states.numpy().copy()
+    garbage[0, int(lengths[0]):] = 100.0  # past the first caption's end
+    model.keep_empty_caption(tokenize(""))
+    moments = paddle.randn([2, 8, 4, 4])
+    losses = []
+    for cached in (states.numpy(), garbage):
+        paddle.seed(3)
+        losses.append(float(model(None, None, moments, text_states=cached, text_dropped=np.array([False, False]),
+                                  text_lengths=lengths.numpy())))
+    assert losses[0] == losses[1]
+    paddle.seed(3)
+    assert float(model(None, ids, moments)) == pytest.approx(losses[0], rel=1e-6)  # encoding on the fly
+
+
+def test_t5_states_are_stored_compact_and_train_as_encoding_on_the_fly(t5_model, tmp_path):
+    corpus = write_corpus(str(tmp_path / "corpus"), num_records=12, records_per_shard=6)
+    lists = {}
+    for name, extra in (("cached", ["--text_embeddings", "--text_dtype", "float32"]), ("plain", [])):
+        result = run_python([*ENCODE, "--file_list", corpus, "--vae_name_or_path", t5_model, "--model_name_or_path",
+                             t5_model, "--output_dir", str(tmp_path / name), "--resolution", str(RESOLUTION),
+                             "--dtype", "float32", "--num_workers", "0", "--model_max_length", "16", *extra])
+        assert result.returncode == 0, result.stderr[-3000:]
+        lists[name] = str(tmp_path / name / "latents.filelist.list")
+    _, (_, meta, _) = parse_latent_record(next(iter(iter_lines(str(tmp_path / "cached" / "latents-000000.gz")))))
+    assert meta.text["length"] == 16 and meta.text["shape"][0] < 16  # "photo N" and its EOS: its real tokens only
+    losses = {}
+    for name, file_list in lists.items():
+        result = train(t5_model, file_list, tmp_path / f"run-{name}", "--max_train_steps", "6", "--save_steps", "6",
+                       "--model_max_length", "16")
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = [line["train/loss"] for line in metrics_lines(tmp_path / f"run-{name}") if "train/loss" in line]
+    assert len(losses["cached"]) == 6
+    np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)

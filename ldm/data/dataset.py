@@ -229,8 +229,8 @@ class CaptionImageStream(IterableDataset):
         self.resumes_exactly = True
 
     def make_sample(self, record: Record) -> tuple[np.ndarray, Any]:
-        """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states and whether
-        its caption was dropped): the record's kind is read from its content.
+        """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states, how many of
+        their tokens are real and whether its caption was dropped): the record's kind is read from its content.
 
         A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
         its image is decoded."""
@@ -256,9 +256,9 @@ class CaptionImageStream(IterableDataset):
             sample = transform(payload, rng)
         except LatentMismatch as e:
             raise LatentMismatch(f"{record.shard}:{record.line_number}: {e}") from None
-        states = self.latents.text_states(payload) if latent and self.tokenize else None
-        if states is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
-            return sample, (states, dropped)
+        cached = self.latents.text_states(payload) if latent and self.tokenize else None
+        if cached is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
+            return sample, (*cached, dropped)
         return sample, self.tokenize(caption) if self.tokenize else None
 
     def slot_stream(self, role: int) -> SlotStream:
@@ -312,8 +312,9 @@ class CaptionImageStream(IterableDataset):
             texts = [text for _, text, _ in taken]
             cached = [isinstance(text, tuple) for text in texts]
             if all(cached):
-                batch["text_states"] = np.stack([states for states, _ in texts])
-                batch["text_dropped"] = np.array([dropped for _, dropped in texts])
+                batch["text_states"] = np.stack([states for states, _, _ in texts])
+                batch["text_lengths"] = np.array([length for _, length, _ in texts], np.int64)
+                batch["text_dropped"] = np.array([dropped for _, _, dropped in texts])
             elif any(cached):
                 record = taken[cached.index(False)][2]
                 raise LatentMismatch(f"{record.shard}:{record.line_number} has no cached text states and other records "

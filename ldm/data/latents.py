@@ -18,9 +18,10 @@ A latent shard is a gzip text shard like an image shard, one record per line:
 
 - text (`encode --text_embeddings`): the frozen text encoder's hidden states of the record's caption, shape
   `[tokens, width]` in the meta's `"text": {"encoder": <fingerprint>, "dtype": ..., "shape": [...]}` (float16 by
-  default: 118 KB a record for Stable Diffusion 1.5's 77 x 768). Training takes them instead of encoding the caption;
-  a dropped caption gets the empty caption's states, which the run computes once with the same encoder (its identity
-  is the fingerprint's).
+  default: 118 KB a record for Stable Diffusion 1.5's 77 x 768). An encoder that masks its padding (T5's) stores
+  the caption's real tokens only, with `"length"`, the padded length training restores (zeros, masked). Training
+  takes them instead of encoding the caption; a dropped caption gets the empty caption's states, which the run
+  computes once with the same encoder (its identity is the fingerprint's).
 
 The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
 module reads and writes the format; it imports neither Paddle nor PaddleNLP.
@@ -28,6 +29,7 @@ module reads and writes the format; it imports neither Paddle nor PaddleNLP.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -137,6 +139,10 @@ def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, s
     info = meta.to_json()
     if source:
         info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
+    if text is not None and list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
+        info = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)}).to_json()
+        if source:
+            info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
     fields = [caption.encode("utf-8"), key.encode("utf-8"), payload, info]
     if text is not None:
         fields.append(TEXT_PREFIX + pybase64.b64encode(to_bytes(text, meta.text["dtype"])))
@@ -236,16 +242,20 @@ class LatentTransform:
         copy = 1 if self.random_flip and rng.random() < 0.5 else 0
         return moments[copy]
 
-    def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]) -> np.ndarray | None:
-        """The record's cached text states (float32 [tokens, width]) when the run takes them; None: it encodes the
-        caption itself."""
+    def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]) -> tuple[np.ndarray, int] | None:
+        """The record's cached text states (float32 [tokens, width], a compact record's padded with zeros to its
+        `length`) and how many tokens are real, when the run takes them; None: it encodes the caption itself."""
         _, meta, text = payload
         if text is None or not self.text_encoder:
             return None
         try:
-            return from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))
+            states = from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))
         except (ValueError, SkipRecord) as e:
             raise SkipRecord("bad_latent", f"text states: {getattr(e, 'detail', e)}") from None
+        real, length = len(states), int(meta.text.get("length", len(states)))
+        if real < length:
+            states = np.concatenate([states, np.zeros([length - real, states.shape[1]], np.float32)])
+        return states, real
 
 
 def text_fingerprint(identity: dict) -> str:

@@ -24,6 +24,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from ldm.models.text import encode_prompt
+
 logger = logging.getLogger("ldm.train")
 
 NOISE_SEED = 20240305  # any fixed number: the noise of record i is drawn from a generator seeded (NOISE_SEED, i)
@@ -118,12 +120,13 @@ class HeldOut:
             np.random.default_rng([NOISE_SEED, i]).standard_normal(latents.shape[1:]).astype("float32")
             for i in indices]))
         ids = paddle.to_tensor(np.stack([self.records[p]["input_ids"] for p in chunk]))
-        states = model.text_encoder(ids)[0]
+        states, mask = encode_prompt(model.text_encoder, ids)
         sums = []
         for t in self.timesteps:
             timesteps = paddle.full([len(indices)], t, dtype="int64")
             noisy = model.noise_scheduler.add_noise(latents, noise, timesteps)
-            prediction = model.unet(noisy, timesteps, encoder_hidden_states=states).sample.astype("float32")
+            prediction = model.unet(noisy, timesteps, encoder_hidden_states=states,
+                                    encoder_attention_mask=mask).sample.astype("float32")
             target = noise if model.prediction_type == "epsilon" else \
                 model.noise_scheduler.get_velocity(latents, noise, timesteps)
             loss = F.mse_loss(prediction, target.astype("float32"), reduction="none").mean(axis=[1, 2, 3])

@@ -13,6 +13,7 @@ from ldm.checkpoint.serialization import writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import ddim_scheduler
+from ldm.models.text import is_masked
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -52,6 +53,10 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     """An `LDMTextToImagePipeline` folder (LDMBert) or a `StableDiffusionPipeline` one (a CLIP text encoder: no
     safety checker, as a pretraining framework's own samples need none)."""
     check_output(output)
+    if is_masked(text_encoder):
+        raise CheckpointError("a model of a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
+                              "diffusers' text-to-image pipelines give a UNet the encoder's mask. Sample from the "
+                              "checkpoint with python -m ldm.generate --model CHECKPOINT")
     ldmbert = type(text_encoder).__name__.startswith("LDMBert")
     if to_diffusers and ldmbert:
         check_diffusers_context(text_encoder)

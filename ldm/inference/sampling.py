@@ -15,6 +15,7 @@ from PIL import Image
 from ppdiffusers import DDIMScheduler
 
 from ldm.models.autoencoder import to_uint8
+from ldm.models.text import encode_prompt
 
 
 def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
@@ -70,11 +71,13 @@ def generate(
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])
             ids = paddle.to_tensor(np.stack([tokenize(p) for p in chunk]))
-            cond = text_encoder(ids)[0]
+            cond, mask = encode_prompt(text_encoder, ids)
             guided = guidance_scale != 1.0
             if guided:
-                uncond = text_encoder(uncond_ids)[0].expand([len(chunk), -1, -1])
-                context = paddle.concat([uncond, cond])
+                uncond, uncond_mask = encode_prompt(text_encoder, uncond_ids)
+                context = paddle.concat([uncond.expand([len(chunk), -1, -1]), cond])
+                if mask is not None:
+                    mask = paddle.concat([uncond_mask.expand([len(chunk), -1]), mask])
             else:
                 context = cond
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
@@ -84,7 +87,7 @@ def generate(
             for t in scheduler.timesteps:
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 model_input = scheduler.scale_model_input(model_input, t)
-                prediction = unet(model_input, t, encoder_hidden_states=context).sample
+                prediction = unet(model_input, t, encoder_hidden_states=context, encoder_attention_mask=mask).sample
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)

@@ -12,6 +12,7 @@ from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import posterior
+from ldm.models.text import encode_prompt
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -61,13 +62,15 @@ class LatentDiffusion(nn.Layer):
         alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
         self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
         self.register_buffer("empty_states", None, persistable=False)  # the empty caption's states (cached text)
+        self.empty_length = None  # and its tokens (a masked encoder's)
 
     def keep_empty_caption(self, input_ids) -> None:
         """Encode the empty caption's token ids once: a dropped caption's cached states are replaced by these (a
         frozen encoder gives every dropped caption the same states)."""
         with paddle.no_grad():
-            states = self.text_encoder(paddle.to_tensor(input_ids)[None])[0].astype("float32")
-        self.register_buffer("empty_states", states, persistable=False)
+            states, mask = encode_prompt(self.text_encoder, paddle.to_tensor(input_ids)[None])
+        self.register_buffer("empty_states", states.astype("float32"), persistable=False)
+        self.empty_length = None if mask is None else int(mask.sum())
 
     def train(self):
         super().train()
@@ -82,11 +85,12 @@ class LatentDiffusion(nn.Layer):
         config's factor."""
         return posterior(self.vae, pixel_values, self.vae_dtype).sample().astype("float32") * self.scaling_factor
 
-    def encode_text(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+    def encode_text(self, input_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+        """(states, mask: None unless the encoder masks its padding) of token ids."""
         if self.freeze_text_encoder:
             with paddle.no_grad():
-                return self.text_encoder(input_ids)[0]
-        return self.text_encoder(input_ids)[0]
+                return encode_prompt(self.text_encoder, input_ids)
+        return encode_prompt(self.text_encoder, input_ids)
 
     def loss_weights(self, timesteps: paddle.Tensor) -> paddle.Tensor | None:
         """Min-SNR-gamma weighting (Hang et al. 2023): min(SNR, gamma) / SNR, or / (SNR + 1) for v."""
@@ -101,20 +105,26 @@ class LatentDiffusion(nn.Layer):
         """Precomputed posterior moments (`ldm.data.latents`) -> scaled latents: what `encode_latents` gives."""
         return DiagonalGaussianDistribution(latent_moments.astype("float32")).sample() * self.scaling_factor
 
-    def context(self, input_ids, text_states, text_dropped) -> paddle.Tensor:
-        """The states the UNet attends to: the text encoder's of `input_ids`, or cached ones (`text_states`, float32
-        [B, L, D]) with the empty caption's where `text_dropped`."""
+    def context(self, input_ids, text_states, text_dropped, text_lengths=None):
+        """(states, mask) the UNet attends to: the text encoder's of `input_ids`, or cached ones (`text_states`, float32
+        [B, L, D], the first `text_lengths` real for a masked encoder) with the empty caption's where `text_dropped`."""
         if text_states is None:
             return self.encode_text(input_ids)
         if self.empty_states is None:
             raise ValueError("cached text states need the empty caption's (keep_empty_caption)")
-        dropped = paddle.to_tensor(text_dropped).astype("bool").reshape([-1, 1, 1])
+        dropped = paddle.to_tensor(text_dropped).astype("bool")
         states = paddle.to_tensor(text_states).astype("float32")
-        return paddle.where(dropped, self.empty_states.expand(states.shape), states)
+        states = paddle.where(dropped.reshape([-1, 1, 1]), self.empty_states.expand(states.shape), states)
+        if self.empty_length is None:
+            return states, None
+        lengths = paddle.where(dropped, paddle.full_like(paddle.to_tensor(text_lengths), self.empty_length),
+                               paddle.to_tensor(text_lengths))
+        mask = (paddle.arange(states.shape[1])[None] < lengths[:, None]).astype("int64")
+        return states, mask
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,
                 latent_moments: paddle.Tensor | None = None, details: bool = False, text_states=None,
-                text_dropped=None):
+                text_dropped=None, text_lengths=None):
         """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead (and of their
         captions' token ids, or their cached text states: `context`); `details`: (loss, each sample's loss, each
         sample's timestep)."""
@@ -128,8 +138,9 @@ class LatentDiffusion(nn.Layer):
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
         timesteps = paddle.randint(0, self.noise_scheduler.config.num_train_timesteps, [batch], dtype="int64")
         noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        encoder_hidden_states = self.context(input_ids, text_states, text_dropped)
-        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=encoder_hidden_states).sample
+        context, mask = self.context(input_ids, text_states, text_dropped, text_lengths)
+        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=context,
+                               encoder_attention_mask=mask).sample
         if self.prediction_type == "epsilon":
             target = noise
         else:

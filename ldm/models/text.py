@@ -5,7 +5,10 @@ the encoder trains, and where its weights live.
   (`--tokenizer_name`);
 - `clip`: a CLIP text tower (`text_encoder/` + `tokenizer/`, Stable Diffusion 1.x and 2.x), frozen by default. Its
   last hidden state (after the final layer norm) conditions the UNet, as diffusers' pipelines use it; Stable
-  Diffusion 2's "penultimate layer" is its config's `num_hidden_layers` (23 of OpenCLIP's 24), as diffusers ships it.
+  Diffusion 2's "penultimate layer" is its config's `num_hidden_layers` (23 of OpenCLIP's 24), as diffusers ships it;
+- `t5`: a T5 encoder (`text_encoder/` + a SentencePiece `tokenizer/`, as PixArt-alpha and DeepFloyd IF use one),
+  frozen by default. Its padding is masked: in the encoder's self-attention and in the UNet's cross-attention
+  (`encode_prompt`), so only the caption's real tokens condition the image.
 
 A frozen encoder is part of the run's model, not of its checkpoints: written once to `<output_dir>/text_encoder/`
 with its identity (`text_encoder_identity`), which every checkpoint records and a resume compares.
@@ -33,46 +36,69 @@ class TextFamily:
     folder: str  # the part's folder in a pipeline
     trained_by_default: bool
     model_types: tuple[str, ...]  # a config's `model_type` values of this family
+    masked: bool = False  # its padding is masked (the UNet's cross-attention gets the mask)
 
     def model_class(self):
         if self.name == "ldmbert":
             from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
             return LDMBertModel
-        from ppdiffusers.transformers import CLIPTextModel  # transformers' weight names, as ppdiffusers' pipelines
+        # ppdiffusers' own copies: transformers' weight names, as its pipelines use them
+        from ppdiffusers.transformers import CLIPTextModel, T5EncoderModel
 
-        return CLIPTextModel
+        return CLIPTextModel if self.name == "clip" else T5EncoderModel
 
     def tokenizer_class(self):
         from paddlenlp.transformers import BertTokenizer
-        from ppdiffusers.transformers import CLIPTokenizer
+        from ppdiffusers.transformers import CLIPTokenizer, T5Tokenizer
 
-        return BertTokenizer if self.name == "ldmbert" else CLIPTokenizer
+        return {"ldmbert": BertTokenizer, "clip": CLIPTokenizer, "t5": T5Tokenizer}[self.name]
 
 
 LDMBERT = TextFamily("ldmbert", "bert", True, ("ldmbert",))
 CLIP = TextFamily("clip", "text_encoder", False, ("clip_text_model", "clip"))
-FAMILIES = (LDMBERT, CLIP)
+T5 = TextFamily("t5", "text_encoder", False, ("t5",), masked=True)
+FAMILIES = (LDMBERT, CLIP, T5)
 
 
 def text_family(source: str) -> TextFamily:
     """The family of the text encoder a model folder (preset, configs or pipeline) holds: its `bert/` or its
     `text_encoder/`, told by the config's `model_type`."""
-    for family in FAMILIES:
-        config = os.path.join(source, family.folder, "config.json")
+    for folder in ("bert", "text_encoder"):
+        config = os.path.join(source, folder, "config.json")
         if not os.path.isfile(config):
             continue
         try:
             with open(config, encoding="utf-8") as f:
-                model_type = json.load(f).get("model_type", family.model_types[0])
+                model_type = json.load(f).get("model_type", "ldmbert" if folder == "bert" else "clip_text_model")
         except (OSError, ValueError, AttributeError) as e:
             raise TextEncoderError(f"{config}: not a readable config ({e})") from None
-        if model_type not in family.model_types:
+        found = [f for f in FAMILIES if f.folder == folder and model_type in f.model_types]
+        if not found:
             known = ", ".join(t for f in FAMILIES for t in f.model_types)
             raise TextEncoderError(f"{config}: a {model_type!r} text encoder; this framework trains with {known}")
-        return family
+        return found[0]
     raise TextEncoderError(f"{source}: no bert/config.json (LDMBert) nor text_encoder/config.json (CLIP): expected a "
                            "preset, a folder of configs or a pipeline folder")
+
+
+def is_masked(text_encoder) -> bool:
+    return type(text_encoder).__name__.startswith("T5")
+
+
+def encode_prompt(text_encoder, input_ids):
+    """(states, mask) of token ids: the mask (1 for a real token, EOS included) where the family masks its padding
+    (T5's), else None."""
+    if not is_masked(text_encoder):
+        return text_encoder(input_ids)[0], None
+    mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
+    return text_encoder(input_ids, attention_mask=mask)[0], mask
+
+
+def prompt_length(text_encoder, tokenizer) -> int:
+    """The caption length a model reads: its text encoder's positions (LDMBert, CLIP), or, for an encoder of
+    relative positions (T5), the length its tokenizer was saved with by the run."""
+    return getattr(text_encoder.config, "max_position_embeddings", None) or int(tokenizer.model_max_length)
 
 
 def train_text_encoder(family: TextFamily, asked: bool | None) -> bool:
@@ -106,16 +132,20 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
 
 
 def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None):
-    """The tokenizer of a CLIP-family model: its `tokenizer/` folder, with vocab.json and merges.txt, or, when
-    transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE vocabulary and merges are
-    written out as the two files first."""
+    """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model. CLIP's: vocab.json and
+    merges.txt, or, when transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE
+    vocabulary and merges are written out as the two files first."""
+    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+    if family.name == "t5":
+        if not os.path.isfile(os.path.join(folder, "spiece.model")):
+            raise TextEncoderError(f"{folder}: no spiece.model, the SentencePiece tokenizer of this T5 encoder")
+        return family.tokenizer_class().from_pretrained(folder, **kwargs)
     files = [os.path.join(folder, name) for name in ("vocab.json", "merges.txt")]
     if not all(os.path.isfile(f) for f in files):
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
             raise TextEncoderError(f"{folder}: no vocab.json and merges.txt (nor tokenizer.json), the {family.name} "
                                    "tokenizer of this model")
         folder = bpe_files(folder)
-    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     return family.tokenizer_class().from_pretrained(folder, **kwargs)
 
 

@@ -179,7 +179,7 @@ class ShardWriters:
         return os.path.join(self.output_dir, f".{output_name(index)}.partial")
 
     def write(self, index: int, records: list, moments: np.ndarray, meta: LatentMeta,
-              texts: np.ndarray | None = None) -> None:
+              texts: list[np.ndarray] | None = None) -> None:
         """Append a batch's records (`texts`: their captions' text states); one whose moments or text states are not
         finite in the stored dtype is skipped and counted."""
         import gzip
@@ -189,7 +189,7 @@ class ShardWriters:
         finite = storable(moments, meta.dtype)
         self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
         if texts is not None:
-            text_ok = storable(texts, meta.text["dtype"])
+            text_ok = np.array([storable(text[None], meta.text["dtype"])[0] for text in texts], bool)
             self.skipped[index]["non_finite_text"] += int((finite & ~text_ok).sum())
             finite &= text_ok
         texts = [None] * len(records) if texts is None else texts
@@ -237,26 +237,35 @@ def storable(arrays: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class CaptionStates:
-    """The frozen text encoder of `encode --text_embeddings`: captions in, float32 states [B, L, D] out."""
+    """The frozen text encoder of `encode --text_embeddings`: captions in, each one's float32 states [L, D] out (an
+    encoder that masks its padding: its real tokens only, [n, D])."""
 
-    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False):
+    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False, max_length: int = 77):
         from ldm.data.latents import text_fingerprint
         from ldm.data.tokenize import CaptionTokenizer
         from ldm.models.build import load_caption_encoder
         from ldm.models.text import text_encoder_identity
 
         family, self.encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
-        length = tokenizer.model_max_length
+        length = min(tokenizer.model_max_length, max_length)
         self.tokenize = CaptionTokenizer(tokenizer, length)
         self.identity = text_encoder_identity(self.encoder, family, length)
         width = self.encoder.config.hidden_size
         self.meta = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [length, width]}
+        if family.masked:
+            self.meta["length"] = length
 
     @paddle.no_grad()
-    def __call__(self, captions: list[str]) -> np.ndarray:
+    def __call__(self, captions: list[str]) -> list[np.ndarray]:
+        from ldm.models.text import encode_prompt
+
         # the caption as the latent record stores it (its whitespace folded), as training would tokenize it
         ids = np.stack([self.tokenize(" ".join(caption.split())) for caption in captions])
-        return self.encoder(paddle.to_tensor(ids))[0].astype("float32").numpy()
+        states, mask = encode_prompt(self.encoder, paddle.to_tensor(ids))
+        states = states.astype("float32").numpy()
+        if mask is None:
+            return list(states)
+        return [s[:n] for s, n in zip(states, mask.sum(axis=1).numpy(), strict=True)]
 
 
 def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Bucket, ...] | None = None) -> dict:
@@ -356,8 +365,8 @@ def encode_corpus(args) -> int:
 
     args.vae_dtype = resolve_vae_dtype(args.vae_dtype)
     probe_moments = encode_moments(vae, np.zeros([1, 3, args.resolution, args.resolution], np.uint8), args.random_flip)
-    captions = CaptionStates(args.model_name_or_path, args.text_dtype, args.allow_untrained_text_encoder) \
-        if args.text_embeddings else None
+    captions = CaptionStates(args.model_name_or_path, args.text_dtype, args.allow_untrained_text_encoder,
+                             args.model_max_length) if args.text_embeddings else None
     meta = LatentMeta(fingerprint(autoencoder_identity(vae)), args.dtype, tuple(probe_moments.shape[1:]),
                       args.resolution, text=captions.meta if captions else None)
     # this autoencoder with the UNet the latents are for, as the training run has them

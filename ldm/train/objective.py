@@ -288,7 +288,8 @@ class TextToImage(Objective):
     def loss(self, net, batch):
         loss, per_sample, timesteps = net(batch.get("pixel_values"), batch.get("input_ids"),
                                           batch.get("latent_moments"), details=True,
-                                          text_states=batch.get("text_states"), text_dropped=batch.get("text_dropped"))
+                                          text_states=batch.get("text_states"), text_dropped=batch.get("text_dropped"),
+                                          text_lengths=batch.get("text_lengths"))
         self.batches_seen += 1
         if self.batches_seen in self.nan_batches:  # the fault hook of the tests (`nan_fault_batches`)
             loss = loss * float("nan")
@@ -324,7 +325,10 @@ class TextToImage(Objective):
                                        self.sampling, ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
     def finish(self, checkpoint, batches, dist, run_dir):
-        if dist.is_main and checkpoint:
+        if dist.is_main and checkpoint and self.text.family.masked:
+            logger.info("no pipeline is exported: neither ppdiffusers' nor diffusers' text-to-image pipelines give a "
+                        "UNet the T5 encoder's mask; sample from %s with python -m ldm.generate --model", checkpoint)
+        elif dist.is_main and checkpoint:
             from ldm.inference.export import export_checkpoint
 
             pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
