@@ -1,6 +1,6 @@
 """Random faults, then one invariant over the whole history: a chaos soak of the training entry points.
 
-    python scripts/soak.py --minutes 30 --seed 1 [--paths loop trainer] [--work_dir DIR]
+    python scripts/soak.py --minutes 30 --seed 1 [--paths loop trainer] [--work_dir DIR] [--model sd]
 
 Run after run (a chain of segments toward one run's last update, in one output folder), it launches the
 hand-written loop or the PaddleNLP Trainer path with `--resume_from_checkpoint auto` on a synthetic corpus,
@@ -118,13 +118,29 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
     return listing, os.path.join(folder, "tokenizer"), everything
 
 
+def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
+    """The flags that name the model the runs train: ldm-tiny (LDMBert trained with the UNet) from scratch, or a
+    Stable Diffusion pipeline of sd-tiny's architecture, written here with seeded weights, its CLIP text encoder frozen
+    and written once beside the checkpoints."""
+    if kind == "ldm-tiny":
+        return ["--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--tokenizer_name", tokenizer]
+    from ldm.inference.export import export_pipeline
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components
+
+    parts = build_components("sd-tiny", seed=5)
+    export_pipeline(parts.unet, parts.text_encoder, parts.vae, load_tokenizer_of(parts.family, os.path.join(
+        parts.source, "tokenizer")), dict(parts.noise_scheduler.config), folder)
+    return ["--model_name_or_path", folder]
+
+
 def own_corpus(corpus, out: str):
-    """A copy of the corpus for one run (a run may cut one of its shards): (listing, tokenizer, every record)."""
-    listing, tokenizer, everything = corpus
+    """A copy of the corpus for one run (a run may cut one of its shards): (listing, model flags, every record)."""
+    listing, model, everything = corpus
     source = os.path.dirname(listing)
     copy = out + "-corpus"
     shutil.copytree(source, copy, dirs_exist_ok=True)
-    return (os.path.join(copy, os.path.basename(listing)), tokenizer,
+    return (os.path.join(copy, os.path.basename(listing)), model,
             {(os.path.join(copy, os.path.relpath(shard, source)), n) for shard, n in everything})
 
 
@@ -137,20 +153,20 @@ def cut_a_shard(listing: str, rng: random.Random) -> str:
     return path
 
 
-def command(path: str, processes: int, workers: int, listing: str, tokenizer: str, out: str, last_step: int,
+def command(path: str, processes: int, workers: int, listing: str, model: list[str], out: str, last_step: int,
             log_dir: str, buckets: bool = False, sharded: bool = False, sync_save: bool = False) -> list[str]:
-    common = ["--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", tokenizer,
+    common = [*model, "--file_list", listing,
               "--model_max_length", "16", "--resolution", "32", "--seed", "11", "--report_to", "none",
               "--output_dir", out, "--resume_from_checkpoint", "auto", "--shuffle_buffer", "4",
               "--logging_steps", "1", "--progress", "none", "--use_ema"] + \
         (["--aspect_buckets", "auto"] if buckets else []) + (["--sharding", "stage1"] if sharded else []) + \
         (["--async_save", "false"] if sync_save else [])
     if path == "loop":
-        args = ["--pretrained_model_name_or_path", "ldm-tiny", "--train_batch_size", "2", "--num_workers",
+        args = ["--train_batch_size", "2", "--num_workers",
                 str(workers), "--max_train_steps", str(last_step), "--save_steps", "1",
                 "--checkpoints_total_limit", "4"]
     else:
-        args = ["--do_train", "--model_name_or_path", "ldm-tiny", "--per_device_train_batch_size", "2",
+        args = ["--do_train", "--per_device_train_batch_size", "2",
                 "--dataloader_num_workers", str(workers), "--max_steps", str(last_step), "--save_steps", "1",
                 "--save_total_limit", "4"]
     script = os.path.join(ROOT, SCRIPTS[path])
@@ -414,8 +430,7 @@ def find_streams(state) -> list[dict]:
 
 
 def pipeline_loads(out: str, report: Report) -> None:
-    check = ("import sys\nfrom ppdiffusers import LDMTextToImagePipeline\n"
-             "LDMTextToImagePipeline.from_pretrained(sys.argv[1])\n")
+    check = "import sys\nfrom ppdiffusers import DiffusionPipeline\nDiffusionPipeline.from_pretrained(sys.argv[1])\n"
     result = subprocess.run([sys.executable, "-c", check, os.path.join(out, "pipeline")], capture_output=True,
                             text=True)
     if result.returncode != 0:
@@ -429,7 +444,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
     """One run through segments until it ends; its folder. `graceful` (processes, workers): every segment on that
     layout, and SIGTERM the only fault."""
     out = os.path.join(work, name or f"run{chain}-{path}")
-    listing, tokenizer, everything = corpus if graceful else own_corpus(corpus, out)
+    listing, model, everything = corpus if graceful else own_corpus(corpus, out)
     ledgers = os.path.join(work, f"ledger-{os.path.basename(out)}")
     os.makedirs(ledgers, exist_ok=True)
     last_step = last_step or rng.randint(*args.run_updates)
@@ -473,7 +488,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
         before_shm = shared_memory()
         began, began_wall = time.monotonic(), time.time()
         with open(os.path.join(work, f"segment{chain}-{segment.index}.log"), "w") as log:
-            process = subprocess.Popen(command(path, processes, workers, listing, tokenizer, out, last_step, log_dir,
+            process = subprocess.Popen(command(path, processes, workers, listing, model, out, last_step, log_dir,
                                                segment.buckets, segment.sharded, segment.sync_save),
                                        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
             deadline = began + args.segment_seconds
@@ -572,7 +587,9 @@ def graceful_run(work: str, corpus, args, rng: random.Random, report: Report, st
                 out.update(load_file(os.path.join(folder, name)))
         return out
 
-    for part in ("unet", "bert"):
+    for part in ("unet", "bert"):  # bert/: when the model trains LDMBert
+        if not os.path.isdir(os.path.join(latest_checkpoint(stopped), part)):
+            continue
         a, b = (part_weights(os.path.join(latest_checkpoint(run), part)) for run in (stopped, straight))
         differing = [k for k in a if not np.array_equal(a[k], b[k])]
         if differing:
@@ -605,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync_save", type=float, default=0.2,
                         help="probability that a segment waits for each save (--async_save false)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
+    parser.add_argument("--model", choices=("ldm-tiny", "sd"), default="ldm-tiny",
+                        help="ldm-tiny (LDMBert trained) or sd (a Stable Diffusion pipeline, its CLIP text encoder "
+                             "frozen)")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
                              "must be bit-identical to the same run uninterrupted)")
@@ -612,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     work = args.work_dir or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(work, exist_ok=True)
-    corpus = make_corpus(os.path.join(work, "corpus"), args.records, max(1, args.records // 8))
+    listing, tokenizer, everything = make_corpus(os.path.join(work, "corpus"), args.records, max(1, args.records // 8))
+    corpus = (listing, model_flags(args.model, tokenizer, os.path.join(work, "model")), everything)
     report = Report()
     began = time.monotonic()
     stop_at = began + args.minutes * 60

@@ -131,11 +131,15 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
             "hidden_layer": "last", "max_length": int(max_length)}
 
 
-def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None):
+def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None, own_copy: bool = False):
     """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model. CLIP's: vocab.json and
     merges.txt, or, when transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE
-    vocabulary and merges are written out as the two files first."""
+    vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the folder that
+    lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a training
+    run's checkpoint it resumed from may be rotated away meanwhile)."""
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+    if own_copy and os.path.isdir(folder):
+        folder = process_copy(folder)
     if family.name == "t5":
         if not os.path.isfile(os.path.join(folder, "spiece.model")):
             raise TextEncoderError(f"{folder}: no spiece.model, the SentencePiece tokenizer of this T5 encoder")
@@ -147,6 +151,18 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
                                    "tokenizer of this model")
         folder = bpe_files(folder)
     return family.tokenizer_class().from_pretrained(folder, **kwargs)
+
+
+def process_copy(folder: str) -> str:
+    """A copy of a folder's files, removed when the process ends."""
+    import atexit
+    import shutil
+    import tempfile
+
+    copy = tempfile.mkdtemp(prefix="ldm-tokenizer-")
+    atexit.register(shutil.rmtree, copy, True)
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    return copy
 
 
 def bpe_files(folder: str) -> str:

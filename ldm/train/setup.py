@@ -102,7 +102,7 @@ def build_tokenizer(data: DataArguments, text: TextSource | None = None):
     if text is None or text.family is LDMBERT:
         return load_tokenizer(data.tokenizer_name, data.model_max_length)
     try:
-        return load_text_tokenizer(text.family, text.tokenizer, data.model_max_length)
+        return load_text_tokenizer(text.family, text.tokenizer, data.model_max_length, own_copy=True)
     except TextEncoderError as e:
         raise ModelSourceError(f"{e}: pass a Stable Diffusion folder as --model_name_or_path (or as "
                                "--init_from_checkpoint with an architecture preset)") from None
