@@ -135,3 +135,11 @@ def test_a_run_continues_a_stable_diffusion_pipeline_with_its_text_encoder_froze
     assert refused.returncode != 0
     error = refused.stderr.strip().splitlines()[-1]
     assert "text encoder" in error and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    # resumed, saving at every update and keeping one checkpoint: the one it resumed from (whose tokenizer it read)
+    # is rotated away before the next save writes the tokenizer again
+    resumed = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *args, "--max_train_steps", "4", "--save_steps", "1", "--checkpoints_total_limit", "1",
+        "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4"]
+    assert (out / "checkpoint-4" / "tokenizer" / "vocab.json").is_file()
