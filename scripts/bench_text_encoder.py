@@ -1,20 +1,21 @@
-"""What a frozen text encoder and cached text embeddings would save: training-step time and per-rank state, against
-the LDMBert encoder trained jointly (the recipe), measured on this machine in one run.
+"""What a frozen text encoder and cached text states save: training-step time and per-rank state, against the LDMBert
+encoder trained jointly (the recipe), measured on this machine in one run.
 
     .venv/bin/python scripts/bench_text_encoder.py [--unet ldm-12layer] [--resolution 128] [--batch 2] [--steps 3]
-    .venv/bin/python scripts/bench_text_encoder.py --memory_only
+    .venv/bin/python scripts/bench_text_encoder.py --memory_only | --time_only
 
-Step time: one preset's UNet trained on latents (the autoencoder left out: each mode pays it alike, or not at all
-with precomputed latents), with three text paths of the same width (the preset's LDMBert's):
+Step time: one preset's UNet trained on precomputed latents (the autoencoder left out: each mode pays it alike, or
+not at all with precomputed latents), through the training loss (`LatentDiffusion`) with three text paths of the same
+width (the preset's LDMBert's):
 
   joint     LDMBert forward and backward, its weights in the optimizer (the recipe)
-  frozen    a CLIP text model (the Stable Diffusion family's; ViT-L/14's shape at width 768) forward only, without
-            gradients, out of the optimizer
-  cached    the text embeddings given (what a corpus with stored embeddings would feed): no encoder at all
+  frozen    a CLIP text model (the Stable Diffusion family's; ViT-L/14's shape at width 768) kept frozen
+            (`--train_text_encoder false`): its forward only, out of the optimizer
+  cached    the same model on cached text states (`encode --text_embeddings`): no encoder forward at all
 
-Each step is forward, backward and an AdamW step; the median of `--steps` after one warm-up, each mode in turn in
-the same process. Per-rank state (`ldm.train.memory`: weights, gradients, AdamW moments, EMA, frozen parts; before
-activations) is counted for ldm-32layer's UNet with a 12-layer encoder and for Stable Diffusion 1.5's shapes
+Each step is the loss's forward, backward and an AdamW step; the median of `--steps` after one warm-up, each mode in
+turn in the same process. Per-rank state (`ldm.train.memory`: weights, gradients, AdamW moments, EMA, frozen parts;
+before activations) is counted for ldm-32layer's UNet with a 12-layer encoder and for Stable Diffusion 1.5's shapes
 (UNet 860 M, CLIP ViT-L/14 text 123 M), jointly trained and frozen, on one card without sharding.
 """
 
@@ -45,54 +46,42 @@ def clip_text(width: int, layers: int, heads: int, ffn: int):
 
 
 def step_times(preset: str, resolution: int, batch: int, steps: int) -> dict[str, float]:
+    import numpy as np
     import paddle
 
     from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
 
     parts = build_components(preset, vocab_size=30522, model_max_length=77, seed=0)
-    unet, bert = parts.unet, parts.text_encoder
-    bert.to_logits.eval()
-    for p in bert.to_logits.parameters():
-        p.stop_gradient = True
-    width, layers = bert.config.d_model, bert.config.encoder_layers
+    width, layers = parts.text_encoder.config.d_model, parts.text_encoder.config.encoder_layers
     clip = clip_text(width, layers, heads=width // 64, ffn=4 * width)
-    clip.eval()
-    for p in clip.parameters():
-        p.stop_gradient = True
+    joint = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler)
+    frozen = LatentDiffusion(parts.unet, clip, parts.vae, parts.noise_scheduler, freeze_text_encoder=True)
     latent = resolution // 8
-    latents = paddle.randn([batch, unet.config.in_channels, latent, latent])
-    noise = paddle.randn(latents.shape)
-    timesteps = paddle.randint(0, 1000, [batch], dtype="int64")
+    moments = paddle.randn([batch, 2 * parts.unet.config.in_channels, latent, latent])
     ids = paddle.randint(1, 30000, [batch, 77])
+    frozen.keep_empty_caption(np.ones([77], np.int64))
     with paddle.no_grad():
-        cached = clip(ids)[0]
+        states = clip(ids)[0].numpy()
+    dropped = np.zeros([batch], bool)
 
-    def trainer(parameters, encode):
-        optimizer = paddle.optimizer.AdamW(1e-5, parameters=parameters)
+    def trainer(model, **inputs):
+        optimizer = paddle.optimizer.AdamW(1e-5, parameters=[p for p in model.parameters() if not p.stop_gradient])
 
         def step():
-            text = encode()
-            prediction = unet(latents, timesteps, encoder_hidden_states=text).sample
-            loss = paddle.nn.functional.mse_loss(prediction, noise)
+            loss = model(None, inputs.get("input_ids"), moments, text_states=inputs.get("text_states"),
+                         text_dropped=inputs.get("text_dropped"))
             loss.backward()
             optimizer.step()
             optimizer.clear_grad()
             float(loss)
         return step
 
-    def frozen():
-        with paddle.no_grad():
-            return clip(ids)[0]
-
-    trained_bert = [p for p in bert.parameters() if not p.stop_gradient]
-    modes = {
-        "joint": (list(unet.parameters()) + trained_bert, lambda: bert(ids)[0]),
-        "frozen": (list(unet.parameters()), frozen),
-        "cached": (list(unet.parameters()), lambda: cached),
-    }
+    modes = {"joint": (joint, {"input_ids": ids}), "frozen": (frozen, {"input_ids": ids}),
+             "cached": (frozen, {"text_states": states, "text_dropped": dropped})}
     times = {}
-    for name, (parameters, encode) in modes.items():  # one optimizer's state at a time: a UNet's is gigabytes
-        times[name] = seconds(trainer(parameters, encode), steps)  # one warm-up, the median
+    for name, (model, inputs) in modes.items():  # one optimizer's state at a time: a UNet's is gigabytes
+        times[name] = seconds(trainer(model.train(), **inputs), steps)  # one warm-up, the median
         gc.collect()
     return times
 
@@ -135,6 +124,15 @@ def memory_rows() -> list[tuple[str, dict, dict]]:
     return rows
 
 
+def print_memory() -> None:
+    print("per-rank state before activations (GiB; one card, AdamW, EMA of what trains):")
+    print(f"  {'model':<52} {'joint':>8} {'frozen':>8} {'frozen/joint':>13}")
+    for name, joint, frozen in memory_rows():
+        print(f"  {name:<52} {joint['total']:8.2f} {frozen['total']:8.2f} {frozen['total'] / joint['total']:13.2f}",
+              flush=True)
+    gc.collect()
+
+
 def main() -> None:
     from ldm.runtime.cli import ToolParser
 
@@ -144,17 +142,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--memory_only", action="store_true")
+    parser.add_argument("--time_only", action="store_true")
     args = parser.parse_args()
 
     from ldm.runtime.device import use_fast_cpu_kernels
 
     use_fast_cpu_kernels()
-    print("per-rank state before activations (GiB; one card, AdamW, EMA of what trains):")
-    print(f"  {'model':<52} {'joint':>8} {'frozen':>8} {'frozen/joint':>13}")
-    for name, joint, frozen in memory_rows():
-        print(f"  {name:<52} {joint['total']:8.2f} {frozen['total']:8.2f} {frozen['total'] / joint['total']:13.2f}",
-              flush=True)
-    gc.collect()
+    if not args.time_only:
+        print_memory()
     if args.memory_only:
         return
     times = step_times(args.unet, args.resolution, args.batch, args.steps)

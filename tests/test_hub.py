@@ -16,13 +16,14 @@ REPO = "org/tiny"
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A hub holding the ldm-tiny configs as `org/tiny`; returns (repo folder, failures by URL path)."""
+def hub(tmp_path, monkeypatch, request):
+    """A hub holding the ldm-tiny configs (or the preset a test names by `indirect` parametrisation) as `org/tiny`;
+    returns (repo folder, failures by URL path)."""
     from ppdiffusers.utils import download_utils
 
     root = tmp_path / "hub"
     repo = root / "models" / "community" / REPO
-    shutil.copytree(PRESETS_DIR / "ldm-tiny", repo)
+    shutil.copytree(PRESETS_DIR / getattr(request, "param", "ldm-tiny"), repo)
     with serve(root) as (endpoint, server):
         monkeypatch.setattr(download_utils, "PPDIFFUSERS_BOS_URL_TEMPLATE",
                             endpoint + "/{repo_type}/community/{repo_id}/{revision}/{filename}")
@@ -37,6 +38,25 @@ def test_parts_the_repository_has_no_weights_for_are_built_from_scratch_loudly(h
     assert components.pretrained == {"unet": False, "text_encoder": False, "vae": False}
     for part in ("unet", "bert", "vqvae"):
         assert f"{REPO} on the model hub has no weights for {part}/" in caplog.text
+
+
+@pytest.mark.parametrize("hub", ["sd-tiny"], indirect=True)
+def test_a_stable_diffusion_repository_brings_its_text_encoder_and_tokenizer(hub, caplog):
+    from ppdiffusers.transformers import CLIPTextModel
+
+    from ldm.models.text import load_text_tokenizer
+
+    repo, _ = hub
+    CLIPTextModel(CLIPTextModel.config_class(**build.read_config(repo / "text_encoder"))).save_pretrained(
+        str(repo / "text_encoder"), safe_serialization=True)
+    with caplog.at_level(logging.WARNING, logger="ldm.models"):
+        components = build_components(REPO)
+    assert components.family.name == "clip"
+    assert components.pretrained == {"unet": False, "text_encoder": True, "vae": False}
+    for part in ("unet", "vae"):
+        assert f"{REPO} on the model hub has no weights for {part}/" in caplog.text
+    tokenizer = load_text_tokenizer(components.family, os.path.join(components.source, "tokenizer"))
+    assert tokenizer("a photo")["input_ids"][0] == tokenizer.bos_token_id
 
 
 def test_a_failing_download_is_retried_and_then_fails_instead_of_training_from_scratch(hub, tmp_path, monkeypatch):
@@ -81,5 +101,7 @@ def test_a_hub_name_offline_fails_clearly_naming_the_preset(monkeypatch):
     monkeypatch.setattr(build, "HUB_BACKOFF_SECONDS", 0.01)
     with pytest.raises(ModelSourceError, match="ldm-32layer"):
         build_components("CompVis/ldm_laion400M_pretrain")
+    with pytest.raises(ModelSourceError, match="'sd-1.5' has the same architecture.*--init_from_checkpoint"):
+        build_components("runwayml/stable-diffusion-v1-5")
     with pytest.raises(ModelSourceError, match="model not found"):
         build_components("./no/such/folder")

@@ -131,7 +131,7 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
         number, _, image = usable[0]
         crop = ImageTransform(RESOLUTION)(image, sample_rng(0, 0, seed_keys[source], number))
         expected = encode_moments(load_autoencoder(vae, False), crop.transpose(2, 0, 1)[None], flips=True)[0]
-        data, _ = parse_latent_record(lines[0])[1]
+        data, _, _ = parse_latent_record(lines[0])[1]
         got = from_bytes(data, "float16", list(meta.shape))
         np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
         assert not np.allclose(got[0], got[1], atol=1e-2)  # the mirror image is another crop
@@ -425,7 +425,7 @@ def test_a_bucketed_encode_writes_each_latent_at_its_buckets_shape(aspect_corpus
                   in enumerate(map(parse_record, iter_lines(source)), 1)}
         seen: dict = {}
         for line in lines:
-            caption, (data, meta) = parse_latent_record(line)
+            caption, (data, meta, _) = parse_latent_record(line)
             number, image = images[caption]
             bucket = nearest_bucket(BUCKETS, *Image.open(io.BytesIO(image)).size)
             assert meta.bucket == bucket, caption

@@ -86,8 +86,8 @@ def test_a_run_that_trains_its_text_encoder_or_has_another_refuses_cached_states
     meta = LatentMeta("vae", "float32", (1, 8, 4, 4), RESOLUTION, text={"encoder": "abc", "dtype": "float16",
                                                                            "shape": [77, 32]})
     with pytest.raises(LatentMismatch, match="this run's frozen text encoder is def"):
-        LatentTransform(text_encoder="def").check(meta)
-    LatentTransform(text_encoder=None).check(meta)  # the data tools and held-out records check nothing
+        LatentTransform(cached_text="def").check(meta)
+    LatentTransform(cached_text=None).check(meta)  # the data tools and held-out records check nothing
 
 
 def test_encoding_text_states_of_ldmbert_is_refused_in_one_line(encoded, tmp_path):

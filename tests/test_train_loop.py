@@ -1124,6 +1124,16 @@ def test_a_32_then_64_curriculum_starts_from_the_checkpoint_records_its_lineage_
     target = run(args + ["--prediction_type", "v_prediction", "--max_train_steps", "1", "--output_dir",
                          str(tmp_path / "v")])
     assert target.returncode == 2 and "predicts epsilon" in target.stderr.strip().splitlines()[-1], target.stderr
+    # a stage that freezes the LDMBert stage 1 trained: the frozen encoder is the checkpoint's, written once apart
+    frozen = run(args + ["--train_text_encoder", "false", "--max_train_steps", "1", "--vae_name_or_path",
+                         str(stage1 / "vqvae"), "--output_dir", str(tmp_path / "frozen")])
+    assert frozen.returncode == 0, frozen.stderr[-3000:]
+    from safetensors.numpy import load_file
+
+    trained = load_file(str(parent / "bert" / "model.safetensors"))
+    kept = load_file(str(tmp_path / "frozen" / "text_encoder" / "model.safetensors"))
+    assert trained.keys() == kept.keys() and all(np.array_equal(kept[k], trained[k]) for k in trained)
+    assert not (tmp_path / "frozen" / "checkpoint-1" / "bert").exists()
 
 
 def test_a_resume_keeps_the_checkpoints_seed_unless_one_is_given(corpus, tmp_path):

@@ -323,7 +323,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
     checkpoint or a pipeline `path` (ours, or a diffusers Stable Diffusion folder), and its EMA (a checkpoint's, with
     its update counter; else the loaded weights) into `ema`. Refused in one line when the architecture, the
     autoencoder or the frozen text encoder differ (`frozen_text`: this run's identity of it, the function that gives
-    a text encoder's identity, and its class). Returns the lineage for run.json:
+    a text encoder's identity, its class and its folder in a pipeline). Returns the lineage for run.json:
     where the weights came from, the parent run, the step and the sha256 of the checkpoint's manifest (a
     pipeline's model_index.json)."""
     import hashlib
@@ -401,18 +401,27 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
             "ema": "checkpoint" if saved_ema is not None and ema is not None else "loaded weights"}
 
 
-def check_initial_text_encoder(path: str, pipeline: bool, identity: dict, identify, model_class) -> None:
+def text_encoder_folder_of(path: str, part: str) -> str | None:
+    """The text encoder of a pipeline or a checkpoint: the frozen one its run wrote (recorded), else its own `part/`
+    (`bert/`, `text_encoder/`); None when it has neither."""
+    recorded = recorded_text_encoder_folder(path) if is_checkpoint(path) else None
+    own = os.path.join(path, part)
+    return recorded or (own if os.path.isfile(os.path.join(own, "config.json")) else None)
+
+
+def check_initial_text_encoder(path: str, pipeline: bool, identity: dict, identify, model_class, part: str) -> None:
     """The frozen text encoder of a new stage's source is this run's: the UNet learned that encoder's states."""
     from ldm.models.torch_layout import load_pretrained
 
-    if pipeline:
-        folder = os.path.join(path, "text_encoder")
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise CheckpointError(f"--init_from_checkpoint {path} has no text_encoder/: not a model of this run's text "
+    recorded = None if pipeline else read_model_record(path).get("text_encoder_identity")
+    if recorded is not None:
+        theirs = recorded
+    else:
+        folder = text_encoder_folder_of(path, part)
+        if folder is None:
+            raise CheckpointError(f"--init_from_checkpoint {path} has no {part}/: not a model of this run's text "
                                   f"encoder family ({identity['family']})")
         theirs = identify(load_pretrained(model_class, folder))
-    else:
-        theirs = read_model_record(path).get("text_encoder_identity")
     if theirs != identity:
         differ = [k for k in identity if (theirs or {}).get(k) != identity[k]] or ["family"]
         raise CheckpointError(f"--init_from_checkpoint {path} was trained with another text encoder than this run's "

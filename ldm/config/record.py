@@ -374,7 +374,7 @@ def compare_resume(checkpoint: str, saved: dict | None, current: dict, *, allow_
         section, _, key = name.partition(".")
         label = flag_as_given(key, given) if section == "arguments" else name
         lines.append(f"resume changes {label}: {old!r} -> {new!r}")
-        if name in FIXED:
+        if name in FIXED and old != "(absent)":  # a record from before the setting was recorded: logged only
             refused.append(f"{label} ({FIXED[name]}: {old!r} -> {new!r})")
     if log:
         for line in lines:

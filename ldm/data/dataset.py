@@ -202,6 +202,7 @@ class CaptionImageStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.bucketed = transform is not None and transform.buckets is not None  # batches of several shapes
         self.kind: bool | None = None  # latent records? set by the first record this process reads
+        self.text_kind: bool | None = None  # with cached text states? the same
         check_enough_records(shards, world_size * self.workers)
         self.board = ReadingBoard(self.workers)
         self.slot_states: dict[int, dict] = {}
@@ -257,6 +258,13 @@ class CaptionImageStream(IterableDataset):
         except LatentMismatch as e:
             raise LatentMismatch(f"{record.shard}:{record.line_number}: {e}") from None
         cached = self.latents.text_states(payload) if latent and self.tokenize else None
+        if self.tokenize and self.latents is not None and self.latents.cached_text:
+            if self.text_kind is None:
+                self.text_kind = cached is not None  # as `kind`: the first record's
+            elif self.text_kind != (cached is not None):
+                raise LatentMismatch(f"{record.shard}:{record.line_number} {'has' if cached is not None else 'lacks'} "
+                                     "cached text states and the records before it did not: encode all of the corpus "
+                                     "with --text_embeddings, or none of it")
         if cached is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
             return sample, (*cached, dropped)
         return sample, self.tokenize(caption) if self.tokenize else None

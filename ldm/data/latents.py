@@ -114,7 +114,9 @@ class LatentMeta:
             raise ValueError(f"unknown latent format {meta.get('format')!r} / dtype {meta.get('dtype')!r}")
         bucket = tuple(int(n) for n in meta["bucket"]) if meta.get("bucket") else None
         text = meta.get("text")
-        if text is not None and (not isinstance(text, dict) or text.get("dtype") not in DTYPES):
+        if text is not None and not (isinstance(text, dict) and text.get("dtype") in DTYPES and isinstance(
+                text.get("encoder"), str) and isinstance(text.get("shape"), list) and len(text["shape"]) == 2
+                and all(isinstance(n, int) for n in text["shape"])):
             raise ValueError(f"unknown text states {text!r}")
         return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]),
                    bucket, text)
@@ -187,7 +189,7 @@ class LatentTransform:
     buckets: tuple[tuple[int, int], ...] | None = None  # the run's aspect-ratio buckets; None: square crops
     # the run's frozen text encoder (its fingerprint, `text_fingerprint`): cached text states must be its; "": the run
     # trains its text encoder (a corpus with text states is refused); None: checks nothing (data tools, held-out)
-    text_encoder: str | None = None
+    cached_text: str | None = None
 
     parse = staticmethod(parse_latent_record)
 
@@ -206,19 +208,20 @@ class LatentTransform:
         if self.random_flip and meta.copies < 2:
             raise LatentMismatch("latents without mirror images (encoded without --random_flip); this run asks for "
                                  "--random_flip: encode with --random_flip or train without it")
-        if meta.text is not None and self.text_encoder is not None:
+        if meta.text is not None and self.cached_text is not None:
             self.check_text(meta.text["encoder"])
 
     def check_text(self, encoder: str) -> None:
-        if not self.text_encoder:
+        if not self.cached_text:
             raise LatentMismatch(f"latents with the text states of frozen encoder {encoder}, and this run trains its "
                                  "text encoder: train on a corpus encoded without --text_embeddings, or keep the "
                                  "encoder frozen")
-        if encoder != self.text_encoder:
+        if encoder != self.cached_text:
             raise LatentMismatch(f"latents with the text states of encoder {encoder}, and this run's frozen text "
-                                 f"encoder is {self.text_encoder}: the UNet must learn the states it is exported with. "
-                                 "Encode with this run's --model_name_or_path, or train with the one the corpus was "
-                                 "encoded with")
+                                 f"encoder is {self.cached_text} (the fingerprint covers its weights and the caption "
+                                 "length, --model_max_length): the UNet must learn the states it is exported with. "
+                                 "Encode with this run's --model_name_or_path and --model_max_length, or train with "
+                                 "the ones the corpus was encoded with")
 
     def check_bucket(self, meta: LatentMeta) -> None:
         """Latents of a bucketed encode in a bucketed run of the same buckets; square ones in a square run."""
@@ -246,7 +249,7 @@ class LatentTransform:
         """The record's cached text states (float32 [tokens, width], a compact record's padded with zeros to its
         `length`) and how many tokens are real, when the run takes them; None: it encodes the caption itself."""
         _, meta, text = payload
-        if text is None or not self.text_encoder:
+        if text is None or not self.cached_text:
             return None
         try:
             states = from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))

@@ -13,7 +13,7 @@ from ldm.checkpoint.serialization import writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import ddim_scheduler
-from ldm.models.text import is_masked
+from ldm.models.text import LDMBERT, family_of, is_masked
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -57,7 +57,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
         raise CheckpointError("a model of a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
                               "diffusers' text-to-image pipelines give a UNet the encoder's mask. Sample from the "
                               "checkpoint with python -m ldm.generate --model CHECKPOINT")
-    ldmbert = type(text_encoder).__name__.startswith("LDMBert")
+    ldmbert = family_of(text_encoder) is LDMBERT
     if to_diffusers and ldmbert:
         check_diffusers_context(text_encoder)
     scheduler = ddim_scheduler(scheduler_config)

@@ -9,6 +9,7 @@ import json
 import os
 
 from ldm.checkpoint.run_folder import RUN_CONFIG
+from ldm.models.text import LDMBERT, family_of
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
 UNKNOWN = "not recorded where this was exported from"
@@ -74,14 +75,14 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
     made = f"converted from {origin}" if origin else "trained with ldm-laion (PaddlePaddle)"
     config, scores = record["config"], record["scores"]
     u, b, v = unet.config, text_encoder.config, vae.config
-    ldmbert = type(text_encoder).__name__.startswith("LDMBert")
+    ldmbert = family_of(text_encoder) is LDMBERT
     pipeline_class = "LDMTextToImagePipeline" if ldmbert else "StableDiffusionPipeline"
     if ldmbert:
         text_line = (f"- LDMBert text encoder: {_parameters(text_encoder)}, {b.encoder_layers} layers of width "
                      f"{b.d_model}, {b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, "
                      f"{b.max_position_embeddings} tokens")
     else:
-        text_line = (f"- CLIP text encoder (frozen in training, as its source made it): {_parameters(text_encoder)}, "
+        text_line = (f"- CLIP text encoder: {_parameters(text_encoder)}, "
                      f"{b.num_hidden_layers} layers of width {b.hidden_size}, {b.num_attention_heads} heads, "
                      f"vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens")
     score_lines = [f"- {name.split('/')[1]} {value:.4g} (held-out evaluation at update {step})"

@@ -21,9 +21,14 @@ from ldm.runtime.errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = sorted(p.name for p in PRESETS_DIR.iterdir() if p.is_dir())
-HUB_PRESETS = {"CompVis/ldm_laion400M_pretrain": "ldm-32layer", "CompVis/ldm_12_laion400M_pretrain": "ldm-12layer"}
+HUB_PRESETS = {"CompVis/ldm_laion400M_pretrain": "ldm-32layer", "CompVis/ldm_12_laion400M_pretrain": "ldm-12layer",
+               "runwayml/stable-diffusion-v1-5": "sd-1.5", "stable-diffusion-v1-5/stable-diffusion-v1-5": "sd-1.5",
+               "stabilityai/stable-diffusion-2-base": "sd-2-base"}
+# a pretrained text encoder's tokenizer files (CLIP's BPE, transformers 5's tokenizer.json, T5's SentencePiece)
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "spiece.model", "tokenizer_config.json",
+                   "special_tokens_map.json")
 WEIGHT_FILES = ("model_state.pdparams", "diffusion_paddle_model.safetensors", "model.safetensors",
-                "diffusion_paddle_model.pdparams", "model_state.safetensors")
+                "diffusion_paddle_model.pdparams", "model_state.safetensors", "diffusion_pytorch_model.safetensors")
 
 # Training noise schedule of the reference (used when a source carries no scheduler config).
 DDPM_DEFAULTS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
@@ -106,22 +111,33 @@ def fetch_weights(name: str, part: str) -> bool:
 
 
 def download(name: str) -> str:
-    """Fetch the configs and the weights each part has of a hub model into the ppdiffusers cache."""
+    """Fetch the configs (a pretrained text encoder's tokenizer too) and the weights each part has of a hub model
+    into the ppdiffusers cache: an LDM pipeline (`bert/`, `vqvae/`) or a Stable Diffusion one (`text_encoder/`,
+    `tokenizer/`, `vae/`)."""
     try:
         config = hub_file(name, "config.json", "unet")
         if config is None:
-            raise ModelSourceError(f"{name!r} on the model hub has no unet/config.json: not an LDM pipeline")
-        for part, filename in (("bert", "config.json"), ("vqvae", "config.json"),
-                               ("scheduler", "scheduler_config.json")):
-            if hub_file(name, filename, part) is None and part != "scheduler":
-                raise ModelSourceError(f"{name!r} on the model hub has no {part}/{filename}: not an LDM pipeline")
+            raise ModelSourceError(f"{name!r} on the model hub has no unet/config.json: not a text-to-image pipeline")
+        parts = ["unet"]
+        for choices in (("bert", "text_encoder"), ("vqvae", "vae")):
+            found = next((part for part in choices if hub_file(name, "config.json", part) is not None), None)
+            if found is None:
+                raise ModelSourceError(f"{name!r} on the model hub has no {' nor '.join(choices)}/config.json: not a "
+                                       "text-to-image pipeline")
+            parts.append(found)
+        if "text_encoder" in parts:
+            for filename in TOKENIZER_FILES:
+                hub_file(name, filename, "tokenizer")
+        hub_file(name, "scheduler_config.json", "scheduler")
     except HubDownloadError as e:
         same = HUB_PRESETS.get(name)
+        frozen = " and --init_from_checkpoint a local copy of the pipeline (the text encoder's weights)" \
+            if same and same.startswith("sd-") else ""
         hint = (f" The shipped preset '{same}' has the same architecture: pass it instead, with "
-                "--vae_name_or_path set to a pretrained autoencoder folder." if same else
+                f"--vae_name_or_path set to a pretrained autoencoder folder{frozen}." if same else
                 f" Offline, pass a preset ({', '.join(PRESETS)}) or a local folder.")
         raise ModelSourceError(f"{e}.{hint}") from None
-    for part in ("unet", "bert", "vqvae"):
+    for part in parts:
         if not fetch_weights(name, part):
             logger.warning("%s on the model hub has no weights for %s/ (none of %s): that part is built from its "
                            "config and trained from scratch", name, part, ", ".join(WEIGHT_FILES))

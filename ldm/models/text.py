@@ -82,8 +82,14 @@ def text_family(source: str) -> TextFamily:
                            "preset, a folder of configs or a pipeline folder")
 
 
+def family_of(text_encoder) -> TextFamily:
+    """The family of a text encoder model (by its class)."""
+    name = type(text_encoder).__name__
+    return LDMBERT if name.startswith("LDMBert") else T5 if name.startswith("T5") else CLIP
+
+
 def is_masked(text_encoder) -> bool:
-    return type(text_encoder).__name__.startswith("T5")
+    return family_of(text_encoder).masked
 
 
 def encode_prompt(text_encoder, input_ids):

@@ -46,6 +46,7 @@ class TimedBatches:
         self._iterators: list = []
         self._first = None
         self.on_latents = False  # the batches carry precomputed latents (known once started)
+        self.cached_text = False  # and cached text states
         self.shapes: Counter = Counter()  # samples per batch shape (an aspect-ratio bucket) since the last window
 
     def start(self) -> None:
@@ -55,8 +56,11 @@ class TimedBatches:
         self._iterators.append(iterator)
         self._first = (iterator, next(iterator))
         self.on_latents = "latent_moments" in self._first[1]
+        self.cached_text = "text_states" in self._first[1]
         if self.on_latents:
-            logger.info("training on precomputed latents: the autoencoder is not run while training")
+            logger.info("training on precomputed latents%s: the autoencoder is not run while training%s",
+                        " and text states" if self.cached_text else "", ", nor the text encoder" if self.cached_text
+                        else "")
 
     def __iter__(self):
         """Batches until the stream ends; `close()` stops the loader at once."""
@@ -106,14 +110,14 @@ class TimedBatches:
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
                   autoencoder_source: str = "", buckets: tuple[tuple[int, int], ...] | None = None,
-                  latent_scale: int = 8, text_encoder: str | None = None) -> TimedBatches:
+                  latent_scale: int = 8, cached_text: str | None = None) -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
     records (`ldm.data.latents`, told from the content) are taken when they were encoded by `autoencoder`
     (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. `buckets`:
     the run's aspect-ratio buckets (the objective's, for its model; None: square crops); `latent_scale`, the
-    autoencoder's downsampling, names a latent batch's bucket in pixels. `text_encoder`: the fingerprint of the run's
+    autoencoder's downsampling, names a latent batch's bucket in pixels. `cached_text`: the fingerprint of the run's
     frozen text encoder, whose cached text states latent records may carry (batches then carry `text_states` and
     `text_dropped` instead of `input_ids`); "" when the run trains its text encoder.
     """
@@ -132,7 +136,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
                                  min_image_size=data.min_image_size, buckets=buckets),
         latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip, buckets,
-                                text_encoder) if autoencoder is not None else None,
+                                cached_text) if autoencoder is not None else None,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
         seed=seed,

@@ -53,7 +53,8 @@ class Objective:
     buckets: tuple[tuple[int, int], ...] | None = None  # its --aspect_buckets, for its model's size step; None: squares
     latent_scale = 8  # the autoencoder's downsampling
     autoencoder_source = ""
-    text_encoder: str | None = None  # cached text states it takes (`build_batches`): its frozen encoder's fingerprint
+    cached_text: str | None = None  # cached text states it takes (`build_batches`): its frozen encoder's fingerprint
+    on_cached_text = False  # its batches carry cached text states (known once they started)
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
         """(loss to minimise, extra scalars to log) of one micro-batch; `net` is the (DataParallel) model. An extra
@@ -130,7 +131,7 @@ class TextToImage(Objective):
                                                          seed=seed, vae_name_or_path=vae, text=self.text)
         self.text_identity = None if self.text.trained else text_encoder_identity(
             self.model.text_encoder, self.text.family, data.model_max_length)
-        self.text_encoder = text_fingerprint(self.text_identity) if self.text_identity else ""
+        self.cached_text = text_fingerprint(self.text_identity) if self.text_identity else ""
         if self.text_identity:  # what a dropped caption's cached states are replaced by
             self.model.keep_empty_caption(CaptionTokenizer(self.tokenizer, data.model_max_length)(""))
         self.text_folder = None
@@ -244,8 +245,12 @@ class TextToImage(Objective):
         return out
 
     def flops_per_sample(self, on_latents, shape=None):
-        return ldm_training_flops(self.model, resolution=shape or self.data.resolution,
-                                  text_length=self.data.model_max_length, on_latents=on_latents)
+        flops = ldm_training_flops(self.model, resolution=shape or self.data.resolution,
+                                   text_length=self.data.model_max_length, on_latents=on_latents)
+        if self.on_cached_text:  # no encoder forward at all
+            flops["total"] -= flops["text_encoder"]
+            flops["text_encoder"] = 0
+        return flops
 
     def identity(self):
         return {**super().identity(), "source": self.components.source, "class": type(self.model.unet).__name__,
@@ -257,7 +262,7 @@ class TextToImage(Objective):
         if not self.init_source:
             return None
         frozen = None if self.text_identity is None else (self.text_identity, self.identify_text,
-                                                          type(self.model.text_encoder))
+                                                          type(self.model.text_encoder), self.text.family.folder)
         lineage = load_initial_weights(self.init_source, self.trained_parts(), self.model, self.ema, self.vae_identity,
                                        frozen)
         logger.info("a new stage from %s (%s; EMA: %s)", lineage["init_from"], lineage["kind"], lineage["ema"])
@@ -268,7 +273,7 @@ class TextToImage(Objective):
             logger.info("resuming %s: --init_from_checkpoint %s is not loaded again", resume.path, self.init_source)
         check_autoencoder(resume.path, resume.autoencoder, self.vae_identity,
                           f"this run's autoencoder ({self.components.vae_source})", self.components.vae_source)
-        if resume.text_encoder != self.text_identity:
+        if resume.text_encoder != self.text_identity and not setup.legacy_frozen(resume, self.text.family):
             said = ("trained its text encoder" if resume.text_encoder is None else
                     f"kept the text encoder {resume.text_encoder.get('family')} "
                     f"{resume.text_encoder.get('weights_sha256', '')[:12]} frozen")
@@ -357,6 +362,7 @@ def start_batches(objective: Objective, resume: Resume | None, data: DataArgumen
                             num_workers=num_workers, saved_streams=saved,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
                             buckets=objective.buckets, latent_scale=objective.latent_scale,
-                            text_encoder=objective.text_encoder)
+                            cached_text=objective.cached_text)
     batches.start()
+    objective.on_cached_text = batches.cached_text
     return batches

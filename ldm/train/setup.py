@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import paddle
 
+from ldm.checkpoint.format import text_encoder_folder_of
 from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
@@ -84,17 +85,28 @@ def text_source(model_args: ModelArguments, resume=None) -> TextSource:
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None
     trained = train_text_encoder(family, model_args.train_text_encoder)
-    if family is LDMBERT:
-        return TextSource(family, trained)
-    if resume is not None and resume.text_encoder_folder:  # the copy the run wrote: no hub, no other folder needed
-        return TextSource(family, trained, resume.text_encoder_folder, os.path.join(resume.path, "tokenizer"))
+    tokenizer = None if family is LDMBERT else "tokenizer"  # LDMBert's is --tokenizer_name
+    if resume is not None and (resume.text_encoder_folder or legacy_frozen(resume, family)):
+        # the frozen copy the run wrote (a checkpoint from before frozen copies: the one it holds)
+        return TextSource(family, trained, resume.text_encoder_folder or os.path.join(resume.path, family.folder),
+                          tokenizer and os.path.join(resume.path, tokenizer))
     init = model_args.init_from_checkpoint
-    if (init and not has_weights(os.path.join(source, family.folder)) and os.path.isfile(os.path.join(
-            init, "model_index.json")) and os.path.isfile(os.path.join(init, family.folder, "config.json"))):
-        logger.info("the %s text encoder and tokenizer of %s (%s has no weights for it)", family.name, init,
-                    model_args.model_name_or_path)
-        return TextSource(family, trained, os.path.join(init, family.folder), os.path.join(init, "tokenizer"))
-    return TextSource(family, trained, None, os.path.join(source, "tokenizer"))
+    if init and not trained and not has_weights(os.path.join(source, family.folder)):
+        found = text_encoder_folder_of(init, family.folder)  # a pipeline's, or a checkpoint's (trained or frozen)
+        if found is not None:
+            logger.info("the frozen %s text encoder of %s (%s has no weights for it)", family.name, found,
+                        model_args.model_name_or_path)
+            return TextSource(family, trained, found, tokenizer and os.path.join(init, tokenizer))
+    return TextSource(family, trained, None, tokenizer and os.path.join(source, tokenizer))
+
+
+def legacy_frozen(resume, family: TextFamily) -> bool:
+    """A checkpoint of a run that kept its text encoder frozen before frozen encoders were written apart: the encoder
+    is in the checkpoint (`bert/`), and no identity is recorded."""
+    groups = (resume.record or {}).get("arguments", {}) if isinstance(resume.record, dict) else {}
+    frozen = any(isinstance(g, dict) and g.get("freeze_text_encoder") is True for g in groups.values())
+    return (resume.text_encoder is None and frozen
+            and os.path.isfile(os.path.join(resume.path, family.folder, "config.json")))
 
 
 def build_tokenizer(data: DataArguments, text: TextSource | None = None):
@@ -145,6 +157,10 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
+    positions = getattr(components.text_encoder.config, "max_position_embeddings", None)
+    if positions is not None and data.model_max_length > positions:
+        raise ModelSourceError(f"--model_max_length {data.model_max_length}: the {components.family.name} text encoder "
+                               f"of {components.text_source} reads at most {positions} tokens")
     return model, components
 
 
@@ -153,10 +169,12 @@ def check_text_encoder_trained(components, trained: bool, allowed: bool) -> None
     if trained or components.pretrained["text_encoder"]:
         return
     if not allowed:
+        where = ("a Stable Diffusion folder as --model_name_or_path or --init_from_checkpoint" if
+                 components.family is not LDMBERT else "a pretrained LDM as --model_name_or_path, or a checkpoint "
+                 "or pipeline as --init_from_checkpoint")
         raise ModelSourceError(
             f"the {components.family.name} text encoder from {components.text_source} has no trained weights and would "
-            "stay frozen: the UNet would learn from random states. Pass a model whose text encoder is pretrained "
-            "(a Stable Diffusion folder as --model_name_or_path or --init_from_checkpoint), or --train_text_encoder "
-            "true; --allow_untrained_text_encoder trains on it anyway (tests)")
+            f"stay frozen: the UNet would learn from random states. Pass a model whose text encoder is pretrained "
+            f"({where}), or --train_text_encoder true; --allow_untrained_text_encoder trains on it anyway (tests)")
     logger.warning("--allow_untrained_text_encoder: the frozen text encoder from %s has NO TRAINED WEIGHTS; what this "
                    "run learns is useful for tests only", components.text_source)
