@@ -138,13 +138,11 @@ def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, s
     (what `--metadata_filter` reads on latent records); `text`: the caption's text states (`meta.text` says how)."""
     caption = " ".join(caption.split())  # tabs and newlines would break the line format
     payload = PREFIX + pybase64.b64encode(to_bytes(moments, meta.dtype))
+    if text is not None and list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
+        meta = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)})
     info = meta.to_json()
     if source:
         info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
-    if text is not None and list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
-        info = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)}).to_json()
-        if source:
-            info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
     fields = [caption.encode("utf-8"), key.encode("utf-8"), payload, info]
     if text is not None:
         fields.append(TEXT_PREFIX + pybase64.b64encode(to_bytes(text, meta.text["dtype"])))

@@ -1,4 +1,5 @@
-"""Caption tokenization with a PaddleNLP BERT WordPiece tokenizer, padded/truncated to a fixed length."""
+"""Caption tokenization, padded/truncated to a fixed length: a PaddleNLP BERT WordPiece tokenizer for LDMBert, or a
+pretrained encoder's own (CLIP's BPE, T5's SentencePiece: `ldm.models.text`)."""
 
 from __future__ import annotations
 
