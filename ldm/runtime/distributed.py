@@ -119,7 +119,9 @@ class Distributed:
         """`fn()` run on rank 0 only; its result, or its exception raised, on every rank (a collective).
 
         For decisions and writes that only rank 0 makes: the other ranks learn the outcome instead of
-        waiting in a barrier for a rank that failed.
+        waiting in a barrier for a rank that failed. The other ranks wait in a collective meanwhile, and gloo (CPU)
+        gives up on one after 30 s, a limit Paddle sets no way to change: `fn` must be short (a check, a rename,
+        small files), never a computation every rank could do itself.
         """
         if self.world_size == 1:
             return fn()
