@@ -5,7 +5,7 @@ process; the entry points set the process up explicitly (`ldm.runtime.device.use
 
 The packages stand in one order, each using only those before it: `runtime`, `models`, `checkpoint`, `data`,
 `config`, `inference`, `evaluation`, `train`. The modules at the top are the commands (`python -m ldm.generate`,
-`export`, `evaluate`, `plot`) and may use any of them. Each package's `__init__` says what it owns.
+`export`, `evaluate`, `plot`, `launch`) and may use any of them. Each package's `__init__` says what it owns.
 
 Imports go at the top of a module. A function imports inside itself only for one of these reasons:
 - the module serves a command before its arguments are checked (`ldm.config.args`, `ldm.models.build`,

@@ -14,7 +14,8 @@ change stays the same state: same-layout resumes are bit-identical to an uninter
 `LDM_DATA_CONSUMED_LOG=PATH` (tests, checks, `scripts/soak.py`) appends "pass copy shard line shape rank batch"
 for every record of every batch the training loop takes to PATH: `shape` the batch's HxW (of pixels or latents),
 `rank` the process's, `batch` how many batches this process took before that one (so the update a record was
-trained in is the resumed step + batch // accumulation + 1).
+trained in is the resumed step + batch // accumulation + 1). Under `python -m ldm.launch`, `{restarts}` in PATH
+becomes the number of restarts so far: a ledger per try.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ldm.data.shard import ShardError
 from ldm.data.stream import PHASE_END, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 from ldm.runtime.compat import READER_POLL_SECONDS, check_loader_classes
+from ldm.runtime.supervisor import RESTARTS_ENV
 
 logger = logging.getLogger("ldm.data")
 
@@ -407,7 +409,8 @@ class StreamState:
         records = batch.pop("records", None)
         if records and os.environ.get(CONSUMED_LOG):
             suffix = f" {os.environ.get('PADDLE_TRAINER_ID', '0')} {self.taken}\n"
-            fd = os.open(os.environ[CONSUMED_LOG], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            path = os.environ[CONSUMED_LOG].replace("{restarts}", os.environ.get(RESTARTS_ENV, "0"))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
                 os.write(fd, records.replace("\n", suffix).encode())
             finally:

@@ -58,7 +58,10 @@ def stop_with_launcher() -> None:
 def run_main(main) -> NoReturn:
     """`exit_process(main())` for an entry point, also when `main` ends with SystemExit (a user error's exit 2,
     an argparse error, the non-finite guard's stop): a launched rank then skips the teardown as well, and stops
-    with its launcher (`stop_with_launcher`)."""
+    with its launcher (`stop_with_launcher`). Under `python -m ldm.launch` the exit is reported to it first
+    (`ldm.runtime.supervisor`)."""
+    from ldm.runtime import supervisor
+
     if launched_world_size() > 1:
         stop_with_launcher()
     try:
@@ -66,9 +69,14 @@ def run_main(main) -> NoReturn:
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("message"): printed, status 1, as the interpreter does
             print(e.code, file=sys.stderr)
+            supervisor.note_cause(e.code)
             code = 1
         else:
             code = e.code or 0
+    except BaseException as e:  # told to `python -m ldm.launch`, then raised as the interpreter would
+        supervisor.report_exit(1, f"{type(e).__name__}: {e}")
+        raise
+    supervisor.report_exit(code)
     exit_process(code)
 
 

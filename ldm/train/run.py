@@ -34,6 +34,7 @@ from ldm.checkpoint.run_folder import RunFolder
 from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
+from ldm.runtime import supervisor
 from ldm.runtime.compat import sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
@@ -245,6 +246,7 @@ class TrainingRun:
             if not plan.trainer_drives:
                 self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
                                           dist.is_main, resume_step=self.step if self.resume else None)
+            supervisor.beat(self.step)  # a failure from here on is one at update step + 1
             target, label = (self.max_steps, "train") if plan.trainer_drives else \
                 progress_target(self.step, self.max_steps, plan.save_steps)
             self.progress = Progress(plan.progress, total=target, initial=self.step, label=label,
@@ -336,6 +338,7 @@ class TrainingRun:
         """After the optimizer step of update `step`: the window, the guard's count, the clock of samples and the
         EMA (not stepped for a skipped update)."""
         self.window.add_update(grad_norm, skipped)
+        supervisor.beat(step)
         self.guard.record(step, skipped, loss=loss, grad_norm=grad_norm,
                           where=batch_positions(self.batches.tracker.state_dict()) if skipped else "")
         if skipped:
@@ -348,10 +351,12 @@ class TrainingRun:
 
     def window_metrics(self, logs: dict, with_loss: bool = True) -> dict:
         """`logs` with the window's means, the data path's figures, the guard's count, the throughput and, with
-        `--phase_timing`, where the window's time went (this rank's: `ldm.train.phases`)."""
+        `--phase_timing`, where the window's time went (this rank's: `ldm.train.phases`); under `python -m ldm.launch`,
+        how many times it restarted the job (`restarts`)."""
         logs.update(self.window.read(self.dist, self.batches, with_loss=with_loss))
         logs.update(self.guard.read())
         logs.update(self.phases.read())
+        logs.update(supervisor.restarts_so_far())
         logs.update(throughput_metrics(self.flops and self.flops.mean(logs), logs["global_samples_per_second"],
                                        self.dist.world_size, self.run_args.peak_tflops))
         return logs

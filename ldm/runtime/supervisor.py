@@ -1,0 +1,87 @@
+"""What a rank tells `python -m ldm.launch`, which restarts a job whose rank died (`ldm.launch`).
+
+`ldm.launch` names a folder in `LDM_LAUNCH_STATUS` for each try. Rank k keeps `rank-k.step` there: the last
+update it finished, written in place at each update (one `pwrite` of a few bytes, no sync: the page cache keeps it
+when the process is killed). At its exit it writes `rank-k.json`: `{"exit_code", "cause", "step"}`. A rank killed
+by a signal, or one whose node is lost, writes no `rank-k.json`: that silence is itself what `ldm.launch` reads.
+Outside `ldm.launch` (no `LDM_LAUNCH_STATUS`) every function here does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+STATUS_ENV = "LDM_LAUNCH_STATUS"
+RESTARTS_ENV = "LDM_LAUNCH_RESTARTS"
+STEP_WIDTH = 20  # the heartbeat's fixed width: rewritten in place, never truncated
+
+_state: dict = {"fd": None, "step": None, "cause": None}
+
+
+def _folder() -> str | None:
+    return os.environ.get(STATUS_ENV) or None
+
+
+def _rank() -> int:
+    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+
+def beat(step: int) -> None:
+    """Update `step` is finished (or, at the start, the update a run resumes from)."""
+    folder = _folder()
+    if folder is None:
+        return
+    _state["step"] = step
+    try:
+        if _state["fd"] is None:
+            _state["fd"] = os.open(os.path.join(folder, f"rank-{_rank()}.step"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(_state["fd"], f"{step:<{STEP_WIDTH}}".encode(), 0)
+    except OSError:  # the supervisor's folder is gone: the run itself goes on
+        _state["fd"] = None
+
+
+def note_cause(cause: str) -> None:
+    """Why the rank is about to exit (a user error's line), for its report."""
+    _state["cause"] = " ".join(cause.split())[:500]
+
+
+def report_exit(code: int, cause: str | None = None) -> None:
+    """The rank's last word: its exit code, why, and the last update it finished."""
+    folder = _folder()
+    if folder is None:
+        return
+    report = {"exit_code": code, "cause": cause or _state["cause"], "step": _state["step"]}
+    path = os.path.join(folder, f"rank-{_rank()}.json")
+    try:
+        with open(path + ".partial", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".partial", path)
+    except OSError:
+        pass
+
+
+def restarts_so_far() -> dict[str, float]:
+    """The metric `restarts` (how many times `ldm.launch` restarted this job), when it runs the job."""
+    value = os.environ.get(RESTARTS_ENV)
+    return {"restarts": float(value)} if value is not None and value.isdigit() else {}
+
+
+def read_try(folder: str) -> dict[int, dict]:
+    """Each rank's report of one try (`ldm.launch`'s side): {rank: {"exit_code"|None, "cause", "step"}}."""
+    ranks: dict[int, dict] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        stem, _, kind = name.partition(".")
+        if not stem.startswith("rank-") or not stem[5:].isdigit() or kind not in ("step", "json"):
+            continue
+        entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None})
+        try:
+            with open(os.path.join(folder, name)) as f:
+                text = f.read()
+            if kind == "step":
+                entry["step"] = entry["step"] if entry["step"] is not None else int(text.strip())
+            else:
+                entry.update({k: v for k, v in json.loads(text).items() if v is not None or k == "exit_code"})
+        except (OSError, ValueError):
+            continue
+    return ranks

@@ -1,0 +1,163 @@
+"""`python -m ldm.launch`: Paddle's real launcher, run again when a rank dies, not when the run stops on purpose."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT
+from corpus import write_corpus
+
+from ldm.checkpoint.run_folder import latest_checkpoint
+from ldm.launch import LaunchError, flag_value, parse, with_flag
+from ldm.runtime.supervisor import read_try
+
+# A stand-in for a training script, for what needs no model: it counts updates as a run does and fails as told.
+FAILING = """
+import os, sys, time
+from ldm.runtime import supervisor
+from ldm.runtime.distributed import run_main
+from ldm.runtime.errors import UserError
+from ldm.train.errors import user_errors
+
+def main():
+    with open(os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], "argv.txt"), "a") as f:
+        f.write(" ".join(sys.argv[1:]) + "\\n")
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    supervisor.beat(0)
+    for step in (1, 2):
+        time.sleep(0.2)
+        supervisor.beat(step)
+    if rank == int(os.environ["FAIL_RANK"]):
+        with user_errors():
+            if os.environ["FAIL_HOW"] == "user":
+                raise UserError("--file_list names no shard")
+            raise RuntimeError("the decoder crashed on shard 17")
+    time.sleep(60)  # the other rank: ended by the launcher
+
+run_main(main)
+"""
+
+
+def launch(tmp_path, script_args, *own, env=None, timeout=300):
+    command = [sys.executable, "-m", "ldm.launch", *own, "--nproc_per_node", "2", "--log_dir",
+               str(tmp_path / "logs"), *script_args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_the_command_is_split_and_resumes_with_auto():
+    args, launcher, script, script_args = parse(["--max_restarts", "2", "--nproc_per_node", "8", "--log_dir", "l",
+                                                 "train.py", "--output_dir", "out", "--resume_from_checkpoint=latest"])
+    assert (args.max_restarts, launcher, script) == (2, ["--nproc_per_node", "8", "--log_dir", "l"], "train.py")
+    assert flag_value(script_args, "--resume_from_checkpoint") == "latest"
+    again = with_flag(script_args, "--resume_from_checkpoint", "auto")
+    assert again == ["--output_dir", "out", "--resume_from_checkpoint", "auto"]
+    with pytest.raises(LaunchError, match="no training script"):
+        parse(["--max_restarts", "1", "--nproc_per_node", "2"])
+    with pytest.raises(LaunchError, match="needs --output_dir"):
+        parse(["--max_restarts", "1", "train.py", "--seed", "1"])
+
+
+@pytest.mark.distributed
+def test_a_crash_at_the_same_update_stops_after_the_second_try_in_one_line(tmp_path):
+    (tmp_path / "fail.py").write_text(FAILING)
+    (tmp_path / "out").mkdir()
+    result = launch(tmp_path, ["fail.py", "--output_dir", "out"], "--max_restarts", "5", "--restart_pause", "0.2",
+                    env={"FAIL_RANK": "1", "FAIL_HOW": "crash"})
+    assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == ("error: ldm.launch: the run failed twice at update 3 (rank 1: RuntimeError: the decoder crashed "
+                    "on shard 17): not restarted again (a crash loop: the same failure would repeat)"), last
+    assert "restart 1 of 5 in 0.2 s from the start" in result.stderr
+    tries = (tmp_path / "out" / "argv.txt").read_text().splitlines()
+    assert len(tries) == 4  # two ranks, two tries: the second resumes whatever the first saved
+    assert all("--resume_from_checkpoint auto" in line for line in tries[2:])
+    assert "--resume_from_checkpoint" not in tries[0]
+    assert read_try(str(tmp_path / "logs" / "ldm-launch" / "try-1"))[1]["exit_code"] == 1
+
+
+@pytest.mark.distributed
+def test_a_user_error_is_not_restarted(tmp_path):
+    (tmp_path / "fail.py").write_text(FAILING)
+    (tmp_path / "out").mkdir()
+    result = launch(tmp_path, ["fail.py", "--output_dir", "out"], "--max_restarts", "3", "--restart_pause", "0",
+                    env={"FAIL_RANK": "0", "FAIL_HOW": "user"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "rank 0 stopped the run on purpose (UserError: --file_list names no shard): not restarted" in result.stderr
+    assert len((tmp_path / "out" / "argv.txt").read_text().splitlines()) == 2  # one try
+    assert not (tmp_path / "logs" / "ldm-launch" / "try-1").exists()
+
+
+def rank_pid(status: str, rank: int) -> int | None:
+    """The pid of the training process of `rank` that reports to the supervisor folder `status`."""
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"LDM_LAUNCH_STATUS={status}".encode() in environ and f"PADDLE_TRAINER_ID={rank}".encode() in environ:
+            return int(name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_once(tmp_path, vocab_dir):
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8)
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    args = [str(ROOT / "train_txt2img_laion400m_no_trainer.py"), "--pretrained_model_name_or_path", "ldm-tiny",
+            "--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", vocab_dir, "--model_max_length", "16",
+            "--resolution", "32", "--train_batch_size", "4", "--max_train_steps", "9", "--save_steps", "2",
+            "--logging_steps", "1", "--output_dir", str(out), "--report_to", "none"]
+    command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "2", "--restart_pause", "0.5",
+               "--nproc_per_node", "2", "--log_dir", str(logs), *args]
+    ledger = str(tmp_path / "ledger-{restarts}.log")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LDM_DATA_CONSUMED_LOG": ledger}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = []
+    try:
+        for attempt, at in ((0, 3), (1, 6)):  # SIGKILL rank 1 once it finished update `at`, in two tries
+            status = str(logs / "ldm-launch" / f"try-{attempt}")
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and job.poll() is None:
+                step = read_try(status).get(1, {}).get("step")
+                pid = rank_pid(status, 1)
+                if step is not None and step >= at and pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append((attempt, step))
+                    break
+                time.sleep(0.05)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0 and len(killed) == 2, output[-4000:]
+
+    run = json.loads((out / "run.json").read_text())
+    restarts = run["restarts"]
+    assert [r["restart"] for r in restarts] == [1, 2] and {r["rank"] for r in restarts} == {1}, restarts
+    assert all(r["cause"] == "killed by SIGKILL" and r["exit_code"] == -9 for r in restarts), restarts
+    assert [r["update"] for r in restarts] == [step + 1 for _, step in killed]
+    for r in restarts:
+        assert r["resumed_from"] <= r["update"] - 1 and r["updates_lost"] == r["update"] - 1 - r["resumed_from"]
+        assert 0 < r["seconds_to_next_update"] < r["seconds_lost"]
+    assert len(run["resumes"]) == 2
+    assert latest_checkpoint(str(out)).endswith("checkpoint-9")
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(line.get("train/restarts", 0) for line in logged) == 2
+
+    # every record once: each try's ledger cut where the next try resumed
+    kept = []
+    starts = [0] + [r["resumed_from"] for r in restarts]
+    for attempt, start in enumerate(starts):
+        kept = [entry for entry in kept if entry[0] <= start]
+        with open(ledger.replace("{restarts}", str(attempt))) as f:
+            for row in f:
+                pass_index, _, shard, line, _, _, batch = row.split()
+                kept.append((start + int(batch) + 1, pass_index, shard, int(line)))
+    records = [(pass_index, shard, line) for _, pass_index, shard, line in kept]
+    assert len(records) == 9 * 2 * 4 and len(set(records)) == len(records)
