@@ -9,8 +9,9 @@ reports the ranks leave in `<log_dir>/ldm-launch/try-<n>/` (`ldm.runtime.supervi
 it is used as it is); in collective mode its launcher exits at the first rank that dies.
 
 - The run ended (every rank 0), or stopped on purpose: a user error or the non-finite guard (exit 2), a stop every
-  rank agreed on after SIGTERM/SIGINT (128 + the signal), or this process was signalled (passed on to the
-  launcher, which stops the ranks as after any SIGTERM): not restarted, its exit code is this one's.
+  rank agreed on after SIGTERM/SIGINT (128 + the signal), or this process was signalled (a scheduler's stop: the
+  signal goes to the ranks, which save the update they are in and exit): not restarted, its exit code is this
+  one's.
 - Anything else (a rank killed: out of memory, a segfault, a lost peer; an exception; a data stall the watchdog
   ended, 124) is a failure: after a pause that doubles each time (`--restart_pause`, at most 5 minutes) the same
   command runs again with `--resume_from_checkpoint auto`, up to `--max_restarts` times.
@@ -27,6 +28,7 @@ failure to the restarted job's first update, and their sum, `seconds_lost`. The 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -149,6 +151,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; none elsewhere)."""
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:  # after "pid (comm) state": the parent's pid
+            found.append(int(name))
+    return found
+
+
 def newest_checkpoint_step(output_dir: str | None) -> tuple[int | None, float | None]:
     """(step, time sealed) of the newest complete checkpoint of the run folder, as `auto` would resume it."""
     if not output_dir or not os.path.isdir(output_dir):
@@ -165,8 +183,10 @@ class Supervisor:
     def __init__(self, args, launcher_flags: list[str], script: str, script_args: list[str]):
         self.args, self.launcher_flags, self.script, self.script_args = args, launcher_flags, script, script_args
         self.output_dir = flag_value(script_args, "--output_dir")
-        self.log_dir = flag_value(launcher_flags, "--log_dir", "log")
-        self.several_nodes = int(flag_value(launcher_flags, "--nnodes", "1").split(":")[0] or 1) > 1
+        # as Paddle's launcher reads them: its flag, else its environment variable (a PaddleJob's operator sets them)
+        self.log_dir = flag_value(launcher_flags, "--log_dir", os.environ.get("PADDLE_LOG_DIR", "log"))
+        nnodes = flag_value(launcher_flags, "--nnodes", os.environ.get("PADDLE_NNODES", "1"))
+        self.several_nodes = nnodes.split(":")[-1] not in ("", "1")  # N, or MIN:MAX for an elastic job
         self.restarts: list[dict] = []
         self.signalled: int | None = None
 
@@ -291,11 +311,17 @@ class Supervisor:
             print(f"ldm.launch: could not record the restarts in {marker}: {e}", file=sys.stderr)
 
     def _on_signal(self, sig, frame) -> None:
-        """A scheduler's stop: passed on to the launcher (its ranks save and exit), and no restart after it."""
-        self.signalled = sig
+        """A scheduler's stop, and no restart after it. The first goes to the ranks themselves: they agree to stop,
+        save the update they are in and exit, and the launcher then ends; Paddle's launcher given a SIGTERM kills
+        its ranks 30 s later, whatever they are writing. A second one goes to the launcher."""
+        again, self.signalled = self.signalled is not None, sig
         process = getattr(getattr(self, "current", None), "process", None)
-        if process is not None and process.poll() is None:
-            process.send_signal(sig)
+        if process is None or process.poll() is not None:
+            return
+        ranks = [] if again else children(process.pid)
+        for pid in ranks or [process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def _sleep(self, seconds: float) -> bool:
         """The pause before a restart; True when a signal ended it."""

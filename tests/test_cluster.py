@@ -1,0 +1,153 @@
+"""The cluster launchers: the SLURM batch script run as SLURM runs it (two nodes of one process each on this machine),
+and the Kubernetes manifests checked for what docs/cluster.md says they hold."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import ROOT
+from corpus import write_corpus
+
+from ldm.checkpoint.run_folder import checkpoint_step, latest_checkpoint
+from ldm.runtime.supervisor import read_try
+
+# What SLURM does around a batch script, for what the script calls: srun runs a step of one task per node, each
+# with its node's variables, and passes a SIGTERM on to every task; scontrol names the nodes and requeues the job.
+SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+    pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+code=0
+for pid in "${pids[@]}"; do
+    while true; do
+        wait "$pid"
+        c=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    if (( c != 0 )); then code=$c; fi
+done
+exit "$code"
+"""
+SCONTROL = """#!/usr/bin/env bash
+case "$1" in
+    show) echo 127.0.0.1; echo 127.0.0.1 ;;
+    requeue) echo "$2" >> "$SCONTROL_LOG" ;;
+esac
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_requeue_continues(tmp_path, vocab_dir):
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=24, records_per_shard=6)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    out, logs, requeued = tmp_path / "run", tmp_path / "logs", tmp_path / "requeued"
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
+           "SLURM_JOB_ID": "42", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_SUBMIT_DIR": str(ROOT), "SCONTROL_LOG": str(requeued), "MASTER_PORT": str(free_port()),
+           "GPUS_PER_NODE": "1", "OUTPUT_DIR": str(out), "LOG_DIR": str(logs), "FILE_LIST": listing,
+           "MODEL": "ldm-tiny", "TOKENIZER_NAME": vocab_dir, "MODEL_MAX_LENGTH": "16", "TRAIN_BATCH_SIZE": "2",
+           "GRADIENT_ACCUMULATION_STEPS": "1", "MAX_TRAIN_STEPS": "8", "SAVE_STEPS": "100", "LOGGING_STEPS": "1",
+           "NUM_WORKERS": "0", "REPORT_TO": "none", "MAX_RESTARTS": "1"}
+    command = ["bash", str(ROOT / "scripts" / "slurm" / "pretrain.sbatch"), "--allow_untrained_vae",
+               "--resolution", "32"]
+
+    # the first allocation: SIGTERM to the batch script (--signal=B:TERM) once both nodes trained two updates
+    env["LDM_DATA_CONSUMED_LOG"] = str(tmp_path / "ledger-first")
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    deadline = time.monotonic() + 240
+    steps = []
+    while time.monotonic() < deadline and job.poll() is None:
+        steps = [read_try(str(logs / f"node{n}" / "ldm-launch" / "try-0")).get(n, {}).get("step") for n in (0, 1)]
+        if None not in steps and min(steps) >= 2:
+            job.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.1)
+    first, _ = job.communicate(timeout=240)
+    assert job.returncode != 0 and None not in steps, first[-5000:]
+    assert requeued.read_text().split() == ["42"], first[-5000:]
+    assert "requeued, to continue from the checkpoint just saved" in first
+    stopped = checkpoint_step(latest_checkpoint(str(out)))
+    assert 2 <= stopped < 8, first[-5000:]
+    reports = [read_try(str(logs / f"node{n}" / "ldm-launch" / "try-0"))[n] for n in (0, 1)]
+    assert [r["exit_code"] for r in reports] == [143, 143] and [r["step"] for r in reports] == [stopped] * 2
+    assert "master 127.0.0.1:" in first
+
+    # the requeued job: the same script, resumed by `auto`, to the end
+    env["LDM_DATA_CONSUMED_LOG"] = str(tmp_path / "ledger-second")
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-5000:] + second.stderr[-3000:]
+    assert requeued.read_text().split() == ["42"]  # not requeued again
+    assert latest_checkpoint(str(out)).endswith("checkpoint-8")
+    run = json.loads((out / "run.json").read_text())
+    assert run["world"]["nodes"] == 2 and len(run["resumes"]) == 1
+    assert run["resumes"][0]["resumed_from"].endswith(f"checkpoint-{stopped}")
+
+    taken = []  # each record of the pass once: the first job's up to its checkpoint, then the second's
+    for name, start in (("ledger-first", 0), ("ledger-second", stopped)):
+        for row in (tmp_path / name).read_text().splitlines():
+            pass_index, _, shard, line, _, _, batch = row.split()
+            if start + int(batch) + 1 <= (stopped if start == 0 else 8):
+                taken.append((pass_index, shard, line))
+    assert len(taken) == 8 * 2 * 2 and len(set(taken)) == len(taken)
+
+
+MANIFESTS = ROOT / "scripts" / "kubernetes"
+
+
+def documents(name: str) -> list[dict]:
+    with open(MANIFESTS / name) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def pod_specs(doc: dict) -> list[dict]:
+    if doc["kind"] == "PaddleJob":
+        return [doc["spec"]["worker"]["template"]["spec"]]
+    return [doc["spec"]["template"]["spec"]]
+
+
+@pytest.mark.parametrize("name", ["paddlejob.yaml", "indexed-job.yaml"])
+def test_the_kubernetes_manifests_parse_and_hold_what_the_docs_name(name):
+    docs = documents(name)
+    kinds = {d["kind"] for d in docs}
+    assert ("PaddleJob" in kinds) == (name == "paddlejob.yaml") and ("Job" in kinds) == (name == "indexed-job.yaml")
+    for spec in (s for d in docs if d["kind"] in ("PaddleJob", "Job") for s in pod_specs(d)):
+        # the grace period covers a stop's save (docs/cluster.md: measured stop-save time, with margin)
+        assert spec["terminationGracePeriodSeconds"] >= 300
+        container = spec["containers"][0]
+        command = " ".join(container["command"] + container.get("args", []))
+        assert "ldm.launch" in command and "--max_restarts" in command and "--resume_from_checkpoint=auto" in command
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/runs" in mounts and "/dev/shm" in mounts
+        claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+        assert claims and claims[0]["persistentVolumeClaim"]["claimName"] == "ldm-runs"
+        secrets = [e for e in container.get("envFrom", []) if "secretRef" in e]
+        assert secrets and secrets[0]["secretRef"]["name"] == "ldm-object-store"
+        assert "--output_dir=/runs/" in command
+    if name == "indexed-job.yaml":
+        job = next(d for d in docs if d["kind"] == "Job")
+        assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]
+        assert any(d["kind"] == "Service" and d["spec"]["clusterIP"] == "None" for d in docs)  # the nodes' names
+        # a pod that fails is restarted by ldm.launch inside it, and the job itself is not retried blindly
+        assert job["spec"]["backoffLimit"] <= 3
