@@ -15,8 +15,9 @@ it is used as it is); in collective mode its launcher exits at the first rank th
 - Anything else (a rank killed: out of memory, a segfault, a lost peer; an exception; a data stall the watchdog
   ended, 124) is a failure: after a pause that doubles each time (`--restart_pause`, at most 5 minutes) the same
   command runs again with `--resume_from_checkpoint auto`, up to `--max_restarts` times.
-- A failure at the same update as the one before (a crash loop: a record that kills a decoder, a kernel that
-  always faults there) stops after the second time, in one line naming the update and the cause.
+- A failure at the same update and of the same cause as the one before (a crash loop: a record that kills a
+  decoder, a kernel that always faults there, the out-of-memory killer) stops after the second time, in one line
+  naming the update and the cause.
 
 Each restart goes into the run's `run.json` as `restarts`: the update, the rank, its exit code and the cause, the
 checkpoint resumed and the updates lost, the seconds from that checkpoint's save to the failure and from the
@@ -222,7 +223,9 @@ class Supervisor:
                 return verdict
             failure = self.failure(code, reports)
             previous = self.restarts[-1] if self.restarts else None
-            if previous is not None and previous["update"] == failure["update"]:
+            same = previous is not None and (previous["update"], previous["cause"]) == (failure["update"],
+                                                                                         failure["cause"])
+            if same:
                 self.record()
                 where = f"update {failure['update']}" if failure["update"] is not None else "its start"
                 print(f"error: ldm.launch: the run failed twice at {where} (rank {failure['rank']}: "
@@ -278,19 +281,18 @@ class Supervisor:
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
         update = max(steps) + 1 if steps else None
         crashed = [rank for rank, r in reports.items() if r["exit_code"] not in (None, 0, 130, 143)]
-        named = [rank for rank in self.current.failed if reports.get(rank, {}).get("exit_code") is None]
         silent = [rank for rank, r in reports.items() if r["exit_code"] is None]
-        if crashed:  # it said why (an exception, a stall)
-            rank = min(crashed)
-            exit_code = reports[rank]["exit_code"]
-            cause = reports[rank]["cause"] or describe_exit(exit_code)
-        elif named:  # killed: the launcher saw its exit code
-            rank = min(named)
-            exit_code = self.current.failed[rank]
-            cause = describe_exit(exit_code)
+        if self.current.failed:  # the first rank the launcher saw fail: the others may be its victims (a peer's
+            rank = next(iter(self.current.failed))  # collective broken by its death raises in them)
+        elif crashed or silent:
+            rank = min(crashed or silent)
         else:
-            rank, exit_code = (min(silent) if silent else None), None
-            cause = describe_exit(None) if silent else f"the launcher exited {code}"
+            return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
+        report = reports.get(rank, {})
+        exit_code = report.get("exit_code")
+        if exit_code is None:
+            exit_code = self.current.failed.get(rank)
+        cause = report.get("cause") or describe_exit(exit_code)
         return {"rank": rank, "exit_code": exit_code, "cause": cause, "update": update}
 
     def record(self) -> None:

@@ -98,6 +98,7 @@ class Report:
     overlapping_saves: int = 0  # saves due while the previous one was still being written
     violations: list[str] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
+    healing: list[float] = field(default_factory=list)  # no person: seconds from a kill to the next update
 
     def violation(self, text: str) -> None:
         self.violations.append(text)
@@ -229,7 +230,8 @@ def rank_pids(root: int) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if any(a.endswith(b".py") and b"train_txt2img" in a for a in argv) and b"paddle.distributed.launch" not in argv:
+        launchers = (b"paddle.distributed.launch", b"ldm.launch")
+        if any(a.endswith(b".py") and b"train_txt2img" in a for a in argv) and not any(m in argv for m in launchers):
             found.append(pid)
     parents = process_table()
     return [pid for pid in found if parents.get(pid, (0, ""))[0] not in found]  # not a rank's loader worker
@@ -567,6 +569,88 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
     return out
 
 
+def healing_run(chain: int, path: str, work: str, corpus, args, rng: random.Random, report: Report) -> str:
+    """No person: one job under `python -m ldm.launch` on 2 processes, whose ranks are SIGKILLed (one, or both) at
+    random moments, up to --max_kills times; it must heal itself to its last update (exit 0), list every restart
+    in run.json, and have trained on every record once. The time from each kill to the next update is measured."""
+    from ldm.runtime.supervisor import read_try
+
+    out = os.path.join(work, f"heal{chain}-{path}")
+    listing, model, everything = own_corpus(corpus, out)
+    last_step, kills = rng.randint(*args.run_updates), rng.randint(1, args.max_kills)
+    workers, sharded = rng.randint(0, 2), rng.random() < args.sharding
+    logs, ledger = os.path.join(work, f"heal-logs{chain}"), os.path.join(work, f"ledger-heal{chain}-{{restarts}}.log")
+    argv = command(path, 2, workers, listing, model, out, last_step, logs, sharded=sharded)
+    at = argv.index("paddle.distributed.launch")
+    argv[at:at + 1] = ["ldm.launch", "--max_restarts", str(kills), "--restart_pause", "0.5"]
+    print(f"run {chain} (no person): {path}, {last_step} updates, 2x{workers}{' sharded' if sharded else ''}, "
+          f"up to {kills} kill(s), in {out}", flush=True)
+    env = {**os.environ, CONSUMED_LOG: ledger, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+    began = time.monotonic()
+    deadline = began + args.segment_seconds * (kills + 1)
+    seen: dict[int, str] = {}
+    killed: list[tuple[str, int]] = []  # (fault, the update the job had finished)
+    with open(os.path.join(work, f"heal{chain}.log"), "w") as log:
+        process = subprocess.Popen(argv, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        attempt, first_step, target, pending = 0, None, None, None  # pending: when the last kill was, till healed
+        while process.poll() is None and time.monotonic() < deadline:
+            seen.update(descendants(process.pid))
+            steps = [r["step"] for r in read_try(os.path.join(logs, "ldm-launch", f"try-{attempt}")).values()
+                     if r["step"] is not None]
+            if not steps:
+                time.sleep(0.05)
+                continue
+            first_step = min(steps) if first_step is None else first_step  # the update the try resumed from
+            if pending is not None and max(steps) > first_step:
+                report.healing.append(time.monotonic() - pending)
+                pending = None
+            if target is None:  # past the last kill: two at one update would be a crash loop, which is not retried
+                target = max([first_step] + [step + 1 for _, step in killed]) + rng.randint(1, 3)
+            if len(killed) < kills and target <= max(steps) < last_step - 1:
+                ranks = rank_pids(process.pid)
+                fault = rng.choice(("kill_one", "kill_all"))
+                for pid in ranks if fault == "kill_all" else rng.sample(ranks, min(1, len(ranks))):
+                    with _quiet():
+                        os.kill(pid, signal.SIGKILL)
+                if ranks:
+                    pending = time.monotonic()
+                    killed.append((fault, max(steps)))
+                    report.faults[fault] += 1
+                    attempt, first_step, target = attempt + 1, None, None
+            time.sleep(0.05)
+        if process.poll() is None:
+            report.violation(f"run {chain} (no person) did not end within {deadline - began:.0f} s: killed")
+            kill_all({**seen, **descendants(process.pid)})
+        code = process.wait()
+    report.segments += len(killed) + 1
+    print(f"  {len(killed)} kill(s) ({', '.join(f'{f} after update {s}' for f, s in killed)}), exit {code}, "
+          f"{time.monotonic() - began:.1f} s", flush=True)
+    left = alive(seen)
+    for _ in range(150):
+        if not left:
+            break
+        time.sleep(0.1)
+        left = alive(seen)
+    if left:
+        report.violation(f"run {chain} (no person): {len(left)} process(es) left 15 s after it ended")
+        kill_all(seen)
+    if code != 0:
+        report.violation(f"run {chain} (no person) exited {code} after {len(killed)} kill(s): see {log.name}")
+        return out
+    with open(os.path.join(out, "run.json")) as f:
+        restarts = json.load(f).get("restarts", [])
+    if len(restarts) != len(killed):
+        report.violation(f"run {chain} (no person): {len(killed)} kill(s) but {len(restarts)} restart(s) in run.json")
+        return out
+    starts = [0] + [r["resumed_from"] or 0 for r in restarts]
+    segments = [Segment(t, path, 2, workers, start, ledger=ledger.replace("{restarts}", str(t)), sharded=sharded)
+                for t, start in enumerate(starts)]
+    check_finite(out, report, set())
+    pipeline_loads(out, report)
+    audit(segments, checkpoint_step(latest_checkpoint(out)), out, everything, report)
+    return out
+
+
 def graceful_run(work: str, corpus, args, rng: random.Random, report: Report, stop_at: float) -> None:
     """A run stopped only gracefully, on one layout, against the same run uninterrupted: bit-identical weights."""
     layout, last_step = (2, rng.randint(0, 2)), rng.randint(*args.run_updates)
@@ -628,6 +712,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
                              "must be bit-identical to the same run uninterrupted)")
+    parser.add_argument("--no_person", action="store_true",
+                        help="no person restarts anything: each run is one job under python -m ldm.launch whose "
+                             "ranks are killed, and it must heal itself (the other faults are left out)")
+    parser.add_argument("--max_kills", type=int, default=3, help="kills of one job in --no_person mode")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     work = args.work_dir or tempfile.mkdtemp(prefix="soak-")
@@ -639,10 +727,13 @@ def main(argv: list[str] | None = None) -> int:
     stop_at = began + args.minutes * 60
     chain = 0
     try:
-        if args.graceful:
+        if args.graceful and not args.no_person:
             graceful_run(work, corpus, args, rng, report, stop_at)
         while chain < args.max_runs and (chain == 0 or time.monotonic() < stop_at):
-            run_chain(chain, args.paths[chain % len(args.paths)], work, corpus, args, rng, report, stop_at)
+            if args.no_person:
+                healing_run(chain, args.paths[chain % len(args.paths)], work, corpus, args, rng, report)
+            else:
+                run_chain(chain, args.paths[chain % len(args.paths)], work, corpus, args, rng, report, stop_at)
             chain += 1
     finally:
         if args.work_dir is None and not report.violations:
@@ -652,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{k} {report.faults[k]}' for k in FAULTS)}; longest recovery "
           f"{max(report.recoveries, default=0):.1f} s; saves due while the previous one was being written: "
           f"{report.overlapping_saves}")
+    if args.no_person:
+        healed = report.healing
+        print(f"kill to the next update: {len(healed)} recoveries, mean {sum(healed) / max(1, len(healed)):.1f} s, "
+              f"longest {max(healed, default=0):.1f} s")
     print(f"soak: {report.segments} segments, {faults} faults, {report.records} records audited, "
           f"{len(report.violations)} violations")
     return 1 if report.violations else 0
