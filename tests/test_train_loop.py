@@ -788,6 +788,37 @@ def test_phase_timing_says_where_each_window_of_updates_spent_its_time(tmp_path)
         assert phases[0]["checkpoint"] == 0 and phases[1]["checkpoint"] > 0  # update 2's save, after its log
 
 
+def test_profile_steps_write_each_ranks_trace_its_operators_and_where_the_window_went(tmp_path):
+    """--profile_steps 2-3: Paddle's profiler from the end of update 1 to the end of update 3; a Chrome trace, Paddle's
+    table of operators and the window's phases (adding up to its time), with --phase_timing off."""
+    from ldm.config.args import DataArguments, LoopArguments, RunArguments
+    from ldm.prepare.synth import synth_corpus
+    from ldm.train.loop import run as train_loop
+    from ldm.train.phases import PHASES
+
+    listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
+    out = tmp_path / "run"
+    loop = LoopArguments(output_dir=str(out), train_batch_size=4, max_train_steps=4, num_workers=0, save_steps=4,
+                         logging_steps=1, report_to=["none"])
+    train_loop(loop, DataArguments(file_list=listing, resolution=16, shuffle_buffer=1),
+               lambda dist, resume, resolved: PixelRegression(), run_args=RunArguments(profile_steps="2-3"))
+    folder = out / "profile"
+    traces = [name for name in os.listdir(folder) if name.endswith(".paddle_trace.json")]
+    assert len(traces) == 1 and traces[0].startswith("rank0")
+    events = json.loads((folder / traces[0]).read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfileStep")}
+    assert len(steps) >= 2 and any(e.get("name") == "adamw" or "adamw" in e.get("name", "") for e in events)
+    assert "Operator Summary" in (folder / "rank0-operators.txt").read_text()
+    lines = (folder / "rank0-phases.txt").read_text().splitlines()
+    assert lines[0].startswith("updates 2-3 on rank 0: ")
+    total = float(lines[0].split(": ")[1].split(" s")[0])
+    rows = {line.split()[0]: float(line.split()[1]) for line in lines[2:]}
+    assert sorted(rows) == sorted(PHASES) and sum(rows.values()) == pytest.approx(total, abs=1e-3)
+    assert min(rows[name] for name in ("data", "forward", "backward", "optimizer")) > 0
+    logged = [m for m in metrics_lines(out) if "train/loss" in m]
+    assert len(logged) == 4 and not any("train/phase_forward" in m for m in logged)  # --phase_timing is off
+
+
 def test_the_loop_rescales_gradients_only_when_their_norm_exceeds_the_maximum(tmp_path):
     """One update with `adam_epsilon` 100, so that the update is nearly proportional to the gradient: a binding
     `max_grad_norm` shrinks it by max / norm; a maximum the norm stays within (whose rescaling pass the loop

@@ -246,7 +246,7 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert not [key for m in metrics for key in m if key.startswith("train/phase_")]  # --phase_timing is off
 
     resumed = run(["--config", str(tmp_path / "run.yaml"), "--max_steps", "3", "--resume_from_checkpoint", "latest",
-                   "--phase_timing"])
+                   "--phase_timing", "--profile_steps", "3-3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume changes --max_steps: 2 -> 3" in resumed.stderr
     assert "resume changes --learning_rate: 0.001 -> 5e-05" in resumed.stderr  # the file's default, now
@@ -258,6 +258,9 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert len(phases) == 10 and abs(sum(phases.values()) - 1) < 1e-6, phases
     assert min(phases[f"train/phase_{name}"] for name in ("data", "forward", "backward", "sync", "clip", "vote",
                                                            "optimizer", "ema")) > 0, phases
+    # the profile of update 3, the first after the resume
+    assert (out / "profile" / "rank0-phases.txt").read_text().startswith("updates 3-3 on rank 0: ")
+    assert any(name.endswith(".paddle_trace.json") for name in os.listdir(out / "profile"))
 
 
 def test_resuming_a_finished_run_trains_nothing_more(corpus, tmp_path):

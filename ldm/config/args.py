@@ -297,12 +297,25 @@ class RunArguments:
     phase_timing: bool = arg(False, "log at each logging step the fraction of the time spent in each phase of the "
                                     "updates (data, forward, backward, sync, clip, vote, optimizer, ema, checkpoint, "
                                     "other): train/phase_<name>, rank 0's; waits for the device at each phase")
+    profile_steps: Optional[str] = arg(None, "A-B: Paddle's profiler over updates A to B (each rank's trace for "
+                                             "Perfetto or VisualDL, its table of operators and where the updates' "
+                                             "time went, in <output_dir>/profile/)")
 
     def __post_init__(self):
         _check(self.progress in PROGRESS, f"--progress must be one of {', '.join(PROGRESS)}, not {self.progress!r}")
         _check(self.progress_seconds > 0, "--progress_seconds must be > 0")
         _check(self.max_nonfinite_updates >= 1, "--max_nonfinite_updates must be at least 1")
         _check(self.peak_tflops is None or self.peak_tflops > 0, "--peak_tflops must be > 0")
+        _check(self.profile_steps is None or self.profile_window is not None,
+               f"--profile_steps must be A-B, the first and last update to profile (1 <= A <= B), not "
+               f"{self.profile_steps!r}")
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        first, _, last = (self.profile_steps or "").partition("-")
+        if not (first.strip().isdigit() and last.strip().isdigit()) or not 1 <= int(first) <= int(last):
+            return None
+        return int(first), int(last)
 
 
 @dataclass

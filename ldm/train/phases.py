@@ -19,7 +19,13 @@ the clipping PaddleNLP does inside its step.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
 import time
+
+logger = logging.getLogger("ldm.train")
 
 PHASES = ("data", "forward", "backward", "sync", "clip", "vote", "optimizer", "ema", "checkpoint", "other")
 
@@ -34,8 +40,9 @@ def synchronize() -> None:
 
 class PhaseClock:
     def __init__(self, enabled: bool):
-        self.enabled = enabled
+        self.enabled = self.logged = enabled  # a profile window (`ProfileWindow`) times its phases, unlogged
         self.totals = dict.fromkeys(PHASES, 0.0)
+        self.totals_since: dict[str, float] | None = None  # a profile window's, which the logs' reads leave alone
         self.window_start = self.last = time.perf_counter()
 
     def restart(self) -> None:
@@ -50,11 +57,13 @@ class PhaseClock:
         synchronize()
         now = time.perf_counter()
         self.totals[name] += now - self.last
+        if self.totals_since is not None:
+            self.totals_since[name] += now - self.last
         self.last = now
 
     def read(self) -> dict[str, float]:
         """The window's fractions (`phase_<name>`), then a new window; {} when off."""
-        if not self.enabled:
+        if not self.logged:
             return {}
         self.lap("other")
         elapsed = max(self.last - self.window_start, 1e-9)
@@ -62,3 +71,74 @@ class PhaseClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.window_start = self.last
         return fractions
+
+
+class ProfileWindow:
+    """`--profile_steps A-B`: Paddle's profiler over updates A to B, on every rank. It starts when update A - 1 is
+    done (or at the start, when the run starts or resumes there) and stops after update B, or at the run's end
+    inside the window; then each rank writes to `<output_dir>/profile/`: `rank<k>_time_<when>.paddle_trace.json`
+    (Chrome trace format: Perfetto, chrome://tracing, VisualDL's profiler page; one ProfileStep an update),
+    `rank<k>-operators.txt` (Paddle's summary: each event type's share, the operators by total time) and
+    `rank<k>-phases.txt` (where the window's time went, phase by phase, as `--phase_timing` logs it: the phase
+    clock runs during the window whatever that flag says, and logs only when it is given)."""
+
+    def __init__(self, window: tuple[int, int] | None, folder: str, rank: int, phases: PhaseClock):
+        self.window, self.folder, self.rank, self.phases = window, folder, rank, phases
+        self.profiler, self.last, self.began = None, 0, 0.0
+        self.kept_enabled = phases.enabled
+
+    def after(self, step: int) -> None:
+        """Update `step` is done (at the start: the update the run starts from)."""
+        if self.window is None:
+            return
+        self.last = step
+        if step == self.window[0] - 1 and self.profiler is None:
+            self._start()
+        elif self.profiler is not None:
+            self.profiler.step()  # the trace's ProfileStep of this update ends here
+            if step >= self.window[1]:
+                self.close()
+
+    def _start(self) -> None:
+        import paddle
+        import paddle.profiler as profiler
+
+        os.makedirs(self.folder, exist_ok=True)
+        targets = [profiler.ProfilerTarget.CPU]
+        if paddle.device.get_device().startswith("gpu"):
+            targets.append(profiler.ProfilerTarget.GPU)
+        self.profiler = profiler.Profiler(targets=targets, on_trace_ready=profiler.export_chrome_tracing(
+            self.folder, worker_name=f"rank{self.rank}"))
+        self.phases.enabled = True
+        self.profiler.start()
+        self.phases.lap("other")  # what came before is no phase of the window
+        self.began = time.perf_counter()
+        self.phases.totals_since = dict.fromkeys(PHASES, 0.0)
+
+    def close(self) -> None:
+        """Stop and write (once; nothing when the window was never reached)."""
+        if self.profiler is None:
+            return
+        import paddle.profiler as profiler
+
+        self.phases.lap("other")
+        seconds = self.phases.last - self.began  # before the trace is written
+        self.profiler.stop()
+        spent, self.phases.totals_since = self.phases.totals_since, None
+        self.phases.enabled = self.kept_enabled
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):
+            self.profiler.summary(sorted_by=profiler.SortedKeys.CPUTotal, op_detail=True, thread_sep=False,
+                                  time_unit="ms")
+        prefix = os.path.join(self.folder, f"rank{self.rank}")
+        with open(f"{prefix}-operators.txt", "w") as f:
+            f.write(table.getvalue())
+        first, updates = self.window[0], max(1, self.last - self.window[0] + 1)
+        lines = [f"updates {first}-{self.last} on rank {self.rank}: {seconds:.4f} s, {seconds / updates:.4f} s an "
+                 "update", f"{'phase':<12}{'seconds':>10}{'share':>9}"]
+        lines += [f"{name:<12}{spent[name]:>10.4f}{spent[name] / max(seconds, 1e-9):>9.1%}" for name in PHASES]
+        with open(f"{prefix}-phases.txt", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.profiler, self.window = None, None
+        logger.info("profiled updates %d-%d in %.2f s: %s-phases.txt, %s-operators.txt and the trace in %s", first,
+                    self.last, seconds, prefix, prefix, self.folder)

@@ -45,7 +45,7 @@ from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import start_batches
-from ldm.train.phases import PhaseClock
+from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress, resolve_mode
 from ldm.train.setup import setup_logging, sharding_layout
@@ -273,8 +273,14 @@ class TrainingRun:
         update (`ldm.train.signals`); a repeated one during the last save is the same request."""
         self.eval_clock = EvalClock()  # the evaluation's share of time counts from the first update
         self.phases = PhaseClock(self.run_args.phase_timing)
-        with GracefulStop(self.dist) as self.stop:
-            yield self
+        self.profile = ProfileWindow(self.run_args.profile_window, self.run_dir.path("profile"), self.dist.rank,
+                                     self.phases)
+        self.profile.after(self.step)  # a window that starts with the run's first update
+        try:
+            with GracefulStop(self.dist) as self.stop:
+                yield self
+        finally:
+            self.profile.close()  # a run that ended inside the window
 
     def log(self, values: dict, step: int) -> None:
         """Scalars for the trackers, or through the driver's logger (the Trainer's: `log_through`)."""
@@ -348,6 +354,7 @@ class TrainingRun:
             if self.objective.ema is not None:
                 self.objective.ema.update()
         self.phases.lap("ema")
+        self.profile.after(step)
 
     def window_metrics(self, logs: dict, with_loss: bool = True) -> dict:
         """`logs` with the window's means, the data path's figures, the guard's count, the throughput and, with
