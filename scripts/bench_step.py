@@ -21,6 +21,17 @@ from ldm.runtime.cli import ToolParser
 from ldm.train.gradients import clip_grad_norm
 
 
+def build_parts(preset: str):
+    """The preset's UNet and LDMBert (a 64-token vocabulary, 16 positions), seeded: the benchmarks' model."""
+    from ppdiffusers import UNet2DConditionModel
+
+    paddle.seed(0)
+    source = resolve_source(preset)
+    unet, _ = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
+    text_encoder, _ = load_text_encoder(os.path.join(source, "bert"), vocab_size=64, max_length=16)
+    return unet, text_encoder
+
+
 def main() -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="ldm-demo")
@@ -28,12 +39,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    from ppdiffusers import UNet2DConditionModel
-
-    paddle.seed(0)
-    source = resolve_source(args.preset)
-    unet, _ = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
-    text_encoder, _ = load_text_encoder(os.path.join(source, "bert"), vocab_size=64, max_length=16)
+    unet, text_encoder = build_parts(args.preset)
     size = unet.config.sample_size
     ids = paddle.randint(1, 64, [args.batch, 16])
     states = text_encoder(ids)[0]

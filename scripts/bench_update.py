@@ -15,13 +15,12 @@ Prints the medians, the ratios to the baseline, and the largest difference of ea
 
 import argparse
 import gc
-import os
 import statistics
 import time
 
 import paddle
+from bench_step import build_parts
 
-from ldm.models.build import load_part, load_text_encoder, resolve_source
 from ldm.models.ema import EMA
 from ldm.runtime.cli import ToolParser
 
@@ -38,12 +37,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from ppdiffusers import UNet2DConditionModel
-
-    paddle.seed(0)
-    source = resolve_source(args.preset)
-    unet, _ = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
-    text_encoder, _ = load_text_encoder(os.path.join(source, "bert"), vocab_size=64, max_length=16)
+    unet, text_encoder = build_parts(args.preset)
     ids = paddle.randint(1, 64, [1, 16])
     latents = paddle.randn([1, unet.config.in_channels, 8, 8])
     (unet(latents, paddle.to_tensor([500]), encoder_hidden_states=text_encoder(ids)[0]).sample ** 2).mean().backward()

@@ -42,6 +42,13 @@ run_main(main)
 """
 
 
+def launch_failing(tmp_path, *own, rank: int, how: str):
+    """FAILING under ldm.launch on 2 ranks: rank `rank` fails after update 2, by a crash or a user error."""
+    (tmp_path / "fail.py").write_text(FAILING)
+    (tmp_path / "out").mkdir()
+    return launch(tmp_path, ["fail.py", "--output_dir", "out"], *own, env={"FAIL_RANK": str(rank), "FAIL_HOW": how})
+
+
 def launch(tmp_path, script_args, *own, env=None, timeout=300):
     command = [sys.executable, "-m", "ldm.launch", *own, "--nproc_per_node", "2", "--log_dir",
                str(tmp_path / "logs"), *script_args]
@@ -64,10 +71,7 @@ def test_the_command_is_split_and_resumes_with_auto():
 
 @pytest.mark.distributed
 def test_a_crash_at_the_same_update_stops_after_the_second_try_in_one_line(tmp_path):
-    (tmp_path / "fail.py").write_text(FAILING)
-    (tmp_path / "out").mkdir()
-    result = launch(tmp_path, ["fail.py", "--output_dir", "out"], "--max_restarts", "5", "--restart_pause", "0.2",
-                    env={"FAIL_RANK": "1", "FAIL_HOW": "crash"})
+    result = launch_failing(tmp_path, "--max_restarts", "5", "--restart_pause", "0.2", rank=1, how="crash")
     assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last == ("error: ldm.launch: the run failed twice at update 3 (rank 1: RuntimeError: the decoder crashed "
@@ -82,10 +86,7 @@ def test_a_crash_at_the_same_update_stops_after_the_second_try_in_one_line(tmp_p
 
 @pytest.mark.distributed
 def test_a_user_error_is_not_restarted(tmp_path):
-    (tmp_path / "fail.py").write_text(FAILING)
-    (tmp_path / "out").mkdir()
-    result = launch(tmp_path, ["fail.py", "--output_dir", "out"], "--max_restarts", "3", "--restart_pause", "0",
-                    env={"FAIL_RANK": "0", "FAIL_HOW": "user"})
+    result = launch_failing(tmp_path, "--max_restarts", "3", "--restart_pause", "0", rank=0, how="user")
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "rank 0 stopped the run on purpose (UserError: --file_list names no shard): not restarted" in result.stderr
     assert len((tmp_path / "out" / "argv.txt").read_text().splitlines()) == 2  # one try
@@ -113,7 +114,7 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
     args = [str(ROOT / "train_txt2img_laion400m_no_trainer.py"), "--pretrained_model_name_or_path", "ldm-tiny",
             "--allow_untrained_vae", "--file_list", listing, "--tokenizer_name", vocab_dir, "--model_max_length", "16",
             "--resolution", "32", "--train_batch_size", "4", "--max_train_steps", "9", "--save_steps", "2",
-            "--logging_steps", "1", "--output_dir", str(out), "--report_to", "none"]
+            "--logging_steps", "1", "--num_workers", "0", "--output_dir", str(out), "--report_to", "none"]
     command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "2", "--restart_pause", "0.5",
                "--nproc_per_node", "2", "--log_dir", str(logs), *args]
     ledger = str(tmp_path / "ledger-{restarts}.log")
@@ -144,7 +145,8 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
     assert [r["update"] for r in restarts] == [step + 1 for _, step in killed]
     for r in restarts:
         assert r["resumed_from"] <= r["update"] - 1 and r["updates_lost"] == r["update"] - 1 - r["resumed_from"]
-        assert 0 < r["seconds_to_next_update"] < r["seconds_lost"]
+        # Paddle's launcher names the killed rank and stops the other at once (the run is back within a minute)
+        assert 0 < r["seconds_to_next_update"] < min(r["seconds_lost"], 60)
     assert len(run["resumes"]) == 2
     assert latest_checkpoint(str(out)).endswith("checkpoint-9")
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ def test_a_short_soak_finds_no_violation(tmp_path):
     # the graceful check (bit-identical weights after SIGTERMs) is left to the long soak: the SIGTERM resume
     # tests check it in the suite
     result = run_python([str(ROOT / "scripts" / "soak.py"), "--minutes", "1", "--seed", "5", "--max_runs", "1",
-                         "--paths", "loop", "--run_updates", "16", "24", "--max_segments_per_run", "5",
+                         "--paths", "loop", "--run_updates", "12", "16", "--max_segments_per_run", "4",
                          "--no_graceful", "--clean", "0", "--damage", "0.5", "--nan", "0.5",
                          "--work_dir", str(tmp_path / "soak")], timeout=900)
     print(result.stdout[-4000:], file=sys.stderr)
