@@ -127,8 +127,8 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and job.poll() is None:
                 step = read_try(status).get(1, {}).get("step")
-                pid = rank_pid(status, 1)
-                if step is not None and step >= at and pid is not None:
+                pid = rank_pid(status, 1) if step is not None and step >= at else None  # a look at every process
+                if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.append((attempt, step))
                     break
