@@ -10,8 +10,8 @@ it is used as it is); in collective mode its launcher exits at the first rank th
 
 - The run ended (every rank 0), or stopped on purpose: a user error or the non-finite guard (exit 2), a stop every
   rank agreed on after SIGTERM/SIGINT (128 + the signal), or this process was signalled (a scheduler's stop: the
-  signal goes to the ranks, which save the update they are in and exit): not restarted, its exit code is this
-  one's.
+  signal goes to the ranks, which save the update they are in and exit; the launcher runs in a session of its
+  own, so a terminal's Ctrl-C takes the same way): not restarted, its exit code is this one's.
 - Anything else (a rank killed: out of memory, a segfault, a lost peer; an exception; a data stall the watchdog
   ended, 124) is a failure: after a pause that doubles each time (`--restart_pause`, at most 5 minutes) the same
   command runs again with `--resume_from_checkpoint auto`, up to `--max_restarts` times.
@@ -22,8 +22,10 @@ it is used as it is); in collective mode its launcher exits at the first rank th
 Each restart goes into the run's `run.json` as `restarts`: the update, the rank, its exit code and the cause, the
 checkpoint resumed and the updates lost, the seconds from that checkpoint's save to the failure and from the
 failure to the restarted job's first update, and their sum, `seconds_lost`. The ranks log the count as the metric
-`restarts`; trackers continue the same run, as after any resume. On several nodes each node runs its own
-`ldm.launch` (the same command with its `--rank`); the one whose ranks include rank 0 writes `run.json`.
+`restarts`; trackers continue the same run, as after any resume. A job its scheduler requeues continues the list.
+On several nodes each node runs its own `ldm.launch` (the same command with its `--rank`); the one whose ranks
+include rank 0 writes `run.json`. Paddle's launcher names a failed rank by its place in the node; the ranks'
+heartbeats give the global rank.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import sys
 import threading
 import time
 
+from ldm.runtime.distributed import terminate_with_parent
 from ldm.runtime.supervisor import RESTARTS_ENV, STATUS_ENV, read_try
 
 MAX_PAUSE_SECONDS = 300
@@ -97,8 +100,10 @@ def signal_name(code: int) -> str:
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "ended without a report (killed, or its node lost)"
+    if code == 143:
+        return "stopped by SIGTERM"
     if code < 0 or 128 < code < 160:
-        return f"killed by {signal_name(code)}" if code < 0 or code != 143 else "stopped by SIGTERM"
+        return f"killed by {signal_name(code)}"
     if code == 124:
         return "stopped by the data watchdog (no batch for --data_timeout seconds)"
     return f"exit {code}"
@@ -107,12 +112,14 @@ def describe_exit(code: int | None) -> str:
 class Try:
     """One run of Paddle's launcher: its output passed through, the failed ranks it names, the first new update."""
 
-    def __init__(self, command: list[str], env: dict, status: str, start_step: int | None):
+    def __init__(self, command: list[str], env: dict, status: str, start_step: int):
         self.status, self.start_step = status, start_step
-        self.failed: dict[int, int] = {}  # rank -> exit code, as the launcher reports them
+        self.failed: dict[int, int] = {}  # the rank within the node -> exit code, as the launcher names them
         self.first_update_at: float | None = None
+        # a session of its own: a terminal's Ctrl-C reaches this process only, which passes it to the ranks
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1, preexec_fn=_die_with_parent)
+                                        text=True, bufsize=1, start_new_session=True,
+                                        preexec_fn=terminate_with_parent)
         self.reader = threading.Thread(target=self._pass_through, daemon=True)
         self.reader.start()
 
@@ -136,20 +143,15 @@ class Try:
         return code
 
     def _watch_first_update(self) -> None:
-        if self.first_update_at is not None:
-            return
-        steps = [r["step"] for r in read_try(self.status).values() if r["step"] is not None]
-        if steps and (self.start_step is None or max(steps) > self.start_step):
+        if self.first_update_at is None and max(self.steps(), default=-1) > self.start_step:
             self.first_update_at = time.time()
 
+    def steps(self) -> list[int]:
+        return [r["step"] for r in read_try(self.status).values() if r["step"] is not None]
 
-def _die_with_parent() -> None:
-    """In the launcher's process: SIGTERM when `ldm.launch` dies (a scheduler's SIGKILL), as its ranks get from it."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    def global_rank(self, local: int, reports: dict[int, dict]) -> int | None:
+        """The global rank of the node's `local`-th rank, from the ranks' own heartbeats."""
+        return next((rank for rank, r in reports.items() if r["local_rank"] == local), None)
 
 
 def children(pid: int) -> list[int]:
@@ -180,16 +182,30 @@ def newest_checkpoint_step(output_dir: str | None) -> tuple[int | None, float | 
     return None, None
 
 
+def run_record(output_dir: str | None) -> dict | None:
+    """The run folder's `run.json`, or None."""
+    try:
+        with open(os.path.join(output_dir or "", "run.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 class Supervisor:
     def __init__(self, args, launcher_flags: list[str], script: str, script_args: list[str]):
         self.args, self.launcher_flags, self.script, self.script_args = args, launcher_flags, script, script_args
         self.output_dir = flag_value(script_args, "--output_dir")
-        # as Paddle's launcher reads them: its flag, else its environment variable (a PaddleJob's operator sets them)
+        # as Paddle's launcher reads them: its flag, else its environment variable
         self.log_dir = flag_value(launcher_flags, "--log_dir", os.environ.get("PADDLE_LOG_DIR", "log"))
         nnodes = flag_value(launcher_flags, "--nnodes", os.environ.get("PADDLE_NNODES", "1"))
-        self.several_nodes = nnodes.split(":")[-1] not in ("", "1")  # N, or MIN:MAX for an elastic job
+        ips = flag_value(launcher_flags, "--ips", os.environ.get("PADDLE_IPS", ""))
+        self.several_nodes = nnodes.split(":")[-1] not in ("", "1") or "," in ips  # N, or MIN:MAX (elastic)
+        # a job requeued by its scheduler continues the list of the run's restarts (of that run: `created`)
+        record = run_record(self.output_dir) or {}
+        self.earlier, self.created = record.get("restarts", []), record.get("created")
         self.restarts: list[dict] = []
         self.signalled: int | None = None
+        self.current: Try | None = None
 
     def command(self, attempt: int) -> list[str]:
         script_args = self.script_args if attempt == 0 else \
@@ -201,66 +217,52 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         attempt = 0
         while True:
-            status = os.path.abspath(os.path.join(self.log_dir, "ldm-launch", f"try-{attempt}"))
-            os.makedirs(status, exist_ok=True)
-            for name in os.listdir(status):  # a folder of an earlier job's try
-                os.remove(os.path.join(status, name))
-            env = {**os.environ, STATUS_ENV: status, RESTARTS_ENV: str(len(self.restarts))}
-            start_step = self.restarts[-1]["resumed_from"] if self.restarts else None
-            self.current = Try(self.command(attempt), env, status, start_step)
-            code = self.current.wait()
-            ended = time.time()
-            if self.restarts and self.current.first_update_at is not None:
-                last = self.restarts[-1]
-                last["seconds_to_next_update"] = round(self.current.first_update_at - last["failed_at"], 1)
-                # the updates since the checkpoint are done again, in about the time they took
-                redone = last["seconds_since_checkpoint"] or 0
-                last["seconds_lost"] = round(last["seconds_to_next_update"] + redone, 1)
-            reports = read_try(status)
+            code, reports = self.try_once(attempt)
             verdict = self.verdict(code, reports)
             if verdict is not None:
                 self.record()
                 return verdict
             failure = self.failure(code, reports)
-            previous = self.restarts[-1] if self.restarts else None
-            same = previous is not None and (previous["update"], previous["cause"]) == (failure["update"],
-                                                                                         failure["cause"])
-            if same:
+            given_up = self.give_up(failure)
+            if given_up:
                 self.record()
-                where = f"update {failure['update']}" if failure["update"] is not None else "its start"
-                print(f"error: ldm.launch: the run failed twice at {where} (rank {failure['rank']}: "
-                      f"{failure['cause']}): not restarted again (a crash loop: the same failure would repeat)",
-                      file=sys.stderr)
-                return code or 1
-            if len(self.restarts) >= self.args.max_restarts:
-                self.record()
-                print(f"error: ldm.launch: rank {failure['rank']} failed at update {failure['update']} "
-                      f"({failure['cause']}) after {len(self.restarts)} restart(s), the --max_restarts given",
-                      file=sys.stderr)
+                print(f"error: ldm.launch: {given_up}", file=sys.stderr)
                 return code or 1
             pause = min(self.args.restart_pause * 2 ** len(self.restarts), MAX_PAUSE_SECONDS)
-            resumed, sealed_at = newest_checkpoint_step(self.output_dir)
-            lost = None if failure["update"] is None else failure["update"] - 1 - (resumed or 0)
-            self.restarts.append({
-                "restart": len(self.restarts) + 1, "update": failure["update"], "rank": failure["rank"],
-                "exit_code": failure["exit_code"], "cause": failure["cause"], "failed_at": round(ended, 1),
-                "time": datetime.datetime.fromtimestamp(ended).astimezone().isoformat(timespec="seconds"),
-                "resumed_from": resumed, "updates_lost": lost,
-                "seconds_since_checkpoint": round(ended - sealed_at, 1) if sealed_at else None,
-                "seconds_to_next_update": None, "seconds_lost": None})
+            self.restarts.append(self.restart_entry(failure))
             self.record()
-            origin = f"checkpoint-{resumed}" if resumed is not None else "the start"
+            resumed = self.restarts[-1]["resumed_from"]
             print(f"ldm.launch: rank {failure['rank']} failed at update {failure['update']} ({failure['cause']}); "
-                  f"restart {len(self.restarts)} of {self.args.max_restarts} in {pause:g} s from {origin}",
-                  file=sys.stderr, flush=True)
+                  f"restart {len(self.restarts)} of {self.args.max_restarts} in {pause:g} s from "
+                  f"{'the start' if resumed is None else f'checkpoint-{resumed}'}", file=sys.stderr, flush=True)
             if self._sleep(pause):
                 return 128 + self.signalled
             attempt += 1
 
+    def try_once(self, attempt: int) -> tuple[int, dict[int, dict]]:
+        """Paddle's launcher run once: its exit code and the ranks' reports."""
+        status = os.path.abspath(os.path.join(self.log_dir, "ldm-launch", f"try-{attempt}"))
+        os.makedirs(status, exist_ok=True)
+        for name in os.listdir(status):  # a folder of an earlier job's try
+            os.remove(os.path.join(status, name))
+        restarts = len(self.earlier_of(run_record(self.output_dir))) + len(self.restarts)
+        env = {**os.environ, STATUS_ENV: status, RESTARTS_ENV: str(restarts)}
+        start = (self.restarts[-1]["resumed_from"] or 0) if self.restarts else 0
+        self.current = Try(self.command(attempt), env, status, start)
+        if self.signalled is not None:  # a signal that came while the try was being started
+            self._on_signal(self.signalled, None)
+        code = self.current.wait()
+        if self.restarts and self.current.first_update_at is not None:
+            last = self.restarts[-1]
+            last["seconds_to_next_update"] = round(self.current.first_update_at - last["failed_at"], 1)
+            # the updates since the checkpoint are done again, in about the time they took
+            last["seconds_lost"] = round(last["seconds_to_next_update"] + (last["seconds_since_checkpoint"] or 0), 1)
+        return code, read_try(status)
+
     def verdict(self, code: int, reports: dict[int, dict]) -> int | None:
         """The exit code when the job is not restarted, else None."""
         if self.signalled is not None:
-            return code or 128 + self.signalled
+            return code
         if code == 0:
             return 0
         codes = {rank: r["exit_code"] for rank, r in reports.items()}
@@ -270,10 +272,9 @@ class Supervisor:
             print(f"ldm.launch: rank {on_purpose[0]} stopped the run on purpose ({cause}): not restarted",
                   file=sys.stderr)
             return STOPPED_ON_PURPOSE
-        signals = set(codes.values())
-        if codes and not self.several_nodes and len(signals) == 1 and all(c in (130, 143) for c in signals) \
-                and not self.current.failed.keys() - codes.keys():
-            return signals.pop()  # every rank stopped together on SIGTERM/SIGINT sent to them, not to this process
+        stops = set(codes.values())
+        if codes and not self.several_nodes and stops <= {130, 143}:
+            return max(stops)  # every rank stopped together on SIGTERM/SIGINT sent to them, not to this process
         return None
 
     def failure(self, code: int, reports: dict[int, dict]) -> dict:
@@ -282,42 +283,69 @@ class Supervisor:
         update = max(steps) + 1 if steps else None
         crashed = [rank for rank, r in reports.items() if r["exit_code"] not in (None, 0, 130, 143)]
         silent = [rank for rank, r in reports.items() if r["exit_code"] is None]
-        if self.current.failed:  # the first rank the launcher saw fail: the others may be its victims (a peer's
-            rank = next(iter(self.current.failed))  # collective broken by its death raises in them)
+        named = [self.current.global_rank(local, reports) for local in self.current.failed]
+        if named and named[0] is not None:  # the first rank the launcher saw fail: the others may be its victims
+            rank, launcher_code = named[0], next(iter(self.current.failed.values()))  # (a broken collective)
         elif crashed or silent:
-            rank = min(crashed or silent)
+            rank, launcher_code = min(crashed or silent), None
         else:
             return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
         report = reports.get(rank, {})
-        exit_code = report.get("exit_code")
-        if exit_code is None:
-            exit_code = self.current.failed.get(rank)
-        cause = report.get("cause") or describe_exit(exit_code)
-        return {"rank": rank, "exit_code": exit_code, "cause": cause, "update": update}
+        exit_code = report.get("exit_code") if report.get("exit_code") is not None else launcher_code
+        return {"rank": rank, "exit_code": exit_code, "cause": report.get("cause") or describe_exit(exit_code),
+                "update": update}
+
+    def give_up(self, failure: dict) -> str | None:
+        """Why the job is not restarted after `failure` (a crash loop, the restarts spent), or None."""
+        previous = self.restarts[-1] if self.restarts else None
+        if previous is not None and (previous["update"], previous["cause"]) == (failure["update"], failure["cause"]):
+            where = f"update {failure['update']}" if failure["update"] is not None else "its start"
+            return (f"the run failed twice at {where} (rank {failure['rank']}: {failure['cause']}): not restarted "
+                    "again (a crash loop: the same failure would repeat)")
+        if len(self.restarts) >= self.args.max_restarts:
+            return (f"rank {failure['rank']} failed at update {failure['update']} ({failure['cause']}) after "
+                    f"{len(self.restarts)} restart(s), the --max_restarts given")
+        return None
+
+    def restart_entry(self, failure: dict) -> dict:
+        """The restart's record in `run.json` (`failed_at` stays in memory)."""
+        now = time.time()
+        resumed, sealed_at = newest_checkpoint_step(self.output_dir)
+        return {"restart": len(self.earlier_of(run_record(self.output_dir))) + len(self.restarts) + 1,
+                "update": failure["update"],
+                "rank": failure["rank"], "exit_code": failure["exit_code"], "cause": failure["cause"],
+                "time": datetime.datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
+                "resumed_from": resumed,
+                "updates_lost": None if failure["update"] is None else failure["update"] - 1 - (resumed or 0),
+                "seconds_since_checkpoint": round(now - sealed_at, 1) if sealed_at else None,
+                "seconds_to_next_update": None, "seconds_lost": None, "failed_at": now}
 
     def record(self) -> None:
         """`restarts` in run.json: written between tries only (no rank writes it then), by the node of rank 0."""
-        if not self.restarts or not self.output_dir:
+        if not self.restarts or self.current is None:
             return
-        marker = os.path.join(self.output_dir, "run.json")
-        if not os.path.isfile(marker) or (self.several_nodes and 0 not in read_try(self.current.status)):
+        run = run_record(self.output_dir)
+        if run is None or (self.several_nodes and 0 not in read_try(self.current.status)):
             return
         from ldm.checkpoint.run_folder import write_json
 
+        mine = [{k: v for k, v in r.items() if k != "failed_at"} for r in self.restarts]
+        marker = os.path.join(self.output_dir, "run.json")
         try:
-            with open(marker) as f:
-                run = json.load(f)
-            run["restarts"] = [{k: v for k, v in r.items() if k != "failed_at"} for r in self.restarts]
-            write_json(marker, run)
-        except (OSError, ValueError) as e:
+            write_json(marker, {**run, "restarts": self.earlier_of(run) + mine})
+        except OSError as e:
             print(f"ldm.launch: could not record the restarts in {marker}: {e}", file=sys.stderr)
+
+    def earlier_of(self, run: dict | None) -> list[dict]:
+        """The restarts of earlier jobs of the same run (none when the folder now holds another run)."""
+        return self.earlier if run is not None and run.get("created") == self.created else []
 
     def _on_signal(self, sig, frame) -> None:
         """A scheduler's stop, and no restart after it. The first goes to the ranks themselves: they agree to stop,
         save the update they are in and exit, and the launcher then ends; Paddle's launcher given a SIGTERM kills
         its ranks 30 s later, whatever they are writing. A second one goes to the launcher."""
-        again, self.signalled = self.signalled is not None, sig
-        process = getattr(getattr(self, "current", None), "process", None)
+        again, self.signalled = self.signalled is not None and frame is not None, sig
+        process = self.current.process if self.current is not None else None
         if process is None or process.poll() is not None:
             return
         ranks = [] if again else children(process.pid)
@@ -328,14 +356,15 @@ class Supervisor:
     def _sleep(self, seconds: float) -> bool:
         """The pause before a restart; True when a signal ended it."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end and self.signalled is None:
-            time.sleep(min(0.5, end - time.monotonic()))
+        while self.signalled is None and (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.5, left))
         return self.signalled is not None
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], str, list[str]]:
     launcher, script, script_args = split_command(argv)
-    parser = argparse.ArgumentParser(prog="python -m ldm.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ldm.launch", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)  # Paddle's own --max_restart passes through
     parser.add_argument("--max_restarts", type=int, default=3,
                         help="restarts after a failure before the job gives up (default 3)")
     parser.add_argument("--restart_pause", type=float, default=10.0,
@@ -343,9 +372,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], str, list[str
     args, launcher_flags = parser.parse_known_args(launcher)
     if args.max_restarts < 0 or args.restart_pause < 0:
         raise LaunchError("--max_restarts and --restart_pause must be >= 0")
-    if args.max_restarts and flag_value(script_args, "--output_dir") is None:
+    output_dir = flag_value(script_args, "--output_dir")
+    if args.max_restarts and output_dir is None:
         raise LaunchError(f"{script} needs --output_dir among its flags under ldm.launch: a restart resumes "
                           "the newest checkpoint there")
+    log_dir = os.path.abspath(flag_value(launcher_flags, "--log_dir", os.environ.get("PADDLE_LOG_DIR", "log")))
+    if output_dir and (log_dir + os.sep).startswith(os.path.abspath(output_dir) + os.sep):
+        raise LaunchError(f"--log_dir {log_dir} is inside --output_dir {output_dir}: the run folder holds only what "
+                          "the run writes (a start over empties it); put the logs beside it")
     return args, launcher_flags, script, script_args
 
 

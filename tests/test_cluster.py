@@ -18,7 +18,8 @@ from ldm.checkpoint.run_folder import checkpoint_step, latest_checkpoint
 from ldm.runtime.supervisor import read_try
 
 # What SLURM does around a batch script, for what the script calls: srun runs a step of one task per node, each
-# with its node's variables, and passes a SIGTERM on to every task; scontrol names the nodes and requeues the job.
+# with its node's variables (`--overlap`: beside the running step), and given a SIGTERM it ends its tasks at once
+# ("forcing job termination"); scontrol names the nodes and requeues the job.
 SRUN = """#!/usr/bin/env bash
 while [[ "$1" == --* ]]; do shift; done
 pids=()
@@ -26,7 +27,7 @@ for ((node = 0; node < SLURM_NNODES; node++)); do
     SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
     pids+=($!)
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+trap 'kill -KILL "${pids[@]}" 2>/dev/null' TERM
 code=0
 for pid in "${pids[@]}"; do
     while true; do
@@ -54,6 +55,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(600)  # two jobs of two nodes of real interpreters
 def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_requeue_continues(tmp_path, vocab_dir):
     listing = write_corpus(str(tmp_path / "corpus"), num_records=24, records_per_shard=6)
     tools = tmp_path / "bin"
@@ -67,7 +69,7 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
            "SLURM_SUBMIT_DIR": str(ROOT), "SCONTROL_LOG": str(requeued), "MASTER_PORT": str(free_port()),
            "GPUS_PER_NODE": "1", "OUTPUT_DIR": str(out), "LOG_DIR": str(logs), "FILE_LIST": listing,
            "MODEL": "ldm-tiny", "TOKENIZER_NAME": vocab_dir, "MODEL_MAX_LENGTH": "16", "TRAIN_BATCH_SIZE": "2",
-           "GRADIENT_ACCUMULATION_STEPS": "1", "MAX_TRAIN_STEPS": "8", "SAVE_STEPS": "100", "LOGGING_STEPS": "1",
+           "GRADIENT_ACCUMULATION_STEPS": "1", "MAX_TRAIN_STEPS": "10", "SAVE_STEPS": "100", "LOGGING_STEPS": "1",
            "NUM_WORKERS": "0", "REPORT_TO": "none", "MAX_RESTARTS": "1"}
     command = ["bash", str(ROOT / "scripts" / "slurm" / "pretrain.sbatch"), "--allow_untrained_vae",
                "--resolution", "32"]
@@ -89,17 +91,19 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
     assert requeued.read_text().split() == ["42"], first[-5000:]
     assert "requeued, to continue from the checkpoint just saved" in first
     stopped = checkpoint_step(latest_checkpoint(str(out)))
-    assert 2 <= stopped < 8, first[-5000:]
+    assert 2 <= stopped < 10, first[-5000:]
     reports = [read_try(str(logs / f"node{n}" / "ldm-launch" / "try-0"))[n] for n in (0, 1)]
     assert [r["exit_code"] for r in reports] == [143, 143] and [r["step"] for r in reports] == [stopped] * 2
     assert "master 127.0.0.1:" in first
+
+    assert (logs / "node0" / "ldm-launch.pid").is_file() and (logs / "node1" / "ldm-launch.pid").is_file()
 
     # the requeued job: the same script, resumed by `auto`, to the end
     env["LDM_DATA_CONSUMED_LOG"] = str(tmp_path / "ledger-second")
     second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-5000:] + second.stderr[-3000:]
     assert requeued.read_text().split() == ["42"]  # not requeued again
-    assert latest_checkpoint(str(out)).endswith("checkpoint-8")
+    assert latest_checkpoint(str(out)).endswith("checkpoint-10")
     run = json.loads((out / "run.json").read_text())
     assert run["world"]["nodes"] == 2 and len(run["resumes"]) == 1
     assert run["resumes"][0]["resumed_from"].endswith(f"checkpoint-{stopped}")
@@ -108,9 +112,9 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
     for name, start in (("ledger-first", 0), ("ledger-second", stopped)):
         for row in (tmp_path / name).read_text().splitlines():
             pass_index, _, shard, line, _, _, batch = row.split()
-            if start + int(batch) + 1 <= (stopped if start == 0 else 8):
+            if start + int(batch) + 1 <= (stopped if start == 0 else 10):
                 taken.append((pass_index, shard, line))
-    assert len(taken) == 8 * 2 * 2 and len(set(taken)) == len(taken)
+    assert len(taken) == 10 * 2 * 2 and len(set(taken)) == len(taken)
 
 
 MANIFESTS = ROOT / "scripts" / "kubernetes"
@@ -145,6 +149,11 @@ def test_the_kubernetes_manifests_parse_and_hold_what_the_docs_name(name):
         secrets = [e for e in container.get("envFrom", []) if "secretRef" in e]
         assert secrets and secrets[0]["secretRef"]["name"] == "ldm-object-store"
         assert "--output_dir=/runs/" in command
+        # the launch logs beside the run folder, not in it (a start over empties it), and one folder a pod
+        output_dir = next(a for a in container["args"] if a.startswith("--output_dir=")).split("=", 1)[1]
+        log_dir = next(a for a in container["args"] if a.startswith("--log_dir=")).split("=", 1)[1]
+        assert not (log_dir + "/").startswith(output_dir.rstrip("/") + "/") and "$(" in log_dir
+        assert any(a.startswith("--nnodes=") for a in container["args"])
     if name == "indexed-job.yaml":
         job = next(d for d in docs if d["kind"] == "Job")
         assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"]

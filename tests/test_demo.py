@@ -23,6 +23,7 @@ def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(900)  # seven stages of real processes: 60 s alone, over 300 s on a loaded 2-core runner
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
     command = ["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out), "--seed", "5"]

@@ -69,6 +69,47 @@ def test_the_command_is_split_and_resumes_with_auto():
         parse(["--max_restarts", "1", "train.py", "--seed", "1"])
 
 
+def report(code, step, local, cause=None):
+    return {"exit_code": code, "cause": cause, "step": step, "local_rank": local}
+
+
+def test_the_verdict_on_how_the_ranks_ended(tmp_path):
+    """Which ends are restarted, which rank is named (the launcher's, mapped from its place in the node to the global
+    rank), and the crash loop: the same update and the same cause."""
+    from ldm.launch import Supervisor, Try
+
+    args, launcher, script, script_args = parse(["--max_restarts", "3", "--nnodes", "2", "t.py", "--output_dir",
+                                                 str(tmp_path)])
+    supervisor = Supervisor(args, launcher, script, script_args)
+    supervisor.current = Try.__new__(Try)
+    supervisor.current.failed = {}
+    assert supervisor.verdict(0, {}) == 0
+    assert supervisor.verdict(1, {2: report(2, 5, 0, "UserError: no shard"), 3: report(None, 5, 1)}) == 2
+    supervisor.several_nodes = False
+    assert supervisor.verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}) == 143  # a stop they agreed on
+    supervisor.several_nodes = True  # on several nodes, a peer's failure on another node looks the same: restarted
+    assert supervisor.verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}) is None
+
+    # node 1 of two: its ranks 2 and 3; the launcher names its second rank (local 1), killed at update 8
+    supervisor.current.failed = {1: -9}
+    reports = {2: report(1, 7, 0, "RuntimeError: Connection reset by peer"), 3: report(None, 7, 1)}
+    failure = supervisor.failure(247, reports)
+    assert failure == {"rank": 3, "exit_code": -9, "cause": "killed by SIGKILL", "update": 8}
+    assert supervisor.give_up(failure) is None
+    supervisor.restarts.append({**failure, "resumed_from": 6})
+    assert "failed twice at update 8 (rank 3: killed by SIGKILL)" in supervisor.give_up(failure)
+    assert supervisor.give_up({**failure, "cause": "exit 1"}) is None  # another cause at the same update
+    supervisor.signalled = 15
+    assert supervisor.verdict(0, {}) == 0 and supervisor.verdict(143, {}) == 143  # a stop asked for: never restarted
+
+
+def test_logs_inside_the_run_folder_are_refused(tmp_path):
+    with pytest.raises(LaunchError, match="inside --output_dir"):
+        parse(["--log_dir", str(tmp_path / "run" / "logs"), "t.py", "--output_dir", str(tmp_path / "run")])
+    args, launcher, _, _ = parse(["--max_restart", "2", "t.py", "--output_dir", "x"])
+    assert args.max_restarts == 3 and launcher == ["--max_restart", "2"]  # Paddle's own flag passes through
+
+
 @pytest.mark.distributed
 def test_a_crash_at_the_same_update_stops_after_the_second_try_in_one_line(tmp_path):
     result = launch_failing(tmp_path, "--max_restarts", "5", "--restart_pause", "0.2", rank=1, how="crash")
@@ -108,6 +149,7 @@ def rank_pid(status: str, rank: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(600)  # three tries of real interpreters
 def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_once(tmp_path, vocab_dir):
     listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8)
     out, logs = tmp_path / "run", tmp_path / "logs"
@@ -129,8 +171,10 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
                 step = read_try(status).get(1, {}).get("step")
                 pid = rank_pid(status, 1) if step is not None and step >= at else None  # a look at every process
                 if pid is not None:
+                    os.kill(pid, signal.SIGSTOP)  # no further update on any rank: the one it failed in is known
+                    time.sleep(0.5)
+                    killed.append((attempt, max(r["step"] for r in read_try(status).values())))
                     os.kill(pid, signal.SIGKILL)
-                    killed.append((attempt, step))
                     break
                 time.sleep(0.05)
         output, _ = job.communicate(timeout=300)
@@ -145,8 +189,9 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
     assert [r["update"] for r in restarts] == [step + 1 for _, step in killed]
     for r in restarts:
         assert r["resumed_from"] <= r["update"] - 1 and r["updates_lost"] == r["update"] - 1 - r["resumed_from"]
-        # Paddle's launcher names the killed rank and stops the other at once (the run is back within a minute)
-        assert 0 < r["seconds_to_next_update"] < min(r["seconds_lost"], 60)
+        # Paddle's launcher names the killed rank and stops the other at once (the run is back within two minutes,
+        # on a loaded machine too)
+        assert 0 < r["seconds_to_next_update"] < min(r["seconds_lost"], 120)
     assert len(run["resumes"]) == 2
     assert latest_checkpoint(str(out)).endswith("checkpoint-9")
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -259,7 +259,10 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert min(phases[f"train/phase_{name}"] for name in ("data", "forward", "backward", "sync", "clip", "vote",
                                                            "optimizer", "ema")) > 0, phases
     # the profile of update 3, the first after the resume
-    assert (out / "profile" / "rank0-phases.txt").read_text().startswith("updates 3-3 on rank 0: ")
+    lines = (out / "profile" / "rank0-phases.txt").read_text().splitlines()
+    assert lines[0].startswith("updates 3-3 on rank 0: ")
+    total = float(lines[0].split(": ")[1].split(" s")[0])  # the window from the first update's start: no set-up
+    assert sum(float(line.split()[1]) for line in lines[2:]) == pytest.approx(total, abs=1e-3)
     assert any(name.endswith(".paddle_trace.json") for name in os.listdir(out / "profile"))
 
 

@@ -41,18 +41,24 @@ def stop_with_launcher() -> None:
     so a SIGKILL of the launcher (a scheduler that kills the main process only) would otherwise leave the ranks
     training and writing checkpoints beside the job started in its place. Linux only (prctl PR_SET_PDEATHSIG);
     elsewhere nothing changes."""
-    import ctypes
     import signal
 
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
-            return
-    except (OSError, AttributeError):
+    if not terminate_with_parent():
         return
     if os.getppid() != parent:  # the launcher died before the request was in place
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def terminate_with_parent() -> bool:
+    """Ask Linux for a SIGTERM to this process when its parent dies (prctl PR_SET_PDEATHSIG); False elsewhere."""
+    import ctypes
+    import signal
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def run_main(main) -> NoReturn:

@@ -1,8 +1,9 @@
 """What a rank tells `python -m ldm.launch`, which restarts a job whose rank died (`ldm.launch`).
 
-`ldm.launch` names a folder in `LDM_LAUNCH_STATUS` for each try. Rank k keeps `rank-k.step` there: the last
-update it finished, written in place at each update (one `pwrite` of a few bytes, no sync: the page cache keeps it
-when the process is killed). At its exit it writes `rank-k.json`: `{"exit_code", "cause", "step"}`. A rank killed
+`ldm.launch` names a folder in `LDM_LAUNCH_STATUS` for each try. Rank k (the global rank) keeps `rank-k.step`
+there: the last update it finished and its rank within its node, written in place at each update (one `pwrite` of
+a few bytes, no sync: the page cache keeps it when the process is killed). At its exit it writes `rank-k.json`:
+`{"exit_code", "cause", "step"}`. A rank killed
 by a signal, or one whose node is lost, writes no `rank-k.json`: that silence is itself what `ldm.launch` reads.
 Outside `ldm.launch` (no `LDM_LAUNCH_STATUS`) every function here does nothing.
 """
@@ -14,7 +15,7 @@ import os
 
 STATUS_ENV = "LDM_LAUNCH_STATUS"
 RESTARTS_ENV = "LDM_LAUNCH_RESTARTS"
-STEP_WIDTH = 20  # the heartbeat's fixed width: rewritten in place, never truncated
+STEP_WIDTH = 20  # the heartbeat's fields' fixed width: rewritten in place, never truncated
 
 _state: dict = {"fd": None, "step": None, "cause": None}
 
@@ -36,7 +37,8 @@ def beat(step: int) -> None:
     try:
         if _state["fd"] is None:
             _state["fd"] = os.open(os.path.join(folder, f"rank-{_rank()}.step"), os.O_WRONLY | os.O_CREAT, 0o644)
-        os.pwrite(_state["fd"], f"{step:<{STEP_WIDTH}}".encode(), 0)
+        local = os.environ.get("PADDLE_LOCAL_RANK", "0")  # Paddle's launcher names a failed rank by it
+        os.pwrite(_state["fd"], f"{step:<{STEP_WIDTH}}{local:<{STEP_WIDTH}}".encode(), 0)
     except OSError:  # the supervisor's folder is gone: the run itself goes on
         _state["fd"] = None
 
@@ -68,18 +70,21 @@ def restarts_so_far() -> dict[str, float]:
 
 
 def read_try(folder: str) -> dict[int, dict]:
-    """Each rank's report of one try (`ldm.launch`'s side): {rank: {"exit_code"|None, "cause", "step"}}."""
+    """Each rank's report of one try (`ldm.launch`'s side): {global rank: {"exit_code" (None: no report), "cause",
+    "step", "local_rank"}}."""
     ranks: dict[int, dict] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         stem, _, kind = name.partition(".")
         if not stem.startswith("rank-") or not stem[5:].isdigit() or kind not in ("step", "json"):
             continue
-        entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None})
+        entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None, "local_rank": None})
         try:
             with open(os.path.join(folder, name)) as f:
                 text = f.read()
             if kind == "step":
-                entry["step"] = entry["step"] if entry["step"] is not None else int(text.strip())
+                step, local = text.split()
+                entry["step"] = entry["step"] if entry["step"] is not None else int(step)
+                entry["local_rank"] = int(local)
             else:
                 entry.update({k: v for k, v in json.loads(text).items() if v is not None or k == "exit_code"})
         except (OSError, ValueError):

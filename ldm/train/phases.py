@@ -43,12 +43,17 @@ class PhaseClock:
         self.enabled = self.logged = enabled  # a profile window (`ProfileWindow`) times its phases, unlogged
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.totals_since: dict[str, float] | None = None  # a profile window's, which the logs' reads leave alone
+        self.on_restart = None
         self.window_start = self.last = time.perf_counter()
 
     def restart(self) -> None:
-        """A new window from now: what came before the first update (a restore, the model's wrapping) is no phase."""
+        """A new window from now: what came before the first update (a restore, the model's wrapping) is no phase.
+        The drivers call it as their first update begins; so does `on_restart` (a profile window that starts with
+        the run)."""
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.window_start = self.last = time.perf_counter()
+        if self.on_restart is not None:
+            self.on_restart()
 
     def lap(self, name: str) -> None:
         """The time since the previous lap was spent in phase `name`."""
@@ -74,9 +79,10 @@ class PhaseClock:
 
 
 class ProfileWindow:
-    """`--profile_steps A-B`: Paddle's profiler over updates A to B, on every rank. It starts when update A - 1 is
-    done (or at the start, when the run starts or resumes there) and stops after update B, or at the run's end
-    inside the window; then each rank writes to `<output_dir>/profile/`: `rank<k>_time_<when>.paddle_trace.json`
+    """`--profile_steps A-B`: Paddle's profiler over updates A to B, on every rank. It starts once update A - 1 is
+    done, its log, evaluation and save included (or as the first update begins, when a run starts or resumes
+    inside the window: from there), and stops once update B is done, or at the run's end inside the window; then
+    each rank writes to `<output_dir>/profile/`: `rank<k>_time_<when>.paddle_trace.json`
     (Chrome trace format: Perfetto, chrome://tracing, VisualDL's profiler page; one ProfileStep an update),
     `rank<k>-operators.txt` (Paddle's summary: each event type's share, the operators by total time) and
     `rank<k>-phases.txt` (where the window's time went, phase by phase, as `--phase_timing` logs it: the phase
@@ -84,22 +90,28 @@ class ProfileWindow:
 
     def __init__(self, window: tuple[int, int] | None, folder: str, rank: int, phases: PhaseClock):
         self.window, self.folder, self.rank, self.phases = window, folder, rank, phases
-        self.profiler, self.last, self.began = None, 0, 0.0
+        self.profiler, self.first, self.last, self.began = None, 0, 0, 0.0
         self.kept_enabled = phases.enabled
 
+    def begin(self, step: int) -> None:
+        """The run's first update begins after update `step` (its start or resume)."""
+        if self.window is not None and self.profiler is None and self.window[0] - 1 <= step < self.window[1]:
+            self._start(step)
+
     def after(self, step: int) -> None:
-        """Update `step` is done (at the start: the update the run starts from)."""
+        """Update `step` is done, with everything that follows it before the next one."""
         if self.window is None:
             return
+        if self.profiler is None:
+            if step == self.window[0] - 1:
+                self._start(step)
+            return
         self.last = step
-        if step == self.window[0] - 1 and self.profiler is None:
-            self._start()
-        elif self.profiler is not None:
-            self.profiler.step()  # the trace's ProfileStep of this update ends here
-            if step >= self.window[1]:
-                self.close()
+        self.profiler.step()  # the trace's ProfileStep of this update ends here
+        if step >= self.window[1]:
+            self.close()
 
-    def _start(self) -> None:
+    def _start(self, step: int) -> None:
         import paddle
         import paddle.profiler as profiler
 
@@ -114,18 +126,27 @@ class ProfileWindow:
         self.phases.lap("other")  # what came before is no phase of the window
         self.began = time.perf_counter()
         self.phases.totals_since = dict.fromkeys(PHASES, 0.0)
+        self.first = self.last = step + 1
 
     def close(self) -> None:
-        """Stop and write (once; nothing when the window was never reached)."""
+        """Stop and write (once; nothing when the window was never reached). A failure here is a warning: it must not
+        hide what ended the run."""
         if self.profiler is None:
             return
+        try:
+            self._write()
+        except Exception as e:  # noqa: BLE001 - the profile is an aid; the run's own outcome comes first
+            logger.warning("the profile of updates %d-%d was not written: %s", self.first, self.last, e)
+        self.profiler, self.window = None, None
+        self.phases.totals_since, self.phases.enabled = None, self.kept_enabled
+
+    def _write(self) -> None:
         import paddle.profiler as profiler
 
         self.phases.lap("other")
         seconds = self.phases.last - self.began  # before the trace is written
         self.profiler.stop()
-        spent, self.phases.totals_since = self.phases.totals_since, None
-        self.phases.enabled = self.kept_enabled
+        spent = self.phases.totals_since
         table = io.StringIO()
         with contextlib.redirect_stdout(table):
             self.profiler.summary(sorted_by=profiler.SortedKeys.CPUTotal, op_detail=True, thread_sep=False,
@@ -133,12 +154,11 @@ class ProfileWindow:
         prefix = os.path.join(self.folder, f"rank{self.rank}")
         with open(f"{prefix}-operators.txt", "w") as f:
             f.write(table.getvalue())
-        first, updates = self.window[0], max(1, self.last - self.window[0] + 1)
+        first, updates = self.first, max(1, self.last - self.first + 1)
         lines = [f"updates {first}-{self.last} on rank {self.rank}: {seconds:.4f} s, {seconds / updates:.4f} s an "
                  "update", f"{'phase':<12}{'seconds':>10}{'share':>9}"]
         lines += [f"{name:<12}{spent[name]:>10.4f}{spent[name] / max(seconds, 1e-9):>9.1%}" for name in PHASES]
         with open(f"{prefix}-phases.txt", "w") as f:
             f.write("\n".join(lines) + "\n")
-        self.profiler, self.window = None, None
         logger.info("profiled updates %d-%d in %.2f s: %s-phases.txt, %s-operators.txt and the trace in %s", first,
                     self.last, seconds, prefix, prefix, self.folder)

@@ -275,7 +275,7 @@ class TrainingRun:
         self.phases = PhaseClock(self.run_args.phase_timing)
         self.profile = ProfileWindow(self.run_args.profile_window, self.run_dir.path("profile"), self.dist.rank,
                                      self.phases)
-        self.profile.after(self.step)  # a window that starts with the run's first update
+        self.phases.on_restart = lambda: self.profile.begin(self.step)  # as the first update begins
         try:
             with GracefulStop(self.dist) as self.stop:
                 yield self
@@ -354,7 +354,6 @@ class TrainingRun:
             if self.objective.ema is not None:
                 self.objective.ema.update()
         self.phases.lap("ema")
-        self.profile.after(step)
 
     def window_metrics(self, logs: dict, with_loss: bool = True) -> dict:
         """`logs` with the window's means, the data path's figures, the guard's count, the throughput and, with
@@ -402,6 +401,7 @@ class TrainingRun:
         if not drives:
             self.log_saves(step)
         self.phases.lap("other")
+        self.profile.after(step)
 
     def log_saves(self, step: int) -> None:
         """The metrics of the saves sealed since the last call (rank 0's)."""

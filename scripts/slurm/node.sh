@@ -10,7 +10,10 @@ else
     script=train_txt2img_laion400m_no_trainer.py
 fi
 cards="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+logs="${LOG_DIR:-./log_slurm}/node${SLURM_NODEID}"
+mkdir -p "$logs"
+echo $$ > "$logs/ldm-launch.pid"  # the batch script's stop signals it (exec keeps the pid)
 exec "$PYTHON" -m ldm.launch --max_restarts "${MAX_RESTARTS:-3}" \
     --nnodes "$SLURM_NNODES" --rank "$SLURM_NODEID" --master "${MASTER_ADDR}:${MASTER_PORT}" \
-    --nproc_per_node "$cards" --log_dir "${LOG_DIR:-./log_slurm}/node${SLURM_NODEID}" \
+    --nproc_per_node "$cards" --log_dir "$logs" \
     "$script" "${ARGS[@]}" --resume_from_checkpoint auto "$@"
