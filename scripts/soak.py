@@ -213,6 +213,19 @@ def alive(seen: dict[int, str]) -> list[int]:
     return [pid for pid, started in seen.items() if pid in table and table[pid][1] == started]
 
 
+def all_gone(seen: dict[int, str], report: Report, what: str) -> None:
+    """After a segment: every process of it gone within 15 s (ranks the launcher ended, or a rank whose peer was
+    killed, take a few seconds), else a violation and they are killed."""
+    left = alive(seen)
+    for _ in range(150):
+        if not left:
+            return
+        time.sleep(0.1)
+        left = alive(seen)
+    report.violation(f"{what}: {len(left)} process(es) left 15 s after it ended")
+    kill_all(seen)
+
+
 def kill_all(seen: dict[int, str]) -> None:
     for pid in alive(seen):
         with _quiet():
@@ -529,16 +542,7 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
             if not any("no space to write" in line or "File too large" in line for line in last):
                 report.violation(f"run {chain} segment {segment.index}: the full disk did not end the run with one "
                                  f"'no space' line ({last[-1:] or 'no error line'})")
-        left = alive(seen)
-        for _ in range(150):  # ranks the launcher ended, or a rank whose peer was killed, take a few seconds to go
-            if not left:
-                break
-            time.sleep(0.1)
-            left = alive(seen)
-        if left:
-            report.violation(f"run {chain} segment {segment.index}: {len(left)} process(es) left 15 s after it "
-                             "ended")
-            kill_all(seen)
+        all_gone(seen, report, f"run {chain} segment {segment.index}")
         added = {n for n in shared_memory() - before_shm if not n.startswith("sem.")}
         if added:
             report.violation(f"run {chain} segment {segment.index}: shared memory left in /dev/shm: {sorted(added)}")
@@ -625,15 +629,7 @@ def healing_run(chain: int, path: str, work: str, corpus, args, rng: random.Rand
     report.segments += len(killed) + 1
     print(f"  {len(killed)} kill(s) ({', '.join(f'{f} after update {s}' for f, s in killed)}), exit {code}, "
           f"{time.monotonic() - began:.1f} s", flush=True)
-    left = alive(seen)
-    for _ in range(150):
-        if not left:
-            break
-        time.sleep(0.1)
-        left = alive(seen)
-    if left:
-        report.violation(f"run {chain} (no person): {len(left)} process(es) left 15 s after it ended")
-        kill_all(seen)
+    all_gone(seen, report, f"run {chain} (no person)")
     if code != 0:
         report.violation(f"run {chain} (no person) exited {code} after {len(killed)} kill(s): see {log.name}")
         return out

@@ -3,15 +3,18 @@
 `ldm.launch` names a folder in `LDM_LAUNCH_STATUS` for each try. Rank k (the global rank) keeps `rank-k.step`
 there: the last update it finished and its rank within its node, written in place at each update (one `pwrite` of
 a few bytes, no sync: the page cache keeps it when the process is killed). At its exit it writes `rank-k.json`:
-`{"exit_code", "cause", "step"}`. A rank killed
-by a signal, or one whose node is lost, writes no `rank-k.json`: that silence is itself what `ldm.launch` reads.
+`{"exit_code", "cause", "step"}`. A rank killed by a signal, or one whose node is lost, writes no `rank-k.json`:
+that silence is itself what `ldm.launch` reads.
 Outside `ldm.launch` (no `LDM_LAUNCH_STATUS`) every function here does nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+
+from ldm.runtime.files import atomic_write
 
 STATUS_ENV = "LDM_LAUNCH_STATUS"
 RESTARTS_ENV = "LDM_LAUNCH_RESTARTS"
@@ -54,13 +57,8 @@ def report_exit(code: int, cause: str | None = None) -> None:
     if folder is None:
         return
     report = {"exit_code": code, "cause": cause or _state["cause"], "step": _state["step"]}
-    path = os.path.join(folder, f"rank-{_rank()}.json")
-    try:
-        with open(path + ".partial", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".partial", path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), atomic_write(os.path.join(folder, f"rank-{_rank()}.json"), "w") as f:
+        json.dump(report, f)
 
 
 def restarts_so_far() -> dict[str, float]:
