@@ -109,6 +109,14 @@ def describe_exit(code: int | None) -> str:
     return f"exit {code}"
 
 
+def who(failure: dict) -> str:
+    return f"rank {failure['rank']}" if failure["rank"] is not None else "a rank"
+
+
+def where(failure: dict) -> str:
+    return f"update {failure['update']}" if failure["update"] is not None else "its start"
+
+
 class Try:
     """One run of Paddle's launcher: its output passed through, the failed ranks it names, the first new update."""
 
@@ -232,7 +240,7 @@ class Supervisor:
             self.restarts.append(self.restart_entry(failure))
             self.record()
             resumed = self.restarts[-1]["resumed_from"]
-            print(f"ldm.launch: rank {failure['rank']} failed at update {failure['update']} ({failure['cause']}); "
+            print(f"ldm.launch: {who(failure)} failed at {where(failure)} ({failure['cause']}); "
                   f"restart {len(self.restarts)} of {self.args.max_restarts} in {pause:g} s from "
                   f"{'the start' if resumed is None else f'checkpoint-{resumed}'}", file=sys.stderr, flush=True)
             if self._sleep(pause):
@@ -288,6 +296,10 @@ class Supervisor:
             rank, launcher_code = named[0], next(iter(self.current.failed.values()))  # (a broken collective)
         elif crashed or silent:
             rank, launcher_code = min(crashed or silent), None
+        elif self.current.failed:  # named before any heartbeat of its own (it never started): its exit code only
+            local, launcher_code = next(iter(self.current.failed.items()))
+            return {"rank": None, "exit_code": launcher_code, "update": update,
+                    "cause": f"the node's rank {local}, before its first update: {describe_exit(launcher_code)}"}
         else:
             return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
         report = reports.get(rank, {})
@@ -299,11 +311,10 @@ class Supervisor:
         """Why the job is not restarted after `failure` (a crash loop, the restarts spent), or None."""
         previous = self.restarts[-1] if self.restarts else None
         if previous is not None and (previous["update"], previous["cause"]) == (failure["update"], failure["cause"]):
-            where = f"update {failure['update']}" if failure["update"] is not None else "its start"
-            return (f"the run failed twice at {where} (rank {failure['rank']}: {failure['cause']}): not restarted "
+            return (f"the run failed twice at {where(failure)} ({who(failure)}: {failure['cause']}): not restarted "
                     "again (a crash loop: the same failure would repeat)")
         if len(self.restarts) >= self.args.max_restarts:
-            return (f"rank {failure['rank']} failed at update {failure['update']} ({failure['cause']}) after "
+            return (f"{who(failure)} failed at {where(failure)} ({failure['cause']}) after "
                     f"{len(self.restarts)} restart(s), the --max_restarts given")
         return None
 
