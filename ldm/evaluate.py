@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 
-from ldm.evaluation.fid import MODES, Statistics, check_comparable, small_sample_warning
+from ldm.evaluation.fid import FID_METHODS, MODES, Statistics, check_comparable, small_sample_warning
 from ldm.models.buckets import add_bucket_flags
 from ldm.runtime.cli import ToolParser
 from ldm.runtime.errors import UserError
@@ -139,7 +139,7 @@ def cmd_fid(args) -> int:
     a, b = sides[args.a], sides[args.b]
     notes = check_comparable(a, b, args.a, args.b)
     notes += [n for n in (small_sample_warning(a, args.a), small_sample_warning(b, args.b)) if n]
-    value = fid_value(a, b)
+    value = fid_value(a, b, args.fid_method)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     if args.json:
@@ -234,7 +234,7 @@ def cmd_run(args) -> int:
     from ldm.models.text import prompt_length
 
     resolution = model_resolution(unet, vae)
-    metrics = GeneratedMetrics(inception, reference, clip, args.mode, resolution)
+    metrics = GeneratedMetrics(inception, reference, clip, args.mode, resolution, args.fid_method)
     sampling = Sampling(prompts, args.num_samples, list(args.guidance_scale), args.num_inference_steps, args.seed,
                         args.batch_size)
     notes = metrics.check(sampling)
@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="statistics .npz or a folder of images")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="how folders are measured (default: the mode the statistics file records, else clean)")
+    p.add_argument("--fid_method", choices=FID_METHODS, default="eigenvalues",
+                   help="tr sqrt(S1 S2) from eigenvalues (default: pytorch-fid's value to 1e-4, seconds faster) or by "
+                        "scipy's sqrtm (pytorch-fid's own computation, its handling of near-singular products exactly)")
     add_common(p)
     p.add_argument("--json", action="store_true", help='print {"fid": ...}')
     p.set_defaults(run=cmd_fid)
@@ -411,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="statistics of real images at the model's resolution (python -m ldm.evaluate stats)")
     p.add_argument("--clip", metavar="FOLDER", help="a CLIP in Hugging Face's format: also the CLIP score")
     p.add_argument("--mode", choices=MODES, default="clean", help="as the reference was computed")
+    p.add_argument("--fid_method", choices=FID_METHODS, default="eigenvalues",
+                   help="tr sqrt(S1 S2) from eigenvalues (default: pytorch-fid's value to 1e-4, seconds faster) or by "
+                        "scipy's sqrtm (pytorch-fid's own computation, its handling of near-singular products exactly)")
     p.add_argument("--weights", choices=("ema", "raw"), default="ema",
                    help="a checkpoint's EMA weights when it has them (as exported), or its trained ones")
     p.add_argument("--seed", type=int, default=0, help="sample i's noise is drawn from (seed, i)")

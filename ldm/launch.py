@@ -19,9 +19,20 @@ it is used as it is); in collective mode its launcher exits at the first rank th
   decoder, a kernel that always faults there, the out-of-memory killer) stops after the second time, in one line
   naming the update and the cause.
 
+Before it reads how a try ended, every process of that try is gone: the ranks run in sessions of their own and
+outlive a launcher that was killed (they stop, saving the update they are in), so this process adopts them
+(Linux's child subreaper) and waits for them, at most `--stop_grace` seconds before it kills what is left. Only
+then is the next try started: it never meets the run lock of the try before it. One job per `--log_dir`: a second
+job given the same folder is refused before it writes anything there.
+
+Exit codes: 0 the run ended; 2 stopped on purpose (a user error, the non-finite guard); 3 the restarts given were
+spent; 4 a crash loop; 128 + N stopped by signal N (a stop asked for, the update saved); any other code is
+Paddle's launcher's, when no rank's report explains it.
+
 Each restart goes into the run's `run.json` as `restarts`: the update, the rank, its exit code and the cause, the
 checkpoint resumed and the updates lost, the seconds from that checkpoint's save to the failure and from the
-failure to the restarted job's first update, and their sum, `seconds_lost`. The ranks log the count as the metric
+failure to the restarted job's first update, and their sum, `seconds_lost`; the checkpoint is the one the restarted
+ranks report they resumed (a damaged newer one is set aside by them). The ranks log the count as the metric
 `restarts`; trackers continue the same run, as after any resume. A job its scheduler requeues continues the list.
 On several nodes each node runs its own `ldm.launch` (the same command with its `--rank`); the one whose ranks
 include rank 0 writes `run.json`. Paddle's launcher names a failed rank by its place in the node; the ranks'
@@ -33,7 +44,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -43,10 +56,13 @@ import threading
 import time
 
 from ldm.runtime.distributed import terminate_with_parent
-from ldm.runtime.supervisor import RESTARTS_ENV, STATUS_ENV, read_try
+from ldm.runtime.supervisor import PEER_LOST, RESTARTS_ENV, STATUS_ENV, read_try
 
 MAX_PAUSE_SECONDS = 300
 STOPPED_ON_PURPOSE = 2  # a user error, the non-finite guard (`ldm.runtime.errors`)
+GAVE_UP = 3  # the restarts given were spent
+CRASH_LOOP = 4  # the same failure twice in a row
+PR_SET_CHILD_SUBREAPER = 36
 # "Container rank 1 status failed cmd [...] code -9 log ...": how Paddle's launcher names the rank that failed
 FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .* code (-?\d+) ")
 
@@ -60,6 +76,8 @@ def split_command(argv: list[str]) -> tuple[list[str], str, list[str]]:
     for i, arg in enumerate(argv):
         if arg.endswith(".py") and not arg.startswith("-"):
             return argv[:i], arg, argv[i + 1:]
+    if "-h" in argv or "--help" in argv:
+        return argv, "", []
     raise LaunchError("no training script: name it after the launcher's flags, as for paddle.distributed.launch "
                       "(python -m ldm.launch --max_restarts 3 --nproc_per_node 8 train_txt2img_laion400m_no_trainer.py "
                       "--output_dir ...)")
@@ -151,11 +169,19 @@ class Try:
         return code
 
     def _watch_first_update(self) -> None:
-        if self.first_update_at is None and max(self.steps(), default=-1) > self.start_step:
+        if self.first_update_at is not None:
+            return
+        reports = read_try(self.status)
+        started = self.resumed_from(reports)
+        start = started if started is not None else self.start_step
+        if max((r["step"] for r in reports.values() if r["step"] is not None), default=-1) > start:
             self.first_update_at = time.time()
 
-    def steps(self) -> list[int]:
-        return [r["step"] for r in read_try(self.status).values() if r["step"] is not None]
+    @staticmethod
+    def resumed_from(reports: dict[int, dict]) -> int | None:
+        """The update the try's ranks started at, as they report it (rank 0's, else the lowest one's)."""
+        started = {rank: r["started"] for rank, r in reports.items() if r["started"] is not None}
+        return started.get(0, min(started.values(), default=None))
 
     def global_rank(self, local: int, reports: dict[int, dict]) -> int | None:
         """The global rank of the node's `local`-th rank, from the ranks' own heartbeats."""
@@ -178,6 +204,28 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def become_subreaper() -> bool:
+    """Adopt this process's orphaned descendants (Linux PR_SET_CHILD_SUBREAPER): the ranks of a launcher that was
+    killed become children of this one, which can then wait for them. False where it cannot."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap() -> None:
+    """Collect the exit status of every child that has ended (adopted ranks left as zombies otherwise)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def newest_checkpoint_step(output_dir: str | None) -> tuple[int | None, float | None]:
     """(step, time sealed) of the newest complete checkpoint of the run folder, as `auto` would resume it."""
     if not output_dir or not os.path.isdir(output_dir):
@@ -188,6 +236,39 @@ def newest_checkpoint_step(output_dir: str | None) -> tuple[int | None, float | 
         if checkpoint_problem(folder, checksums=False) is None:
             return checkpoint_step(folder), os.path.getmtime(folder)
     return None, None
+
+
+def checkpoint_sealed_at(output_dir: str | None, step: int | None) -> float | None:
+    """When checkpoint-`step` of the run folder was sealed (its folder's time), or None."""
+    if not output_dir or step is None:
+        return None
+    try:
+        return os.path.getmtime(os.path.join(output_dir, f"checkpoint-{step}"))
+    except OSError:
+        return None
+
+
+def lock_log_dir(log_dir: str):
+    """An open file holding an exclusive lock on `<log_dir>/ldm-launch.lock` for this job's life (the kernel drops
+    it when the job dies, so it never goes stale); LaunchError when another live job holds it. Taken before Paddle's
+    launcher truncates `workerlog.N` and before any report folder is emptied: a second job given the same folder
+    must not touch the first one's files."""
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, "ldm-launch.lock")
+    handle = open(path, "a+")  # noqa: SIM115 (held open on purpose: the lock lives as long as the file is open)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise LaunchError(f"--log_dir {log_dir} is in use by another job ({holder}): give each job a --log_dir of "
+                          "its own (the SLURM script names it after the job and its requeue)") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.flush()
+    return handle
 
 
 def run_record(output_dir: str | None) -> dict | None:
@@ -223,6 +304,7 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        become_subreaper()
         attempt = 0
         while True:
             code, reports = self.try_once(attempt)
@@ -231,27 +313,29 @@ class Supervisor:
                 self.record()
                 return verdict
             failure = self.failure(code, reports)
-            given_up = self.give_up(failure)
+            given_up, exit_code = self.give_up(failure)
             if given_up:
                 self.record()
                 print(f"error: ldm.launch: {given_up}", file=sys.stderr)
-                return code or 1
+                return exit_code
             pause = min(self.args.restart_pause * 2 ** len(self.restarts), MAX_PAUSE_SECONDS)
             self.restarts.append(self.restart_entry(failure))
             self.record()
-            resumed = self.restarts[-1]["resumed_from"]
             print(f"ldm.launch: {who(failure)} failed at {where(failure)} ({failure['cause']}); "
-                  f"restart {len(self.restarts)} of {self.args.max_restarts} in {pause:g} s from "
-                  f"{'the start' if resumed is None else f'checkpoint-{resumed}'}", file=sys.stderr, flush=True)
+                  f"restart {len(self.restarts)} of {self.args.max_restarts} in {pause:g} s, from the newest "
+                  "complete checkpoint", file=sys.stderr, flush=True)
             if self._sleep(pause):
+                print(f"ldm.launch: restart {len(self.restarts)} cancelled by {signal.Signals(self.signalled).name}",
+                      file=sys.stderr, flush=True)
                 return 128 + self.signalled
             attempt += 1
 
     def try_once(self, attempt: int) -> tuple[int, dict[int, dict]]:
-        """Paddle's launcher run once: its exit code and the ranks' reports."""
+        """Paddle's launcher run once: its exit code and the ranks' reports, read once every process of the try
+        has ended."""
         status = os.path.abspath(os.path.join(self.log_dir, "ldm-launch", f"try-{attempt}"))
         os.makedirs(status, exist_ok=True)
-        for name in os.listdir(status):  # a folder of an earlier job's try
+        for name in os.listdir(status):  # a folder of an earlier job's try (this job holds the log folder's lock)
             os.remove(os.path.join(status, name))
         restarts = len(self.earlier_of(run_record(self.output_dir))) + len(self.restarts)
         env = {**os.environ, STATUS_ENV: status, RESTARTS_ENV: str(restarts)}
@@ -260,12 +344,55 @@ class Supervisor:
         if self.signalled is not None:  # a signal that came while the try was being started
             self._on_signal(self.signalled, None)
         code = self.current.wait()
-        if self.restarts and self.current.first_update_at is not None:
-            last = self.restarts[-1]
-            last["seconds_to_next_update"] = round(self.current.first_update_at - last["failed_at"], 1)
+        self.wait_for_ranks(attempt)
+        self.current._watch_first_update()
+        reports = read_try(status)
+        if self.restarts:
+            self.resumed(self.restarts[-1], reports)
+        return code, reports
+
+    def wait_for_ranks(self, attempt: int) -> None:
+        """Wait until every process of the try has ended (ranks outlive a launcher that was killed, and stop by
+        saving the update they are in); after `--stop_grace` seconds, kill what is left."""
+        deadline, said = time.monotonic() + self.args.stop_grace, False
+        while True:
+            reap()
+            left = children(os.getpid())
+            if not left:
+                return
+            if not said:
+                print(f"ldm.launch: waiting for {len(left)} process(es) of try {attempt} to end (pids "
+                      f"{' '.join(map(str, left))}; at most {self.args.stop_grace:g} s)", file=sys.stderr, flush=True)
+                said = True
+            if time.monotonic() > deadline:
+                print(f"ldm.launch: killing {len(left)} process(es) of try {attempt} still running after "
+                      f"{self.args.stop_grace:g} s", file=sys.stderr, flush=True)
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                deadline = math.inf
+            time.sleep(0.2)
+
+    def resumed(self, entry: dict, reports: dict[int, dict]) -> None:
+        """The restart's checkpoint as the restarted ranks report it, and what follows from it."""
+        started = Try.resumed_from(reports)
+        if started is None:
+            return
+        resumed = started or None  # 0: from the start
+        entry["resumed_from"] = resumed
+        entry["updates_lost"] = None if entry["update"] is None else entry["update"] - 1 - (resumed or 0)
+        sealed_at = checkpoint_sealed_at(self.output_dir, resumed)
+        entry["seconds_since_checkpoint"] = round(entry["failed_at"] - sealed_at, 1) if sealed_at else None
+        if self.current.first_update_at is not None:
+            entry["seconds_to_next_update"] = round(self.current.first_update_at - entry["failed_at"], 1)
             # the updates since the checkpoint are done again, in about the time they took
-            last["seconds_lost"] = round(last["seconds_to_next_update"] + (last["seconds_since_checkpoint"] or 0), 1)
-        return code, read_try(status)
+            entry["seconds_lost"] = round(entry["seconds_to_next_update"] + (entry["seconds_since_checkpoint"] or 0),
+                                          1)
+        if not entry.get("said"):
+            entry["said"] = True
+            lost = f", {entry['updates_lost']} update(s) done again" if entry["updates_lost"] is not None else ""
+            print(f"ldm.launch: restart {len(self.restarts)} resumed from "
+                  f"{'the start' if resumed is None else f'checkpoint-{resumed}'}{lost}", file=sys.stderr, flush=True)
 
     def verdict(self, code: int, reports: dict[int, dict]) -> int | None:
         """The exit code when the job is not restarted, else None."""
@@ -281,12 +408,16 @@ class Supervisor:
                   file=sys.stderr)
             return STOPPED_ON_PURPOSE
         stops = set(codes.values())
-        if codes and not self.several_nodes and stops <= {130, 143}:
-            return max(stops)  # every rank stopped together on SIGTERM/SIGINT sent to them, not to this process
+        # every rank stopped together on SIGTERM/SIGINT sent to them, not to this process; a launcher that was killed
+        # (a negative code) stops its ranks the same way, and that is a failure
+        if codes and code > 0 and not self.several_nodes and stops <= {130, 143}:
+            return max(stops)
         return None
 
     def failure(self, code: int, reports: dict[int, dict]) -> dict:
-        """The rank that failed, its exit code, the cause and the update it was in (None: before its first)."""
+        """The rank that failed, its exit code, the cause and the update it was in (None: before its first). A rank
+        whose collective failed because a peer was gone (`PEER_LOST`) is a victim: the rank that stopped answering
+        is named instead."""
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
         update = max(steps) + 1 if steps else None
         crashed = [rank for rank, r in reports.items() if r["exit_code"] not in (None, 0, 130, 143)]
@@ -300,26 +431,47 @@ class Supervisor:
             local, launcher_code = next(iter(self.current.failed.items()))
             return {"rank": None, "exit_code": launcher_code, "update": update,
                     "cause": f"the node's rank {local}, before its first update: {describe_exit(launcher_code)}"}
+        elif code < 0:
+            return {"rank": None, "exit_code": code, "update": update,
+                    "cause": f"paddle.distributed.launch was {describe_exit(code)} (its ranks stopped with it)"}
         else:
             return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
         report = reports.get(rank, {})
+        if (report.get("cause") or "").startswith(PEER_LOST):
+            culprit = self.unresponsive(reports)
+            if culprit is not None and culprit != rank:
+                hung = reports[culprit]
+                cause = hung["cause"] or (f"stopped answering after update {hung['step']}: rank {rank}'s collective "
+                                          "waited for it and timed out")
+                return {"rank": culprit, "exit_code": hung["exit_code"], "cause": cause, "update": update}
         exit_code = report.get("exit_code") if report.get("exit_code") is not None else launcher_code
         return {"rank": rank, "exit_code": exit_code, "cause": report.get("cause") or describe_exit(exit_code),
                 "update": update}
 
-    def give_up(self, failure: dict) -> str | None:
-        """Why the job is not restarted after `failure` (a crash loop, the restarts spent), or None."""
+    @staticmethod
+    def unresponsive(reports: dict[int, dict]) -> int | None:
+        """The rank that stopped advancing first among those that are not victims of a lost peer: the fewest
+        updates, then the oldest heartbeat."""
+        suspects = [(r["step"] if r["step"] is not None else -1, r["beat_at"] or 0.0, rank)
+                    for rank, r in reports.items()
+                    if r["exit_code"] not in (0, 130, 143) and not (r["cause"] or "").startswith(PEER_LOST)]
+        return min(suspects)[2] if suspects else None
+
+    def give_up(self, failure: dict) -> tuple[str | None, int]:
+        """Why the job is not restarted after `failure` (a crash loop, the restarts spent) and its exit code, or
+        (None, 0)."""
         previous = self.restarts[-1] if self.restarts else None
         if previous is not None and (previous["update"], previous["cause"]) == (failure["update"], failure["cause"]):
             return (f"the run failed twice at {where(failure)} ({who(failure)}: {failure['cause']}): not restarted "
-                    "again (a crash loop: the same failure would repeat)")
+                    "again (a crash loop: the same failure would repeat)"), CRASH_LOOP
         if len(self.restarts) >= self.args.max_restarts:
             return (f"{who(failure)} failed at {where(failure)} ({failure['cause']}) after "
-                    f"{len(self.restarts)} restart(s), the --max_restarts given")
-        return None
+                    f"{len(self.restarts)} restart(s), the --max_restarts given"), GAVE_UP
+        return None, 0
 
     def restart_entry(self, failure: dict) -> dict:
-        """The restart's record in `run.json` (`failed_at` stays in memory)."""
+        """The restart's record in `run.json` (`failed_at` and `said` stay in memory). The checkpoint is, until the
+        restarted ranks say which one they resumed, the newest that looks complete."""
         now = time.time()
         resumed, sealed_at = newest_checkpoint_step(self.output_dir)
         return {"restart": len(self.earlier_of(run_record(self.output_dir))) + len(self.restarts) + 1,
@@ -340,7 +492,7 @@ class Supervisor:
             return
         from ldm.checkpoint.run_folder import write_json
 
-        mine = [{k: v for k, v in r.items() if k != "failed_at"} for r in self.restarts]
+        mine = [{k: v for k, v in r.items() if k not in ("failed_at", "said")} for r in self.restarts]
         marker = os.path.join(self.output_dir, "run.json")
         try:
             write_json(marker, {**run, "restarts": self.earlier_of(run) + mine})
@@ -354,13 +506,17 @@ class Supervisor:
     def _on_signal(self, sig, frame) -> None:
         """A scheduler's stop, and no restart after it. The first goes to the ranks themselves: they agree to stop,
         save the update they are in and exit, and the launcher then ends; Paddle's launcher given a SIGTERM kills
-        its ranks 30 s later, whatever they are writing. A second one goes to the launcher."""
+        its ranks 30 s later, whatever they are writing. A second one goes to the launcher. Ranks this process
+        adopted (their launcher gone) get it directly."""
         again, self.signalled = self.signalled is not None and frame is not None, sig
         process = self.current.process if self.current is not None else None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        ranks = [] if again else children(process.pid)
-        for pid in ranks or [process.pid]:
+        if process.poll() is not None:
+            targets = children(os.getpid())
+        else:
+            targets = ([] if again else children(process.pid)) or [process.pid]
+        for pid in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
@@ -375,20 +531,27 @@ class Supervisor:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], str, list[str]]:
     launcher, script, script_args = split_command(argv)
     parser = argparse.ArgumentParser(prog="python -m ldm.launch", description=__doc__.split("\n\n")[0],
+                                     usage="python -m ldm.launch [--max_restarts N] [--restart_pause S] "
+                                           "[--stop_grace S] [paddle.distributed.launch's flags] SCRIPT [flags]",
+                                     epilog="Exit codes: 0 done; 2 stopped on purpose (a user error, the non-finite "
+                                            "guard); 3 restarts spent; 4 a crash loop; 128+N stopped by signal N.",
                                      allow_abbrev=False)  # Paddle's own --max_restart passes through
     parser.add_argument("--max_restarts", type=int, default=3,
                         help="restarts after a failure before the job gives up (default 3)")
     parser.add_argument("--restart_pause", type=float, default=10.0,
                         help="seconds before the first restart, doubled each time (at most 300; default 10)")
+    parser.add_argument("--stop_grace", type=float, default=300.0,
+                        help="seconds a try's ranks may take to stop (saving the update they are in) once their "
+                             "launcher has ended, before they are killed (default 300)")
     args, launcher_flags = parser.parse_known_args(launcher)
-    if args.max_restarts < 0 or args.restart_pause < 0:
-        raise LaunchError("--max_restarts and --restart_pause must be >= 0")
+    if args.max_restarts < 0 or not (0 <= args.restart_pause < math.inf) or not (0 <= args.stop_grace < math.inf):
+        raise LaunchError("--max_restarts, --restart_pause and --stop_grace must be finite numbers >= 0")
     output_dir = flag_value(script_args, "--output_dir")
     if args.max_restarts and output_dir is None:
         raise LaunchError(f"{script} needs --output_dir among its flags under ldm.launch: a restart resumes "
                           "the newest checkpoint there")
-    log_dir = os.path.abspath(flag_value(launcher_flags, "--log_dir", os.environ.get("PADDLE_LOG_DIR", "log")))
-    if output_dir and (log_dir + os.sep).startswith(os.path.abspath(output_dir) + os.sep):
+    log_dir = os.path.realpath(flag_value(launcher_flags, "--log_dir", os.environ.get("PADDLE_LOG_DIR", "log")))
+    if output_dir and (log_dir + os.sep).startswith(os.path.realpath(output_dir) + os.sep):
         raise LaunchError(f"--log_dir {log_dir} is inside --output_dir {output_dir}: the run folder holds only what "
                           "the run writes (a start over empties it); put the logs beside it")
     return args, launcher_flags, script, script_args
@@ -397,10 +560,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], str, list[str
 def main(argv: list[str] | None = None) -> int:
     try:
         args, launcher_flags, script, script_args = parse(sys.argv[1:] if argv is None else argv)
+        if not os.path.isfile(script):  # else a pause, a second try and a crash loop's message
+            raise LaunchError(f"{script}: no such training script (relative to {os.getcwd()})")
+        supervisor = Supervisor(args, launcher_flags, script, script_args)
+        lock = lock_log_dir(supervisor.log_dir)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return Supervisor(args, launcher_flags, script, script_args).run()
+    with lock:
+        return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
         (tools / name).write_text(text)
         (tools / name).chmod(0o755)
     out, logs, requeued = tmp_path / "run", tmp_path / "logs", tmp_path / "requeued"
+    first_logs = logs / "job42-0"  # one log folder per job and requeue
     env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
            "SLURM_JOB_ID": "42", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_SUBMIT_DIR": str(ROOT), "SCONTROL_LOG": str(requeued), "MASTER_PORT": str(free_port()),
@@ -81,7 +82,7 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
     deadline = time.monotonic() + 240
     steps = []
     while time.monotonic() < deadline and job.poll() is None:
-        steps = [read_try(str(logs / f"node{n}" / "ldm-launch" / "try-0")).get(n, {}).get("step") for n in (0, 1)]
+        steps = [read_try(str(first_logs / f"node{n}" / "ldm-launch" / "try-0")).get(n, {}).get("step") for n in (0, 1)]
         if None not in steps and min(steps) >= 2:
             job.send_signal(signal.SIGTERM)
             break
@@ -92,17 +93,19 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
     assert "requeued, to continue from the checkpoint just saved" in first
     stopped = checkpoint_step(latest_checkpoint(str(out)))
     assert 2 <= stopped < 10, first[-5000:]
-    reports = [read_try(str(logs / f"node{n}" / "ldm-launch" / "try-0"))[n] for n in (0, 1)]
+    reports = [read_try(str(first_logs / f"node{n}" / "ldm-launch" / "try-0"))[n] for n in (0, 1)]
     assert [r["exit_code"] for r in reports] == [143, 143] and [r["step"] for r in reports] == [stopped] * 2
     assert "master 127.0.0.1:" in first
 
-    assert (logs / "node0" / "ldm-launch.pid").is_file() and (logs / "node1" / "ldm-launch.pid").is_file()
+    assert (first_logs / "node0" / "ldm-launch.pid").is_file() and (first_logs / "node1" / "ldm-launch.pid").is_file()
 
-    # the requeued job: the same script, resumed by `auto`, to the end
+    # the requeued job: the same script, resumed by `auto`, to the end, in a log folder of its own
     env["LDM_DATA_CONSUMED_LOG"] = str(tmp_path / "ledger-second")
+    env["SLURM_RESTART_COUNT"] = "1"
     second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-5000:] + second.stderr[-3000:]
     assert requeued.read_text().split() == ["42"]  # not requeued again
+    assert (logs / "job42-1" / "node0" / "ldm-launch" / "try-0").is_dir()
     assert latest_checkpoint(str(out)).endswith("checkpoint-10")
     run = json.loads((out / "run.json").read_text())
     assert run["world"]["nodes"] == 2 and len(run["resumes"]) == 1
@@ -115,6 +118,53 @@ def test_the_slurm_script_trains_on_two_nodes_stops_before_the_limit_and_its_req
             if start + int(batch) + 1 <= (stopped if start == 0 else 10):
                 taken.append((pass_index, shard, line))
     assert len(taken) == 10 * 2 * 2 and len(set(taken)) == len(taken)
+
+
+# A stand-in for `python -m ldm.launch` on each node: it runs until the batch script's stop reaches it (by the pid
+# file, and only while that pid is an ldm.launch), then exits with the code the test gives.
+FAKE_LAUNCH = """#!/usr/bin/env bash
+trap 'exit "$FAKE_EXIT"' TERM
+echo "$$ $*" >> "$FAKE_LOG"
+while true; do sleep 0.1; done
+"""
+
+
+@pytest.mark.parametrize(("exit_code", "requeue"), [(143, True), (3, True), (2, False), (4, False)])
+def test_the_slurm_script_requeues_a_stop_only_when_a_new_allocation_can_fix_it(tmp_path, exit_code, requeue):
+    """A stop (exit 143) or spent restarts are requeued; a user error (2) or a crash loop (4) would fail again."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("python", FAKE_LAUNCH)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    (tmp_path / "stale").mkdir()
+    stale = subprocess.Popen(["sleep", "60"])  # an earlier job's pid file in the old shared layout: never signalled
+    (tmp_path / "logs" / "node0").mkdir(parents=True)
+    (tmp_path / "logs" / "node0" / "ldm-launch.pid").write_text(str(stale.pid))
+    launched, requeued = tmp_path / "launched", tmp_path / "requeued"
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHON": str(tools / "python"),
+           "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_SUBMIT_DIR": str(ROOT), "SCONTROL_LOG": str(requeued), "LOG_DIR": str(tmp_path / "logs"),
+           "FAKE_EXIT": str(exit_code), "FAKE_LOG": str(launched), "GPUS_PER_NODE": "1"}
+    job = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm" / "pretrain.sbatch")], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        pid_files = [tmp_path / "logs" / "job7-2" / f"node{n}" / "ldm-launch.pid" for n in (0, 1)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (launched.exists() and len(launched.read_text().splitlines()) == 2
+                                                   and all(p.exists() for p in pid_files)):
+            time.sleep(0.05)
+        time.sleep(0.3)  # the exec after the pid file
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+        alive = stale.poll() is None
+        stale.kill()
+    assert job.returncode == exit_code, output
+    assert alive, "a stale pid file of another job was signalled"
+    assert (requeued.read_text().split() if requeued.exists() else []) == (["7"] if requeue else []), output
+    assert ("not requeued" in output) != requeue
 
 
 MANIFESTS = ROOT / "scripts" / "kubernetes"

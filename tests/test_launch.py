@@ -27,7 +27,7 @@ def main():
     with open(os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], "argv.txt"), "a") as f:
         f.write(" ".join(sys.argv[1:]) + "\\n")
     rank = int(os.environ["PADDLE_TRAINER_ID"])
-    supervisor.beat(0)
+    supervisor.started(0)
     for step in (1, 2):
         time.sleep(0.2)
         supervisor.beat(step)
@@ -70,7 +70,7 @@ def test_the_command_is_split_and_resumes_with_auto():
 
 
 def report(code, step, local, cause=None):
-    return {"exit_code": code, "cause": cause, "step": step, "local_rank": local}
+    return {"exit_code": code, "cause": cause, "step": step, "local_rank": local, "started": None, "beat_at": None}
 
 
 def test_the_verdict_on_how_the_ranks_ended(tmp_path):
@@ -95,10 +95,32 @@ def test_the_verdict_on_how_the_ranks_ended(tmp_path):
     reports = {2: report(1, 7, 0, "RuntimeError: Connection reset by peer"), 3: report(None, 7, 1)}
     failure = supervisor.failure(247, reports)
     assert failure == {"rank": 3, "exit_code": -9, "cause": "killed by SIGKILL", "update": 8}
-    assert supervisor.give_up(failure) is None
+    assert supervisor.give_up(failure) == (None, 0)
     supervisor.restarts.append({**failure, "resumed_from": 6})
-    assert "failed twice at update 8 (rank 3: killed by SIGKILL)" in supervisor.give_up(failure)
-    assert supervisor.give_up({**failure, "cause": "exit 1"}) is None  # another cause at the same update
+    why, code = supervisor.give_up(failure)
+    assert "failed twice at update 8 (rank 3: killed by SIGKILL)" in why and code == 4
+    assert supervisor.give_up({**failure, "cause": "exit 1"}) == (None, 0)  # another cause at the same update
+
+    # a hung rank: the launcher names rank 0, whose collective timed out waiting; rank 1 stopped answering (no
+    # report, the older heartbeat): rank 1 is named
+    supervisor.current.failed = {0: 1}
+    lost = "lost its peers (TIMEOUT in a collective): another rank or its launcher stopped first; its log says why"
+    hung = {0: {**report(1, 22, 0, lost), "beat_at": 110.0}, 1: {**report(None, 22, 1), "beat_at": 100.0}}
+    failure = supervisor.failure(1, hung)
+    assert (failure["rank"], failure["update"]) == (1, 23), failure
+    assert failure["cause"] == "stopped answering after update 22: rank 0's collective waited for it and timed out"
+    # a launcher that was killed: its ranks stopped with it (143 each), which is a failure, not a stop
+    supervisor.signalled, supervisor.current.failed = None, {}
+    stopped = {0: report(143, 5, 0), 1: report(143, 5, 1)}
+    supervisor.several_nodes = False
+    assert supervisor.verdict(-9, stopped) is None
+    assert supervisor.failure(-9, stopped)["cause"] == ("paddle.distributed.launch was killed by SIGKILL (its ranks "
+                                                        "stopped with it)")
+    # the checkpoint a restart resumed is the one its ranks report, not the newest folder that looks complete
+    entry = {"update": 21, "resumed_from": 20, "updates_lost": 0, "failed_at": time.time(), "said": True}
+    supervisor.current.first_update_at = None
+    supervisor.resumed(entry, {0: {**report(None, 12, 0), "started": 10}, 1: {**report(None, 12, 1), "started": 10}})
+    assert (entry["resumed_from"], entry["updates_lost"]) == (10, 10)
     supervisor.signalled = 15
     assert supervisor.verdict(0, {}) == 0 and supervisor.verdict(143, {}) == 143  # a stop asked for: never restarted
 
@@ -117,7 +139,9 @@ def test_a_crash_at_the_same_update_stops_after_the_second_try_in_one_line(tmp_p
     last = result.stderr.strip().splitlines()[-1]
     assert last == ("error: ldm.launch: the run failed twice at update 3 (rank 1: RuntimeError: the decoder crashed "
                     "on shard 17): not restarted again (a crash loop: the same failure would repeat)"), last
-    assert "restart 1 of 5 in 0.2 s from the start" in result.stderr
+    assert "restart 1 of 5 in 0.2 s, from the newest complete checkpoint" in result.stderr
+    assert "restart 1 resumed from the start" in result.stderr  # as the restarted ranks reported it
+    assert result.returncode == 4  # a crash loop (python -m ldm.launch --help)
     tries = (tmp_path / "out" / "argv.txt").read_text().splitlines()
     assert len(tries) == 4  # two ranks, two tries: the second resumes whatever the first saved
     assert all("--resume_from_checkpoint auto" in line for line in tries[2:])
@@ -208,3 +232,169 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
                 kept.append((start + int(batch) + 1, pass_index, shard, int(line)))
     records = [(pass_index, shard, line) for _, pass_index, shard, line in kept]
     assert len(records) == 9 * 2 * 4 and len(set(records)) == len(records)
+
+
+# A stand-in that stops as a run does, slowly: on SIGTERM (its launcher gone) it "saves" the update it is in, taking
+# STOP_SECONDS, while rank 0 holds the run folder's real lock; a restarted try reports the update it resumed.
+SLOW_STOP = """
+import os, signal, sys, time
+from ldm.checkpoint.lock import RunLock
+from ldm.runtime import supervisor
+from ldm.runtime.distributed import run_main
+from ldm.train.errors import user_errors
+
+def main():
+    out = sys.argv[sys.argv.index("--output_dir") + 1]
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    with user_errors():
+        lock = RunLock(out)
+        if rank == 0:
+            lock.acquire()
+    saved = os.path.join(out, "saved")
+    step = int(open(saved).read()) if os.path.exists(saved) else 0
+    supervisor.started(step)
+    last = int(os.environ["LAST_STEP"]) if os.environ.get("LDM_LAUNCH_RESTARTS") != "0" else 10**6
+    while step < last and not stop:
+        time.sleep(0.1)
+        step += 1
+        supervisor.beat(step)
+    if stop:
+        time.sleep(float(os.environ["STOP_SECONDS"]))
+        if rank == 0:
+            open(saved, "w").write(str(step))
+        with open(os.path.join(out, "ended.txt"), "a") as f:
+            f.write(f"{rank} {time.time()}\\n")
+        lock.release()
+        return 143
+    with open(os.path.join(out, "started.txt"), "a") as f:
+        f.write(f"{rank} {os.environ['LDM_LAUNCH_RESTARTS']} {step}\\n")
+    lock.release()
+    return 0
+
+run_main(main)
+"""
+
+
+def paddle_launcher_pid(job_pid: int) -> int | None:
+    from ldm.launch import children
+
+    found = children(job_pid)
+    return found[0] if found else None
+
+
+@pytest.mark.distributed
+def test_a_restart_waits_for_every_rank_of_the_killed_launcher_and_records_what_they_did(tmp_path):
+    """SIGKILL of Paddle's launcher: its ranks outlive it and stop slowly (saving while rank 0 holds the run lock).
+    The restart waits for them, so it neither meets their lock nor records a checkpoint they had not yet saved."""
+    (tmp_path / "slow.py").write_text(SLOW_STOP)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "2", "--restart_pause", "0",
+               "--nproc_per_node", "2", "--log_dir", str(logs), "slow.py", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STOP_SECONDS": "4", "LAST_STEP": "3"}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            reports = read_try(str(logs / "ldm-launch" / "try-0"))
+            if len(reports) == 2 and min(r["step"] or 0 for r in reports.values()) >= 5:
+                break
+            time.sleep(0.1)
+        os.kill(paddle_launcher_pid(job.pid), signal.SIGKILL)
+        output, _ = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-4000:]
+    assert "waiting for 2 process(es) of try 0 to end" in output, output[-4000:]
+    saved = int((out / "saved").read_text())
+    ended = [float(line.split()[1]) for line in (out / "ended.txt").read_text().splitlines()]
+    assert len(ended) == 2
+    started = (out / "started.txt").read_text().splitlines()
+    assert sorted(line.split()[:2] for line in started) == [["0", "1"], ["1", "1"]]  # restart 1, no lock refused
+    assert f"restart 1 resumed from checkpoint-{saved}" in output, output[-4000:]
+    assert "paddle.distributed.launch was killed by SIGKILL" in output
+    # every rank of the first try ended before the second try began (its reports' folder was made after)
+    assert max(ended) <= os.path.getmtime(logs / "ldm-launch" / "try-1" / "rank-0.start")
+
+
+@pytest.mark.distributed
+def test_a_second_job_given_the_same_log_dir_is_refused_before_it_touches_the_first_ones_files(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_STOP)
+    out, other, logs = tmp_path / "out", tmp_path / "other", tmp_path / "logs"
+    out.mkdir()
+    other.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STOP_SECONDS": "0", "LAST_STEP": "2"}
+
+    def command(folder):
+        return [sys.executable, "-m", "ldm.launch", "--max_restarts", "1", "--restart_pause", "0",
+                "--nproc_per_node", "2", "--log_dir", str(logs), "slow.py", "--output_dir", str(folder)]
+
+    job = subprocess.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        status = logs / "ldm-launch" / "try-0"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(read_try(str(status))) < 2:
+            time.sleep(0.1)
+        before = {name: (status / name).stat().st_mtime_ns for name in os.listdir(status)}
+        workerlog = (logs / "workerlog.0").stat().st_size
+        second = subprocess.run(command(other), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: --log_dir {logs} is in use by another job (pid {job.pid} on {os.uname().nodename}): give each "
+            "job a --log_dir of its own (the SLURM script names it after the job and its requeue)"], second.stderr
+        assert set(os.listdir(status)) == set(before) and (logs / "workerlog.0").stat().st_size >= workerlog
+        # the first job still heals: its rank 1 killed, it restarts and ends
+        os.kill(rank_pid(str(status), 1), signal.SIGKILL)
+        output, _ = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-4000:]
+    assert "rank 1 failed at" in output and "killed by SIGKILL" in output, output[-4000:]
+
+
+def test_a_command_that_cannot_run_is_refused_at_once_in_one_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "logs").symlink_to(tmp_path / "run")
+    (tmp_path / "t.py").write_text("")
+    for argv, message in ((["missing.py", "--output_dir", "o"], "missing.py: no such training script"),
+                          (["--restart_pause", "nan", "t.py", "--output_dir", "o"], "must be finite numbers >= 0"),
+                          (["--log_dir", str(tmp_path / "logs" / "x"), "t.py", "--output_dir", str(tmp_path / "run")],
+                           "inside --output_dir")):
+        result = subprocess.run([sys.executable, "-m", "ldm.launch", *argv], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert message in result.stderr and not (tmp_path / "log").exists()
+    result = subprocess.run([sys.executable, "-m", "ldm.launch", "--help"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and "--max_restarts" in result.stdout and "Exit codes" in result.stdout
+
+
+@pytest.mark.distributed
+def test_a_stop_during_the_restart_pause_says_the_restart_was_cancelled_and_spent_restarts_exit_3(tmp_path):
+    (tmp_path / "fail.py").write_text(FAILING)
+    (tmp_path / "out").mkdir()
+    command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "1", "--restart_pause", "60",
+               "--nproc_per_node", "2", "--log_dir", str(tmp_path / "logs"), "fail.py", "--output_dir", "out"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAIL_RANK": "1", "FAIL_HOW": "crash"}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in job.stderr:
+            lines.append(line)
+            if "restart 1 of 1 in 60 s" in line:
+                job.send_signal(signal.SIGTERM)
+                break
+        _, rest = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 143
+    assert "ldm.launch: restart 1 cancelled by SIGTERM" in "".join(lines) + rest
+    # restarts spent: exit 3, documented (a crash at another update each time is not a crash loop)
+    spent = tmp_path / "spent"
+    spent.mkdir()
+    result = launch_failing(spent, "--max_restarts", "0", rank=1, how="crash")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "after 0 restart(s), the --max_restarts given" in result.stderr

@@ -1,6 +1,7 @@
 """The hand-written loop, run as users run it: real entry point, tiny preset, generated shards."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -733,8 +734,8 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                 "lr_scheduler": "linear", "lr_warmup_steps": 0, "num_workers": 0, "save_steps": 1,
                 "logging_steps": 1, "report_to": ["none"], **loop_overrides}
     max_in_row = settings.pop("max_nonfinite_updates", 20)
-    return run(LoopArguments(**settings), data, lambda dist, resume, resolved: objective,
-               run_args=RunArguments(max_nonfinite_updates=max_in_row))
+    run_args = settings.pop("run_args", None) or RunArguments(max_nonfinite_updates=max_in_row)
+    return run(LoopArguments(**settings), data, lambda dist, resume, resolved: objective, run_args=run_args)
 
 
 def test_phase_timing_says_where_each_window_of_updates_spent_its_time(tmp_path):
@@ -795,6 +796,21 @@ def test_profile_steps_write_each_ranks_trace_its_operators_and_where_the_window
     assert min(rows[name] for name in ("data", "forward", "backward", "optimizer")) > 0
     logged = [m for m in metrics_lines(out) if "train/loss" in m]
     assert len(logged) == 4 and not any("train/phase_forward" in m for m in logged)  # --phase_timing is off
+
+
+def test_a_profile_window_the_run_never_reaches_is_said_at_start_and_a_malformed_one_in_one_line(tmp_path, caplog):
+    from ldm.config.args import RunArguments
+    from ldm.runtime.errors import UserError
+
+    for malformed in ("²-³", "3-1", "a-b", "5"):
+        with pytest.raises(UserError, match="--profile_steps must be A-B"):
+            RunArguments(profile_steps=malformed)
+    assert RunArguments(profile_steps=" 2 - 3 ").profile_window == (2, 3)
+    with caplog.at_level(logging.WARNING, logger="ldm.train"):
+        pixel_run(tmp_path, PixelRegression(), "run", max_train_steps=2, run_args=RunArguments(profile_steps="50-60"))
+    assert any("--profile_steps 50-60: this run ends at update 2, so nothing is profiled" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert not (tmp_path / "run" / "profile").exists()
 
 
 def test_the_loop_rescales_gradients_only_when_their_norm_exceeds_the_maximum(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -312,10 +313,11 @@ class RunArguments:
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
-        first, _, last = (self.profile_steps or "").partition("-")
-        if not (first.strip().isdigit() and last.strip().isdigit()) or not 1 <= int(first) <= int(last):
+        # ASCII digits only: str.isdigit() accepts "²", which int() then refuses
+        match = re.fullmatch(r"\s*([0-9]+)\s*-\s*([0-9]+)\s*", self.profile_steps or "")
+        if match is None or not 1 <= int(match.group(1)) <= int(match.group(2)):
             return None
-        return int(first), int(last)
+        return int(match.group(1)), int(match.group(2))
 
 
 @dataclass

@@ -73,9 +73,9 @@ class GeneratedMetrics:
     `clip` (None: no CLIP score), of images made by `make_images(prompts, first_index, guidance_scale)`."""
 
     def __init__(self, inception, reference: Statistics | None, clip=None, mode: str = "clean",
-                 resolution: int | None = None):
+                 resolution: int | None = None, fid_method: str = "eigenvalues"):
         self.inception, self.reference, self.clip, self.mode = inception, reference, clip, mode
-        self.resolution = resolution
+        self.resolution, self.fid_method = resolution, fid_method
 
     def check(self, sampling: Sampling) -> list[str]:
         """Warnings about what the result can be compared with; FIDError when the reference cannot be used."""
@@ -108,9 +108,9 @@ class GeneratedMetrics:
             features = np.concatenate([f for rank_features, _, _ in gathered for f in rank_features])
             if self.reference is not None:
                 stats = statistics(features, self.mode, self.inception.fingerprint, self.resolution)
-                # every rank computes the same distance: a rank waiting in a collective while rank 0 took the matrix
-                # square root alone timed out under gloo (30 s) on a busy 2-core machine
-                result.fid = fid(stats, self.reference)
+                # every rank computes the same distance: a rank waiting in a collective while rank 0 took scipy's
+                # matrix square root alone timed out under gloo (30 s) on a busy 2-core machine
+                result.fid = fid(stats, self.reference, self.fid_method)
             if self.clip is not None:
                 from ldm.evaluation.clip import aggregate
 

@@ -80,8 +80,14 @@ def run_main(main) -> NoReturn:
         else:
             code = e.code or 0
     except BaseException as e:  # told to `python -m ldm.launch`, then raised as the interpreter would
-        supervisor.report_exit(1, f"{type(e).__name__}: {e}")
-        raise
+        lost = supervisor.peer_lost(e) if launched_world_size() > 1 else None
+        if lost is None:
+            supervisor.report_exit(1, f"{type(e).__name__}: {e}")
+            raise
+        # the victim of another rank's end: one line, not gloo's traceback, which would read as the cause
+        print(f"error: rank {os.environ.get('PADDLE_TRAINER_ID', '0')} {lost}", file=sys.stderr)
+        supervisor.report_exit(1, lost)
+        exit_process(1)
     supervisor.report_exit(code)
     exit_process(code)
 

@@ -2,9 +2,11 @@
 
 `ldm.launch` names a folder in `LDM_LAUNCH_STATUS` for each try. Rank k (the global rank) keeps `rank-k.step`
 there: the last update it finished and its rank within its node, written in place at each update (one `pwrite` of
-a few bytes, no sync: the page cache keeps it when the process is killed). At its exit it writes `rank-k.json`:
-`{"exit_code", "cause", "step"}`. A rank killed by a signal, or one whose node is lost, writes no `rank-k.json`:
-that silence is itself what `ldm.launch` reads.
+a few bytes, no sync: the page cache keeps it when the process is killed; the file's time is the last beat). Once
+its run has started it writes `rank-k.start`: the update it resumed from (0: from the start), which `ldm.launch`
+records as the checkpoint really resumed (a damaged newer one is set aside by the rank, not by a look at file sizes).
+At its exit it writes `rank-k.json`: `{"exit_code", "cause", "step"}`. A rank killed by a signal, or one whose node
+is lost, writes no `rank-k.json`: that silence is itself what `ldm.launch` reads.
 Outside `ldm.launch` (no `LDM_LAUNCH_STATUS`) every function here does nothing.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 
 from ldm.runtime.files import atomic_write
 
@@ -20,7 +23,24 @@ STATUS_ENV = "LDM_LAUNCH_STATUS"
 RESTARTS_ENV = "LDM_LAUNCH_RESTARTS"
 STEP_WIDTH = 20  # the heartbeat's fields' fixed width: rewritten in place, never truncated
 
+PEER_LOST = "lost its peers"  # the start of a rank's cause when a collective failed because another rank is gone
+# how gloo and NCCL say a peer is gone or silent: "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+# "Timed out waiting 30000ms for recv operation to complete", "... TIMEOUT ...", NCCL's watchdog
+_PEER_ERROR = re.compile(r"gloo|nccl|ProcessGroup", re.IGNORECASE)
+_PEER_SYMPTOM = re.compile(r"timeout|timed out|closed by peer|reset by peer|connection refused|broken pipe|"
+                           r"connection closed|socket closed|end of file", re.IGNORECASE)
+
 _state: dict = {"fd": None, "step": None, "cause": None}
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The one line a rank says when a collective failed because a peer vanished or stopped answering (the rank or
+    launcher that went first is the one to look at), or None for any other error."""
+    text = f"{type(error).__name__}: {error}"
+    if not (_PEER_ERROR.search(text) and _PEER_SYMPTOM.search(text)):
+        return None
+    symptom = _PEER_SYMPTOM.search(text).group(0)
+    return f"{PEER_LOST} ({symptom} in a collective): another rank or its launcher stopped first; its log says why"
 
 
 def _folder() -> str | None:
@@ -46,6 +66,16 @@ def beat(step: int) -> None:
         _state["fd"] = None
 
 
+def started(step: int) -> None:
+    """The run has started at update `step` (the checkpoint it resumed, or 0): the first beat and `rank-k.start`."""
+    folder = _folder()
+    if folder is None:
+        return
+    with contextlib.suppress(OSError), atomic_write(os.path.join(folder, f"rank-{_rank()}.start"), "w") as f:
+        json.dump({"step": step, "pid": os.getpid()}, f)
+    beat(step)
+
+
 def note_cause(cause: str) -> None:
     """Why the rank is about to exit (a user error's line), for its report."""
     _state["cause"] = " ".join(cause.split())[:500]
@@ -69,20 +99,25 @@ def restarts_so_far() -> dict[str, float]:
 
 def read_try(folder: str) -> dict[int, dict]:
     """Each rank's report of one try (`ldm.launch`'s side): {global rank: {"exit_code" (None: no report), "cause",
-    "step", "local_rank"}}."""
+    "step", "local_rank", "started" (the update its run started at, None before), "beat_at" (its last beat's
+    time)}}."""
     ranks: dict[int, dict] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         stem, _, kind = name.partition(".")
-        if not stem.startswith("rank-") or not stem[5:].isdigit() or kind not in ("step", "json"):
+        if not stem.startswith("rank-") or not stem[5:].isdigit() or kind not in ("step", "json", "start"):
             continue
-        entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None, "local_rank": None})
+        entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None, "local_rank": None,
+                                                 "started": None, "beat_at": None})
         try:
-            with open(os.path.join(folder, name)) as f:
+            path = os.path.join(folder, name)
+            with open(path) as f:
                 text = f.read()
             if kind == "step":
                 step, local = text.split()
                 entry["step"] = entry["step"] if entry["step"] is not None else int(step)
-                entry["local_rank"] = int(local)
+                entry["local_rank"], entry["beat_at"] = int(local), os.path.getmtime(path)
+            elif kind == "start":
+                entry["started"] = int(json.loads(text)["step"])
             else:
                 entry.update({k: v for k, v in json.loads(text).items() if v is not None or k == "exit_code"})
         except (OSError, ValueError):

@@ -246,7 +246,7 @@ class TrainingRun:
             if not plan.trainer_drives:
                 self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
                                           dist.is_main, resume_step=self.step if self.resume else None)
-            supervisor.beat(self.step)  # a failure from here on is one at update step + 1
+            supervisor.started(self.step)  # a failure from here on is one at update step + 1
             target, label = (self.max_steps, "train") if plan.trainer_drives else \
                 progress_target(self.step, self.max_steps, plan.save_steps)
             self.progress = Progress(plan.progress, total=target, initial=self.step, label=label,
@@ -273,8 +273,16 @@ class TrainingRun:
         update (`ldm.train.signals`); a repeated one during the last save is the same request."""
         self.eval_clock = EvalClock()  # the evaluation's share of time counts from the first update
         self.phases = PhaseClock(self.run_args.phase_timing)
-        self.profile = ProfileWindow(self.run_args.profile_window, self.run_dir.path("profile"), self.dist.rank,
-                                     self.phases)
+        window = self.run_args.profile_window
+        if window is not None and not (window[0] <= self.max_steps and window[1] > self.step):
+            logger.warning("--profile_steps %d-%d: this run %s, so nothing is profiled", *window,
+                           f"ends at update {self.max_steps}" if window[0] > self.max_steps
+                           else f"resumed after update {self.step}")
+            window = None
+        elif window is not None and window[1] > self.max_steps:
+            logger.warning("--profile_steps %d-%d: this run ends at update %d, so the profile stops there", *window,
+                           self.max_steps)
+        self.profile = ProfileWindow(window, self.run_dir.path("profile"), self.dist.rank, self.phases)
         self.phases.on_restart = lambda: self.profile.begin(self.step)  # as the first update begins
         try:
             with GracefulStop(self.dist) as self.stop:
