@@ -1,4 +1,4 @@
-"""Encode a caption-image corpus once with the frozen autoencoder: `python -m ldm.data encode`, as a script
+"""Encode a caption-image corpus once with the frozen autoencoder: `python -m ldm.prepare encode`, as a script
 that `paddle.distributed.launch` can start (it takes a script path, not a module).
 
     python encode_latents.py --file_list F --vae_name_or_path V --output_dir D [--random_flip]

@@ -147,7 +147,7 @@ class Demo:
                   self.path("corpus", "shapes.filelist.list"), "--vae_name_or_path", self.path("autoencoder", "vqvae"),
                   "--output_dir", self.path("latents"), "--resolution", str(s.resolution), "--center_crop",
                   "--num_workers", "0", "--batch_size", "256"], capture=True)
-        self.summary("latents", "latent shards in latents/ (python -m ldm.data encode)")
+        self.summary("latents", "latent shards in latents/ (python -m ldm.prepare encode)")
 
     def ldm(self) -> None:
         s = self.settings

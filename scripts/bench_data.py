@@ -11,7 +11,7 @@ greyscale or CMYK, some PNG (with alpha or a palette). `photos-jpeg`: the same p
 kinds only, as img2dataset writes LAION by default (it re-encodes every image to JPEG). `photos-256`: the same
 photographs as img2dataset writes them for 256 px training (`--image_size 256 --resize_mode keep_ratio`: shorter
 side 256, JPEG quality 95, its defaults). Either is written
-into one gzipped shard, then `python -m ldm.data bench` runs on it: both loaders on one pinned core,
+into one gzipped shard, then `python -m ldm.prepare bench` runs on it: both loaders on one pinned core,
 interleaved rounds, medians.
 
 `--aspect_buckets auto`: the data path cropping to aspect-ratio buckets (`ldm-32layer`'s at 256 px) against the same

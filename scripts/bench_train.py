@@ -14,7 +14,7 @@ samples/s over the second logging window (the first holds the start-up). The las
 speed as a fraction of the bare step's.
 
 `--against latents` compares instead the loop on image shards (the baseline) with the loop on the same
-corpus encoded once into latent shards (`python -m ldm.data encode`, with the preset's autoencoder), and
+corpus encoded once into latent shards (`python -m ldm.prepare encode`, with the preset's autoencoder), and
 prints as its last line how many times faster an update on latents is.
 """
 
@@ -139,7 +139,7 @@ def main() -> None:
 
 
 def encode(listing: str, vae: str, resolution: int, folder: str) -> str:
-    """The corpus encoded by the autoencoder `vae` (`python -m ldm.data encode`); returns its file list."""
+    """The corpus encoded by the autoencoder `vae` (`python -m ldm.prepare encode`); returns its file list."""
     from ldm.prepare.tools import main as data_tool
 
     out = os.path.join(folder, "latents")

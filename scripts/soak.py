@@ -470,7 +470,10 @@ def run_chain(chain: int, path: str, work: str, corpus, args, rng: random.Random
     print(f"run {chain}: {path}, {last_step} updates, in {out}", flush=True)
     while True:
         # out of time or of segments: the run is finished without faults
-        finishing = len(segments) >= args.max_segments_per_run or (time.monotonic() > stop_at and bool(segments))
+        if args.segments:  # a count, whatever the time: the last segment runs to the end
+            finishing = len(segments) >= args.segments - 1
+        else:
+            finishing = len(segments) >= args.max_segments_per_run or (time.monotonic() > stop_at and bool(segments))
         if not finishing and graceful is None and os.path.isdir(out) and rng.random() < args.damage:
             damaged = damage_newest(out, rng)
             if damaged:
@@ -687,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run_updates", type=int, nargs=2, default=(30, 60), metavar=("MIN", "MAX"),
                         help="updates of one run (a pass is 12-24 updates of batch 2 per rank on 48 records)")
     parser.add_argument("--max_segments_per_run", type=int, default=12)
+    parser.add_argument("--segments", type=int, default=None, metavar="N",
+                        help="every run in exactly N segments, the last one to the end without a fault, however long "
+                             "they take (a test's amount of work that does not depend on the machine's speed)")
     parser.add_argument("--max_runs", type=int, default=1000)
     parser.add_argument("--clean", type=float, default=0.15, help="probability of a segment with no fault")
     parser.add_argument("--damage", type=float, default=0.25,

@@ -243,7 +243,7 @@ def test_state_and_resume_stay_small_for_a_large_plan():
 
 @pytest.mark.parametrize("second", [(1, 3), (2, 2), (3, 0)])
 def test_the_plan_from_a_checkpoint_is_what_the_resumed_run_reads(tmp_path, second):
-    """`python -m ldm.data plan --from_checkpoint` (its function): the rest of the interrupted pass, per slot of
+    """`python -m ldm.prepare plan --from_checkpoint` (its function): the rest of the interrupted pass, per slot of
     the next layout (here another one, and the same), is exactly what that run then reads of the pass."""
     from ldm.prepare.tools import resumed_slot_plan
 

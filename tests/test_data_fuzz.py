@@ -1,4 +1,4 @@
-"""Fuzzing the data path: thousands of mutated records through `python -m ldm.data stats` and the loader.
+"""Fuzzing the data path: thousands of mutated records through `python -m ldm.prepare stats` and the loader.
 
 The corpus is generated from one seed: bit flips, truncations, deleted columns, random bytes, PNG and
 JPEG headers before garbage, 1 MB captions, decompression bombs, invalid UTF-8, empty and tab-only

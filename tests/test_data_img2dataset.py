@@ -490,7 +490,7 @@ def test_two_adjacent_samples_under_one_key_are_two_records(tmp_path):
 
 @pytest.mark.slow
 def test_buckets_keep_more_of_img2dataset_keep_ratio_output_than_a_square_crop(tmp_path):
-    """img2dataset run as the README recommends (--resize_mode keep_ratio): `ldm.data stats --aspect_buckets auto`
+    """img2dataset run as the README recommends (--resize_mode keep_ratio): `ldm.prepare stats --aspect_buckets auto`
     reads its tars, sends each photograph to the bucket of its original aspect ratio and reports the area kept."""
     from img2dataset_corpus import FAILING, NUM_URLS, build, original_size
 

@@ -172,6 +172,25 @@ def test_closing_the_batches_stops_the_loader_workers_and_threads(corpus, num_wo
     assert set(threading.enumerate()) - before == set()
 
 
+def test_the_data_wait_counts_from_the_first_update_not_from_the_loaders_start(corpus):
+    """The first batch is read at the start (loader workers spawned), before any update: the first window's
+    data_wait_fraction measures the updates' waits only, as --phase_timing's phase_data does."""
+    from ldm.config.args import DataArguments
+    from ldm.runtime.distributed import Distributed
+    from ldm.train.batches import build_batches
+
+    batches = build_batches(DataArguments(file_list=corpus, resolution=32), None, batch_size=4, seed=0,
+                            dist=Distributed(), num_workers=2)
+    try:
+        batches.start()
+        next(iter(batches))
+        time.sleep(0.3)  # an update
+        _, wait_fraction, _, _ = batches.window(Distributed())
+    finally:
+        batches.close()
+    assert wait_fraction < 0.05, wait_fraction
+
+
 def test_caption_dropout_uses_the_stream_seed(corpus, vocab_dir):
     def empty_fraction(seed):
         tracker = StreamState(0)

@@ -1,4 +1,4 @@
-"""`python -m ldm.data` and `write_filelist.py`, run as a user runs them."""
+"""`python -m ldm.prepare` and `write_filelist.py`, run as a user runs them."""
 
 import io
 import json

@@ -176,7 +176,7 @@ def test_a_corpus_moved_to_another_folder_encodes_to_the_same_latents(corpus, va
 
 
 def run_until_encode(args, pattern, signum):
-    """`python -m ldm.data encode ...` signalled once `pattern` is in its output."""
+    """`python -m ldm.prepare encode ...` signalled once `pattern` is in its output."""
     import tempfile
     import time
 

@@ -398,3 +398,58 @@ def test_a_stop_during_the_restart_pause_says_the_restart_was_cancelled_and_spen
     result = launch_failing(spent, "--max_restarts", "0", rank=1, how="crash")
     assert result.returncode == 3, result.stderr[-2000:]
     assert "after 0 restart(s), the --max_restarts given" in result.stderr
+
+
+# A stand-in of real collectives: gloo's all_reduce at every update, as a run's gradients are.
+COLLECTIVES = """
+import os, time
+import paddle
+import paddle.distributed as dist
+from ldm.runtime import supervisor
+from ldm.runtime.distributed import run_main
+
+def main():
+    dist.init_parallel_env()
+    supervisor.started(0)
+    x = paddle.ones([4])
+    for step in range(1, (10**6 if os.environ["LDM_LAUNCH_RESTARTS"] == "0" else 3) + 1):
+        dist.all_reduce(x)
+        time.sleep(0.05)
+        supervisor.beat(step)
+    return 0
+
+run_main(main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)  # gloo times out after 30 s, then a second try
+def test_a_hung_rank_is_named_not_the_peer_whose_collective_timed_out_waiting_for_it(tmp_path):
+    """SIGSTOP rank 1: rank 0's gloo collective times out (about 30 s, gloo's default), says in one line that it lost
+    its peers, and the restart's record names rank 1."""
+    (tmp_path / "coll.py").write_text(COLLECTIVES)
+    (tmp_path / "out").mkdir()
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "1", "--restart_pause", "0", "--stop_grace", "60",
+               "--nproc_per_node", "2", "--log_dir", str(logs), "coll.py", "--output_dir", "out"]
+    job = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    status = str(logs / "ldm-launch" / "try-0")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and job.poll() is None:
+            if min((r["step"] or 0 for r in read_try(status).values()), default=0) >= 3:
+                break
+            time.sleep(0.1)
+        os.kill(rank_pid(status, 1), signal.SIGSTOP)
+        _, err = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    said = [line for line in err.splitlines() if "restart 1 of 1" in line]
+    assert len(said) == 1 and said[0].startswith("ldm.launch: rank 1 failed at update "), err[-3000:]
+    assert "stopped answering after update" in said[0] and "rank 0's collective waited for it" in said[0]
+    first = read_try(status)
+    assert first[0]["exit_code"] == 1 and first[0]["cause"].startswith("lost its peers (")
+    assert first[1]["exit_code"] is None

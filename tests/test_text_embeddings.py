@@ -1,4 +1,4 @@
-"""Cached text states (`python -m ldm.data encode --text_embeddings`): a Stable Diffusion model's frozen CLIP encoder
+"""Cached text states (`python -m ldm.prepare encode --text_embeddings`): a Stable Diffusion model's frozen CLIP encoder
 run once over the captions, its states stored beside each latent, and training that reads them instead of running
 the encoder: the same losses as encoding on the fly, refused by a run of another encoder or one that trains its own."""
 

@@ -23,7 +23,7 @@ SCRIPT = "train_txt2img_laion400m_no_trainer.py"
 def test_two_processes_then_one_then_two_read_every_record_of_the_pass_once(tmp_path, vocab_dir, monkeypatch):
     """2 ranks x 2 workers -> 1 rank, no workers -> 2 ranks x 1 worker: every record of the interrupted pass
     reaches a trainer exactly once over the three runs (each run's taken records are logged by the loop), and
-    `python -m ldm.data plan --from_checkpoint` tells beforehand what the second run reads of it."""
+    `python -m ldm.prepare plan --from_checkpoint` tells beforehand what the second run reads of it."""
     listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8, kinds=("jpeg", "png"))
     log = tmp_path / "consumed"
     monkeypatch.setenv(CONSUMED_LOG, str(log))

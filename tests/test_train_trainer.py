@@ -239,6 +239,7 @@ def test_config_file_run_record_metrics_file_and_progress_lines(corpus, tmp_path
     assert {"train/loss", "train/learning_rate", "train/grad_norm", "train/nonfinite_skips",
             "train/tflops_per_device"} <= set(metrics[0])
     assert "\r" not in result.stderr and "progress train: update 2/2 (100.0%)" in result.stderr
+    assert not (out / "runs").exists()  # no tracker, no tracker folder
     # the held-out loss, under the trackers' eval/ names
     evals = [m for m in metrics if "eval/loss" in m]
     assert [m["step"] for m in evals] == [2] and {"eval/loss_t250", "eval/loss_t750"} <= set(evals[0])

@@ -1,5 +1,6 @@
-import sys
+"""`python -m ldm.data`, the corpus tools' earlier spelling: it runs `python -m ldm.prepare` by name. An import of
+`ldm.prepare` here would make `ldm.data` depend on the package built on top of it (a cycle)."""
 
-from ldm.prepare.tools import main
+import runpy
 
-sys.exit(main())
+runpy.run_module("ldm.prepare", run_name="__main__", alter_sys=True)

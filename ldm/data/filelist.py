@@ -239,7 +239,7 @@ def _judge_kinds(outcomes: list[tuple[str, Exception | None]], file_list: str) -
     for path, error in outcomes:
         if isinstance(error, ShardFormatError):
             raise FileListError(f"{file_list} names a file that is no shard: {error}. Remove it from the list "
-                                "(python -m ldm.data stats --file_list ... names every such file)")
+                                "(python -m ldm.prepare stats --file_list ... names every such file)")
         if error is not None:
             if remote.is_url(path):  # the store may be slow or failing for now: the run's reads retry, then count
                 logger.warning("cannot read the first bytes of %s: %s", path, error)

@@ -2,7 +2,7 @@
 
 Each filter is `KEY OP NUMBER`, OP one of `< <= > >= == !=`; a record must pass all of them. KEY is any field of
 the record's metadata: the `.json` of a tar sample, the columns of a parquet row, the JSON object in a text
-shard's fourth column (`python -m ldm.data convert` writes it), the `metadata` of a latent record (`encode` copies
+shard's fourth column (`python -m ldm.prepare convert` writes it), the `metadata` of a latent record (`encode` copies
 it there). Two keys are derived: `min_side` and `aspect_ratio` (long side / short side), from `original_width` and
 `original_height` when the metadata has them (img2dataset writes them: the size before its resize), else from the
 image's own header (the image is not decoded for it).

@@ -1,4 +1,4 @@
-"""Latent shards: a corpus encoded once by the frozen autoencoder (`python -m ldm.data encode`).
+"""Latent shards: a corpus encoded once by the frozen autoencoder (`python -m ldm.prepare encode`).
 
 A latent shard is a gzip text shard like an image shard, one record per line:
 
@@ -196,7 +196,7 @@ class LatentTransform:
             raise LatentMismatch(
                 f"latents of autoencoder {meta.vae}, but this run's autoencoder ({self.vae_source}) is {self.vae}: "
                 "the diffusion model must learn the latents of the autoencoder it is exported with. Encode the "
-                "corpus with this run's autoencoder (python -m ldm.data encode --vae_name_or_path ...) or pass "
+                "corpus with this run's autoencoder (python -m ldm.prepare encode --vae_name_or_path ...) or pass "
                 "the one it was encoded with")
         if self.resolution is not None and meta.resolution != self.resolution:
             raise LatentMismatch(f"latents of {meta.resolution}px crops; this run asks for --resolution "

@@ -266,7 +266,7 @@ class SlotStream:
                 raise NoUsableData(
                     f"slot {self.slot} of {self.num_slots} read no usable record in pass {self.pass_index} "
                     f"from its {units} shard unit(s); {found}. "
-                    "Check the file list and the shards (python -m ldm.data stats --file_list ...)."
+                    "Check the file list and the shards (python -m ldm.prepare stats --file_list ...)."
                 )
             empty_passes = 0 if units or self._phase_had_items else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:

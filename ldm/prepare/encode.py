@@ -1,4 +1,4 @@
-"""`python -m ldm.data encode`: a caption-image corpus encoded once by the frozen autoencoder.
+"""`python -m ldm.prepare encode`: a caption-image corpus encoded once by the frozen autoencoder.
 
 Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass at every step.
 

@@ -1,4 +1,4 @@
-"""`python -m ldm.data`: inspect, plan, benchmark and build caption-image shards."""
+"""`python -m ldm.prepare`: inspect, plan, benchmark and build caption-image shards."""
 
 from __future__ import annotations
 
@@ -488,7 +488,7 @@ def add_filter_flag(parser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ToolParser(prog="python -m ldm.data", description=__doc__)
+    parser = ToolParser(prog="python -m ldm.prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("stats", help="read every record and count usable and unusable ones by reason")

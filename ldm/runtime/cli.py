@@ -1,4 +1,4 @@
-"""The parser every command of the project shares (`python -m ldm.data`, `ldm.generate`, `apps.eval`, the
+"""The parser every command of the project shares (`python -m ldm.prepare`, `ldm.generate`, `apps.eval`, the
 benchmarks), and the one-line answer to an unknown flag that the entry points' parsers give too."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def unknown_flags_message(unknown: list[str], known: list[str]) -> str:
 
 
 class ToolParser(argparse.ArgumentParser):
-    """argparse for the tools (`python -m ldm.data`, `ldm.generate`, `apps.eval`, …): whole flag names only
+    """argparse for the tools (`python -m ldm.prepare`, `ldm.generate`, `apps.eval`, …): whole flag names only
     (argparse would take any unambiguous prefix, so a typo could silently set another flag), and an
     unknown flag named with the closest flag of that command."""
 

@@ -67,6 +67,10 @@ class TimedBatches:
         if self._first is not None:
             iterator, batch = self._first
             self._first = None
+            # that batch was read at the start, before the first update: the window (and its data wait) begins
+            # now, as `--phase_timing`'s does, or the loader's start-up would read as waiting for data
+            self.clock.reset()
+            self.clock.waited(0.0, batch_samples(batch))
             return itertools.chain([batch], iterator)
         iterator = self._batches()
         self._iterators.append(iterator)

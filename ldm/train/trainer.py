@@ -171,8 +171,10 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
         training_args.max_steps = run.max_steps
         if run.dist.is_main:
             keep_wandb_run(training_args.report_to, run.run_dir.path())
-            # wandb writes below the Trainer's logging_dir only if it exists (else in the system's temp folder)
-            os.makedirs(training_args.logging_dir, exist_ok=True)
+            if "wandb" in (training_args.report_to or []):
+                # wandb writes below the Trainer's logging_dir only if it exists (else in the system's temp folder);
+                # no other tracker needs it made (an empty runs/<date>_<host>/ at each start otherwise)
+                os.makedirs(training_args.logging_dir, exist_ok=True)
         trainer = LDMTrainer(run, training_args)
         run.log_through = trainer.log_aside  # scalars between the update's hooks go through the Trainer's log
         if run.dist.is_main:
