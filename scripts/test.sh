@@ -7,4 +7,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh"
 cd "$ROOT"
+# numpy's and scipy's BLAS on one thread per process: three test processes and their runs already share 2 cores, and
+# OpenBLAS threads that spin-wait for a core taken by another process made a 2048 x 2048 eigendecomposition 3.5x
+# slower on a loaded machine (183 s against 52 s on one thread, measured). Paddle sets its own threads.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 exec "$PYTHON" -m pytest -n "${TEST_PROCESSES:-3}" --dist worksteal "$@"

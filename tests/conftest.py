@@ -88,3 +88,37 @@ def pytest_collection_modifyitems(items):
     weight = Counter(item.module.__name__ for item in items
                      if item.get_closest_marker("slow") or item.get_closest_marker("distributed"))
     items.sort(key=lambda item: -weight[item.module.__name__])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With LDM_TEST_CPU_LOG=FILE: each test's CPU-seconds (this process and the children it waited for: training
+    subprocesses, launched ranks) and wall seconds, one JSON line a test, to find what the suite spends its CPU on
+    (docs/benchmarks.md). Forked ranks of the preloaded server count where that server reaps them."""
+    log = os.environ.get("LDM_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        from multiprocessing import forkserver
+
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)  # the fork server reaps its forks
+        try:
+            with open(f"/proc/{server}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        except (OSError, TypeError, ValueError):
+            pass
+        return total
+
+    start_cpu, start = cpu(), time.monotonic()
+    yield
+    with open(log, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu": round(cpu() - start_cpu, 2),
+                            "wall": round(time.monotonic() - start, 2)}) + "\n")

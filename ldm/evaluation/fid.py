@@ -9,9 +9,10 @@ Two ways of bringing an image to the network's 299x299, which give different FID
 Images are uint8 [H, W, 3] (0..255) or float [H, W, 3] in [0, 1] (generated images, kept as arrays: never
 through JPEG). Statistics are pytorch-fid's (float64 mean and `np.cov(rowvar=False)`) and so is the distance
 (`calculate_frechet_distance`), its matrix square root's trace taken from eigenvalues (pytorch-fid's value to 1e-4;
-`method="sqrtm"` is its scipy sqrtm, eps offset and imaginary-part check exactly). A statistics file (.npz) records the mode, the number of images, the fingerprint of the Inception
-weights and the image resolution, and statistics of another mode or other weights are refused; pytorch-fid's
-own files (mu and sigma only) load too, with a warning that what they were computed with is unknown.
+`method="sqrtm"` is its scipy sqrtm, eps offset and imaginary-part check exactly). A statistics file (.npz)
+records the mode, the number of images, the fingerprint of the Inception weights and the image resolution, and
+statistics of another mode or other weights are refused; pytorch-fid's own files (mu and sigma only) load too, with
+a warning that what they were computed with is unknown.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def trace_sqrt_product(sigma1, sigma2) -> float:
     w, v = np.linalg.eigh(sigma1)
     root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
     product = np.linalg.eigvalsh(root @ sigma2 @ root)
-    for values in (w, product, np.linalg.eigvalsh(sigma2)[:1]):
+    for values in (w, product):  # (a Σ₂ that is not positive semi-definite shows in the product's eigenvalues)
         if values.min() < -1e-5 * max(np.abs(w).max(), np.abs(product).max(), 1e-12):
             raise FIDError(f"a covariance matrix with a negative eigenvalue ({values.min():.3g}) has no real square "
                            "root (imaginary component): not statistics of images")
