@@ -120,7 +120,7 @@ def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_sou
     size = len(tokenizer)
     if size > rows:
         raise TextEncoderError(f"the tokenizer of {tokenizer_source} has {size} tokens and the text encoder of "
-                               f"{encoder_source} embeds {rows}: they are not a pair. Use the tokenizer the encoder "
+                               f"{encoder_source} embeds {rows}: not a pair. Use the tokenizer the encoder "
                                "was trained with (a model's own tokenizer/, or --tokenizer_name for LDMBert)")
 
 
