@@ -185,7 +185,7 @@ def test_a_file_list_mixing_cached_and_plain_latent_shards_is_refused_at_start(m
         build_batches(data, tokenizer, batch_size=2, seed=0, dist=Distributed(), num_workers=len(mixed),
                       autoencoder="any", cached_text="any")
     assert f"{shards['plain'][-1]} begins with a latent record" in str(refused.value)
-    assert "begins with a latent with text states record" in str(refused.value)
+    assert "begins with a latent record with cached text states" in str(refused.value)
     assert "--text_embeddings" in str(refused.value)
 
 

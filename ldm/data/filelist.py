@@ -248,8 +248,9 @@ def _judge_record_kinds(first: dict[str, str], file_list: str) -> None:
     """`first`: a shard of each kind of first record found. More than one kind is refused, naming a shard of each."""
     if len(first) < 2:
         return
-    named = "; ".join(f"{path} begins with {'an' if kind == 'image' else 'a'} {kind} record"
-                      for kind, path in sorted(first.items()))
+    records = {"image": "an image record", "latent": "a latent record",
+               "latent with text states": "a latent record with cached text states"}
+    named = "; ".join(f"{path} begins with {records[kind]}" for kind, path in sorted(first.items()))
     fix = ("encode all of the corpus with --text_embeddings, or none of it" if "image" not in first else
            "train on images or on latents (python -m ldm.data encode), not both")
     raise FileListError(f"{file_list} mixes shards of different kinds, and a run trains on one: {named}. List shards "
