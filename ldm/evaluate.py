@@ -316,6 +316,7 @@ def cmd_loss(args) -> int:
     from ldm.models.buckets import bucket_name, parse_buckets, size_step
     from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.text import prompt_length
     from ldm.runtime.distributed import Distributed
     from ldm.train.errors import user_errors
 
@@ -332,7 +333,7 @@ def cmd_loss(args) -> int:
         buckets = parse_buckets(args.aspect_buckets, resolution, size_step(vae.config, unet.config),
                                 args.max_aspect_ratio)
         records = read_records(args.file_list, args.validation_samples, resolution=resolution, tokenizer=tokenizer,
-                               model_max_length=tokenizer.model_max_length,
+                               model_max_length=prompt_length(text_encoder, tokenizer),
                                autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model,
                                buckets=buckets)
         timesteps = fixed_timesteps(args.validation_timesteps, model.noise_scheduler.config.num_train_timesteps)

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="checkpoint-<step> folder or pipeline folder")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts_file", help="a text file with one prompt per line")
+    parser.add_argument("--negative_prompt", default="",
+                        help="what guidance steers away from: the unconditional input (default: the empty caption)")
     parser.add_argument("--num_images_per_prompt", type=int, default=1)
     parser.add_argument("--num_inference_steps", type=int, default=50)
     parser.add_argument("--guidance_scale", type=float, default=7.5)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {e}\n")
     images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
                       guidance_scale=args.guidance_scale, num_inference_steps=args.num_inference_steps,
-                      seed=args.seed, batch_size=args.batch_size, height=args.height, width=args.width)
+                      seed=args.seed, batch_size=args.batch_size, height=args.height, width=args.width,
+                      negative_prompt=args.negative_prompt)
     from PIL import Image
 
     from ldm.runtime.files import save_image

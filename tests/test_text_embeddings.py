@@ -159,3 +159,50 @@ def test_t5_states_are_stored_compact_and_train_as_encoding_on_the_fly(t5_model,
         losses[name] = [line["train/loss"] for line in metrics_lines(tmp_path / f"run-{name}") if "train/loss" in line]
     assert len(losses["cached"]) == 6
     np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)
+
+
+def test_a_file_list_mixing_cached_and_plain_latent_shards_is_refused_at_start(model, encoded, tmp_path):
+    """Before any batch: a loader slot batches one kind, and met the other only when it reached such a shard (in the
+    second pass, with 6 workers and a shard each). Every shard's first record is read at start."""
+    import glob
+    import os
+
+    from ldm.config.args import DataArguments
+    from ldm.data.filelist import FileListError
+    from ldm.models.text import CLIP, load_text_tokenizer
+    from ldm.runtime.distributed import Distributed
+    from ldm.train.batches import build_batches
+
+    shards = {name: sorted(glob.glob(os.path.join(os.path.dirname(file_list), "latents-*.gz")))
+              for name, file_list in encoded.items()}
+    mixed = [*shards["cached"][:-1], shards["plain"][-1]]
+    filelist = tmp_path / "mixed.filelist"
+    filelist.write_text("".join(f"{path}\n" for path in mixed))
+    (tmp_path / "mixed.filelist.list").write_text(f"{filelist}\n")
+    tokenizer = load_text_tokenizer(CLIP, os.path.join(model, "tokenizer"))
+    data = DataArguments(file_list=str(tmp_path / "mixed.filelist.list"), resolution=RESOLUTION)
+    with pytest.raises(FileListError, match="mixes shards of different kinds") as refused:
+        build_batches(data, tokenizer, batch_size=2, seed=0, dist=Distributed(), num_workers=len(mixed),
+                      autoencoder="any", cached_text="any")
+    assert f"{shards['plain'][-1]} begins with a latent record" in str(refused.value)
+    assert "begins with a latent record with cached text states" in str(refused.value)
+    assert "--text_embeddings" in str(refused.value)
+
+
+def test_a_corrupt_text_column_is_counted_as_bad_text_state(encoded):
+    """Not as `bad_latent`: the latent is sound, the cached text states are not (docs/data-formats.md lists it)."""
+    import os
+
+    from ldm.data.record import SkipRecord
+
+    shard = os.path.join(os.path.dirname(encoded["cached"]), "latents-000000.gz")
+    line = next(iter(iter_lines(shard)))
+    _, (data, meta, text) = parse_latent_record(line)
+    with pytest.raises(SkipRecord) as missing:
+        parse_latent_record(b"\t".join(line.split(b"\t")[:4]))  # the meta names states, the column is gone
+    with pytest.raises(SkipRecord) as cut:
+        LatentTransform(cached_text=meta.text["encoder"]).text_states((data, meta, text[:-8]))
+    assert missing.value.reason == cut.value.reason == "bad_text_state"
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "data-formats.md")) as f:
+        assert "`bad_text_state`" in f.read()

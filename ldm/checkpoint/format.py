@@ -229,13 +229,25 @@ def write_frozen_text_encoder(run_dir, text_encoder, identity: dict, identify) -
 
 def recorded_text_encoder_folder(path: str, model: dict | None = None) -> str | None:
     """The folder of the frozen text encoder checkpoint `path` was trained with (its run's `text_encoder/`), if it
-    recorded one and it is there."""
+    recorded one and it is there, checked against the manifest the run wrote beside it: every reader (generate,
+    export, evaluate, a resume, a new stage) would otherwise use a damaged copy silently, as it is in no checkpoint's
+    own manifest."""
     try:
         relative = (model or read_model_record(path)).get("text_encoder")
     except (OSError, ValueError, AttributeError):
         return None
     folder = os.path.normpath(os.path.join(path, relative)) if isinstance(relative, str) else None
-    return folder if folder and os.path.isfile(os.path.join(folder, "config.json")) else None
+    if not (folder and os.path.isfile(os.path.join(folder, "config.json"))):
+        return None
+    check_own_part(folder, "frozen text encoder")
+    return folder
+
+
+def text_identity_difference(recorded: dict, found: dict) -> str:
+    """How the identity of a frozen text encoder `found` differs from the one a checkpoint `recorded`, for a
+    message: the fields that differ, with both values."""
+    differ = [key for key in sorted(set(recorded) | set(found)) if recorded.get(key) != found.get(key)]
+    return "; ".join(f"{key} {found.get(key)}, the checkpoint recorded {recorded.get(key)}" for key in differ)
 
 
 def check_own_part(folder: str, what: str) -> None:
@@ -332,7 +344,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
 
     from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
-    from ldm.models.build import ModelSourceError, vae_folder
+    from ldm.models.build import ModelSourceError, check_model_index, vae_folder
     from ldm.models.torch_layout import load_pretrained  # a pipeline in either layout: ppdiffusers' or diffusers'
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
@@ -350,6 +362,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
             raise CheckpointError(f"--init_from_checkpoint {path}: not a usable checkpoint: {problem}")
         check_autoencoder(path, recorded_autoencoder(path), vae_identity, "this run's autoencoder")
     else:
+        check_model_index(path)
         try:
             own_vae = vae_folder(path)
         except ModelSourceError:

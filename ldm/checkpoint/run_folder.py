@@ -158,8 +158,9 @@ def checkpoint_problem(folder: str, checksums: bool = True) -> str | None:
         size = os.path.getsize(file)
         if size != expected["size"]:
             return f"{rel} has {size} bytes, the manifest says {expected['size']}"
-        if checksums and sha256_file(file) != expected["sha256"]:
-            return f"{rel} does not match its checksum"
+        if checksums and (found := sha256_file(file)) != expected["sha256"]:
+            # both digests: what the user compares with a copy of the file
+            return f"{rel} does not match its checksum: its sha256 is {found}, the manifest says {expected['sha256']}"
     return None
 
 

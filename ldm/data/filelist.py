@@ -164,7 +164,7 @@ REMOTE_SHARDS_CHECKED = 8  # each is a request to the store
 KINDS_CHECKED = 32  # local shards whose first bytes are read (a chunk each)
 
 
-def check_shards(shards: list[Shard], file_list: str) -> None:
+def check_shards(shards: list[Shard], file_list: str, one_kind: bool = False) -> None:
     """Before a run writes anything: no shard there at all is an error, some missing a warning; a URL
     scheme this process cannot read is an error naming the package to install; a shard of no kind the
     stream reads (an img2dataset `_stats.json` or metadata parquet listed by a glob, an HTML error page),
@@ -175,6 +175,10 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
     spread evenly over the list, are looked at; the first bytes of `KINDS_CHECKED` of those local ones and
     of those URLs are read. A URL that cannot be looked at (no connection, no credentials) is a warning:
     the run's own reads retry, then count it. Shards not looked at are counted when they are read.
+
+    `one_kind` (training): the first record of each text shard whose first bytes are read is read too, and shards of
+    different kinds (images, latents, latents with cached text states) are refused: a loader slot batches one kind,
+    and would otherwise meet the other only when it reaches such a shard, a pass or more into the run.
     """
     local = [s.path for s in shards if not remote.is_url(s.path)]
     urls = [s.path for s in shards if remote.is_url(s.path)]
@@ -188,7 +192,7 @@ def check_shards(shards: list[Shard], file_list: str) -> None:
     _check_sample(local_sample, len(local), file_list, os.path.exists)
     reachable = _check_sample(url_sample, len(urls), file_list, remote.exists)
     _check_kinds([p for p in local_sample[:: max(1, len(local_sample) // KINDS_CHECKED)] if _sniffable(p)]
-                 + reachable, file_list)
+                 + reachable, file_list, one_kind)
 
 
 def _sniffable(path: str) -> bool:
@@ -203,33 +207,54 @@ def _sniffable(path: str) -> bool:
 KIND_CHECK_SECONDS = 10.0
 
 
-def _check_kinds(paths: list[str], file_list: str) -> None:
+def _check_kinds(paths: list[str], file_list: str, records: bool = False) -> None:
     """The kinds of `paths`, read in a thread given `KIND_CHECK_SECONDS`: a read that never returns (a hung store
-    or mount, a named pipe) must not hang the start; it is left to the run's own reads and `--data_timeout`."""
+    or mount, a named pipe) must not hang the start; it is left to the run's own reads and `--data_timeout`.
+    `records`: the kinds of their first records too, which must be one."""
     import threading
 
-    outcomes: list[tuple[str, Exception | None]] = []
-    reader = threading.Thread(target=_read_kinds, args=(paths, outcomes), daemon=True, name="shard-kind-check")
+    outcomes: list[tuple[str, Exception | None, str | None]] = []
+    reader = threading.Thread(target=_read_kinds, args=(paths, outcomes, records), daemon=True,
+                              name="shard-kind-check")
     reader.start()
     reader.join(KIND_CHECK_SECONDS)
     if reader.is_alive():
         logger.warning("reading the first bytes of the shards of %s took more than %.0f s (at %s): not checked "
                        "further; --data_timeout watches the run's own reads", file_list, KIND_CHECK_SECONDS,
                        paths[len(outcomes)] if len(outcomes) < len(paths) else "the end")
-    _judge_kinds(list(outcomes), file_list)
+    outcomes = list(outcomes)
+    _judge_kinds([(path, error) for path, error, _ in outcomes], file_list)
+    if records:
+        _judge_record_kinds({kind: path for path, _, kind in reversed(outcomes) if kind}, file_list)
 
 
-def _read_kinds(paths: list[str], outcomes: list) -> None:
+def _read_kinds(paths: list[str], outcomes: list, records: bool) -> None:
+    from ldm.data.latents import first_record_kind
     from ldm.data.readers import open_parquet, parquet_columns, shard_kind
     from ldm.data.shard import ShardError
 
     for path in paths:
         try:
-            if shard_kind(path) == "parquet":
+            kind = shard_kind(path)
+            if kind == "parquet":
                 parquet_columns(open_parquet(path), path)  # a parquet of URLs or metadata holds no images
-            outcomes.append((path, None))
+            record = None if not records else first_record_kind(path) if kind == "text" else "image"
+            outcomes.append((path, None, record))
         except ShardError as e:
-            outcomes.append((path, e))
+            outcomes.append((path, e, None))
+
+
+def _judge_record_kinds(first: dict[str, str], file_list: str) -> None:
+    """`first`: a shard of each kind of first record found. More than one kind is refused, naming a shard of each."""
+    if len(first) < 2:
+        return
+    records = {"image": "an image record", "latent": "a latent record",
+               "latent with text states": "a latent record with cached text states"}
+    named = "; ".join(f"{path} begins with {records[kind]}" for kind, path in sorted(first.items()))
+    fix = ("encode all of the corpus with --text_embeddings, or none of it" if "image" not in first else
+           "train on images or on latents (python -m ldm.data encode), not both")
+    raise FileListError(f"{file_list} mixes shards of different kinds, and a run trains on one: {named}. List shards "
+                        f"of one kind: {fix}")
 
 
 def _judge_kinds(outcomes: list[tuple[str, Exception | None]], file_list: str) -> None:

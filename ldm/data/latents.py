@@ -165,7 +165,7 @@ def parse_latent_record(line: bytes) -> tuple[str, tuple[bytes, LatentMeta, byte
     text = None
     if meta.text is not None:
         if len(fields) < 5 or not fields[4].startswith(TEXT_PREFIX):
-            raise SkipRecord("bad_latent", "its meta names text states, and it has none")
+            raise SkipRecord("bad_text_state", "its meta names text states, and it has none")
         text = fields[4][len(TEXT_PREFIX):]
     return caption, (decode_base64(fields[2][len(PREFIX):]), meta, text)
 
@@ -252,7 +252,7 @@ class LatentTransform:
         try:
             states = from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))
         except (ValueError, SkipRecord) as e:
-            raise SkipRecord("bad_latent", f"text states: {getattr(e, 'detail', e)}") from None
+            raise SkipRecord("bad_text_state", f"text states: {getattr(e, 'detail', e)}") from None
         real, length = len(states), int(meta.text.get("length", len(states)))
         if real < length:
             states = np.concatenate([states, np.zeros([length - real, states.shape[1]], np.float32)])
@@ -263,6 +263,27 @@ def text_fingerprint(identity: dict) -> str:
     """A short name of a frozen text encoder (`ldm.models.text.text_encoder_identity`): its family, config, weights,
     layer and caption length."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def first_record_kind(path: str) -> str | None:
+    """What the first record of a text shard is: "image", "latent", or "latent with text states"; None when the shard
+    has no record or its first one is unusable (the run counts it). ShardError when it cannot be read."""
+    from ldm.data.shard import iter_lines
+
+    lines = iter_lines(path)
+    try:
+        line = next(lines, None)
+    finally:
+        lines.close()
+    if line is None:
+        return None
+    if not is_latent_line(line):
+        return "image"
+    try:
+        meta = parse_latent_record(line)[1][1]
+    except SkipRecord:
+        return None
+    return "latent with text states" if meta.text is not None else "latent"
 
 
 def probe(paths: list[str]) -> LatentMeta | None:

@@ -3,6 +3,7 @@ ldm.export`, and every training run at its end) or diffusers' (`--format diffuse
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -13,7 +14,7 @@ from ldm.checkpoint.serialization import writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import ddim_scheduler
-from ldm.models.text import LDMBERT, family_of, is_masked
+from ldm.models.text import LDMBERT, family_of, is_masked, prompt_length
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -48,15 +49,29 @@ def check_diffusers_context(text_encoder) -> None:
             "with --format ppdiffusers and samples with python -m ldm.generate")
 
 
+def check_exportable(text_encoder) -> None:
+    if is_masked(text_encoder):
+        raise CheckpointError("a model of a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
+                              "diffusers' text-to-image pipelines give a UNet the encoder's mask. Sample from the "
+                              "checkpoint with python -m ldm.generate --model CHECKPOINT")
+
+
+# What `_diffusers_version` of a diffusers export says: the diffusers release its layout was checked against
+# (docs/interop.md: tests/reference/make_*_fixtures.py loaded and ran it; the fixtures' reference.json records the
+# version). ppdiffusers writes its own version there (0.29.0), which names no diffusers release of this layout, and
+# diffusers reads the field to decide which shims an older layout needs.
+DIFFUSERS_VERSION = "0.42.1"
+# tokenizer_config.json keys that name files of the folder the tokenizer was read from (a checkpoint, which a run's
+# rotation deletes): an exported pipeline must stand alone
+SOURCE_PATH_KEYS = ("special_tokens_map_file", "name_or_path")
+
+
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str,
                     to_diffusers: bool = False, card: str | None = None) -> str:
     """An `LDMTextToImagePipeline` folder (LDMBert) or a `StableDiffusionPipeline` one (a CLIP text encoder: no
     safety checker, as a pretraining framework's own samples need none)."""
     check_output(output)
-    if is_masked(text_encoder):
-        raise CheckpointError("a model of a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
-                              "diffusers' text-to-image pipelines give a UNet the encoder's mask. Sample from the "
-                              "checkpoint with python -m ldm.generate --model CHECKPOINT")
+    check_exportable(text_encoder)
     ldmbert = family_of(text_encoder) is LDMBERT
     if to_diffusers and ldmbert:
         check_diffusers_context(text_encoder)
@@ -73,6 +88,8 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
         pipeline.save_pretrained(folder, to_diffusers=to_diffusers)
         if to_diffusers:  # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
             _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert" if ldmbert else "text_encoder"))
+            _write_diffusers_version(folder)
+        _write_standalone_tokenizer(os.path.join(folder, "tokenizer"), prompt_length(text_encoder, tokenizer))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
@@ -92,11 +109,48 @@ def _write_torch_text_encoder(text_encoder, folder: str) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def _rewrite_json(path: str, change) -> None:
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f)
+    change(value)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+
+
+def _write_diffusers_version(folder: str) -> None:
+    """Every `_diffusers_version` ppdiffusers wrote (model_index.json, the parts' configs): `DIFFUSERS_VERSION`."""
+    for path in glob.glob(os.path.join(folder, "*.json")) + glob.glob(os.path.join(folder, "*", "*config.json")):
+        with open(path, encoding="utf-8") as f:
+            written = "_diffusers_version" in json.load(f)
+        if written:
+            _rewrite_json(path, lambda config: config.update(_diffusers_version=DIFFUSERS_VERSION))
+
+
+def _write_standalone_tokenizer(folder: str, length: int) -> None:
+    """The exported tokenizer's config names no file outside the pipeline (`SOURCE_PATH_KEYS`), and says the caption
+    length the model was trained with wherever a library reads one (`model_max_length`; PaddleNLP's CLIP tokenizer
+    also keeps its default `max_len`, 77): the pipelines pad prompts to it."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+
+    def change(config: dict) -> None:
+        for key in SOURCE_PATH_KEYS:
+            config.pop(key, None)
+        config["model_max_length"] = length
+        if "max_len" in config:
+            config["max_len"] = length
+
+    _rewrite_json(path, change)
+
+
 def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True, to_diffusers: bool = False
                       ) -> tuple[str, bool]:
     """A checkpoint or a pipeline (either layout) exported to `output`; diffusers' layout with a model card."""
     check_output(output, checkpoint)
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
-    card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema) if to_diffusers else None
+    check_exportable(text_encoder)  # before the model card, which describes only what is exported
+    card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema,
+                      tokens=prompt_length(text_encoder, tokenizer)) if to_diffusers else None
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output, to_diffusers,
                            card), used_ema

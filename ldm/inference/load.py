@@ -19,10 +19,20 @@ from ldm.checkpoint.format import (
     read_model_record,
     recorded_text_encoder_folder,
     refuse_pickles,
+    text_identity_difference,
 )
 from ldm.checkpoint.run_folder import CheckpointError
-from ldm.models.build import read_config, vae_folder
-from ldm.models.text import FAMILIES, LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family
+from ldm.models.build import check_model_index, read_config, vae_folder
+from ldm.models.text import (
+    FAMILIES,
+    LDMBERT,
+    TextEncoderError,
+    TextFamily,
+    check_vocabulary,
+    load_text_tokenizer,
+    text_encoder_identity,
+    text_family,
+)
 from ldm.models.torch_layout import TorchLayoutError, load_pretrained
 
 
@@ -107,15 +117,53 @@ def load_for_inference(path: str, use_ema: bool = True):
         raise
 
 
+def check_scheduler(path: str) -> None:
+    """A folder without its noise schedule cannot be sampled as it was trained: said before the weights load."""
+    if not os.path.isfile(os.path.join(path, "scheduler", "scheduler_config.json")):
+        raise CheckpointError(f"{path} has no scheduler/scheduler_config.json, the noise schedule its UNet was trained "
+                              "with: copy the scheduler/ folder of the pipeline or checkpoint it was made from into it")
+
+
+def check_recorded_text_encoder(path: str, family: TextFamily, text_encoder, folder: str) -> None:
+    """The frozen text encoder read for checkpoint `path` is the one its model record names (digests of its config
+    and weights): a copy modified with a new manifest, or one without a manifest, is not used silently."""
+    recorded = read_model_record(path).get("text_encoder_identity") if is_checkpoint(path) else None
+    if not recorded:
+        return
+    found = text_encoder_identity(text_encoder, family, recorded.get("max_length", 0))
+    if found != recorded:
+        raise CheckpointError(f"{folder} is not the frozen text encoder {path} was trained with "
+                              f"({text_identity_difference(recorded, found)}): restore the run's text_encoder/ from "
+                              "a copy")
+
+
+def trained_length(path: str, tokenizer) -> None:
+    """The caption length a checkpoint's frozen text encoder was trained with (its model record) set on its
+    tokenizer, which carries it to sampling, evaluation and the export (`ldm.models.text.prompt_length`)."""
+    recorded = read_model_record(path).get("text_encoder_identity") if is_checkpoint(path) else None
+    if recorded and recorded.get("max_length"):
+        tokenizer.model_max_length = int(recorded["max_length"])
+
+
 def _load_for_inference(path: str, use_ema: bool):
     if not (is_pipeline(path) or is_checkpoint(path)):
         raise FileNotFoundError(f"{path} is neither a training checkpoint ({MODEL_JSON}) nor a pipeline folder "
                                 "(model_index.json)")
     refuse_pickles(path, "pipeline" if is_pipeline(path) else "checkpoint")
+    if is_pipeline(path):
+        check_model_index(path)
+    check_scheduler(path)
     unet = load_pretrained(UNet2DConditionModel, os.path.join(path, "unet"))
     family, text_folder = text_encoder_of(path)
     text_encoder = load_pretrained(family.model_class(), text_folder)
-    tokenizer = load_tokenizer_of(family, os.path.join(path, "tokenizer"))
+    check_recorded_text_encoder(path, family, text_encoder, text_folder)
+    tokenizer_folder = os.path.join(path, "tokenizer")
+    tokenizer = load_tokenizer_of(family, tokenizer_folder)
+    trained_length(path, tokenizer)
+    try:
+        check_vocabulary(tokenizer, tokenizer_folder, text_encoder, text_folder)
+    except TextEncoderError as e:
+        raise CheckpointError(str(e)) from None
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     vae = load_pretrained(AutoencoderKL, vae_folder(path)) if is_pipeline(path) else checkpoint_autoencoder(path)
     ema = read_ema(path) if use_ema else None

@@ -69,8 +69,9 @@ def _training_lines(record: dict) -> list[str]:
 
 
 def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, used_ema: bool,
-               origin: str | None = None) -> str:
-    """`origin`: what the weights were converted from, when they were not trained here."""
+               origin: str | None = None, tokens: int | None = None) -> str:
+    """`origin`: what the weights were converted from, when they were not trained here; `tokens`: the caption length
+    it was trained with (default: the text encoder's positions)."""
     record = training_record(source)
     made = f"converted from {origin}" if origin else "trained with ldm-laion (PaddlePaddle)"
     config, scores = record["config"], record["scores"]
@@ -82,9 +83,10 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
                      f"{b.d_model}, {b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, "
                      f"{b.max_position_embeddings} tokens")
     else:
+        length = tokens or b.max_position_embeddings
         text_line = (f"- CLIP text encoder: {_parameters(text_encoder)}, "
                      f"{b.num_hidden_layers} layers of width {b.hidden_size}, {b.num_attention_heads} heads, "
-                     f"vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens")
+                     f"vocabulary {b.vocab_size}, {b.max_position_embeddings} positions, prompts of {length} tokens")
     score_lines = [f"- {name.split('/')[1]} {value:.4g} (held-out evaluation at update {step})"
                    for name, (step, value) in sorted(scores.items())] or ["- FID, CLIP score: not measured during "
                                                                           "training (`python -m ldm.evaluate run`)"]

@@ -53,12 +53,15 @@ def generate(
     first_index: int = 0,
     height: int | None = None,
     width: int | None = None,
+    negative_prompt: str = "",
 ) -> np.ndarray:
     """uint8 images [len(prompts), H, W, 3]; the models are in eval mode meanwhile, then restored.
 
     Image i's noise is drawn from (seed, first_index + i): a slice of a longer list, generated elsewhere (another
     rank), gets the noise it has in the whole list. `height` and `width` (pixels, multiples of the autoencoder's
-    downsampling) default to the size the UNet was trained at."""
+    downsampling) default to the size the UNet was trained at. `negative_prompt` is the unconditional input of the
+    guidance (as diffusers' pipelines take it): the empty caption by default, what the model learned from dropped
+    captions."""
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
@@ -66,7 +69,7 @@ def generate(
         rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
         scaling_factor = vae.config.scaling_factor
-        uncond_ids = paddle.to_tensor(tokenize(""))[None]
+        uncond_ids = paddle.to_tensor(tokenize(negative_prompt))[None]
         images = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])

@@ -50,6 +50,47 @@ def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
         return json.load(f)
 
 
+# The classes a pipeline folder's parts are read as (`model_index.json` names them; any library's spelling): a part
+# named as another class would be read as these all the same, and sample other images than its pipeline does.
+PIPELINE_PARTS = {
+    "unet": ("UNet2DConditionModel",),
+    "vae": ("AutoencoderKL",),
+    "vqvae": ("AutoencoderKL",),
+    "bert": ("LDMBertModel",),
+    "text_encoder": ("CLIPTextModel", "T5EncoderModel"),
+    "tokenizer": ("BertTokenizer", "BertTokenizerFast", "CLIPTokenizer", "CLIPTokenizerFast", "T5Tokenizer",
+                  "T5TokenizerFast"),
+}
+# parts of a text-to-image pipeline that text-to-image sampling does not use
+UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
+
+
+def check_model_index(folder: str) -> None:
+    """Refuse a pipeline folder whose `model_index.json` names a part of a class this framework does not read, or a
+    part it would leave out (Stable Diffusion XL's `text_encoder_2`): it would be read as another model, silently.
+    The scheduler may be of any class: only its noise schedule is read (sampling is DDIM's)."""
+    path = os.path.join(folder, "model_index.json")
+    try:
+        index = read_config(folder, "model_index.json")
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"{path}: not a readable model index ({e})") from None
+    kind = index.get("_class_name", "a pipeline")
+    for part, value in index.items():
+        if part.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
+            continue  # settings (requires_safety_checker), and parts the pipeline does not have ([null, null])
+        library, name = value
+        if part in UNUSED_PARTS or (part == "scheduler" and str(name).endswith("Scheduler")):
+            continue
+        if part not in PIPELINE_PARTS or part == "scheduler":
+            raise ModelSourceError(f"{path}: its {part} ({library} {name}) is a part this framework does not read, so "
+                                   f"it would sample other images than {kind} does; use a Stable Diffusion or LDM "
+                                   "text-to-image pipeline folder")
+        if name not in PIPELINE_PARTS[part]:
+            raise ModelSourceError(f"{path}: its {part} is a {library} {name}, which this framework does not read "
+                                   f"(its {part} is a {' or '.join(PIPELINE_PARTS[part])}); use a Stable Diffusion or "
+                                   "LDM text-to-image pipeline folder")
+
+
 def resolve_source(name_or_path: str) -> str:
     """A preset name or a folder -> a local folder; a hub name -> a local snapshot (online only)."""
     if name_or_path in PRESETS:
@@ -256,7 +297,7 @@ def load_frozen_text_encoder(family: TextFamily, folder: str):
 def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False):
     """(family, text encoder, tokenizer) of a model whose text encoder is frozen (CLIP's), in eval mode: what
     `encode --text_embeddings` computes the cached text states with. LDMBert, trained with the UNet, has none."""
-    from ldm.models.text import LDMBERT, TextEncoderError, load_text_tokenizer
+    from ldm.models.text import LDMBERT, TextEncoderError, check_vocabulary, load_text_tokenizer
 
     source = resolve_source(model_name_or_path)
     try:
@@ -268,6 +309,10 @@ def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False)
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     encoder, loaded = load_frozen_text_encoder(family, os.path.join(source, family.folder))
+    try:
+        check_vocabulary(tokenizer, os.path.join(source, "tokenizer"), encoder, os.path.join(source, family.folder))
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if not loaded and not allow_untrained:
         raise ModelSourceError(f"{model_name_or_path}: its text encoder has no trained weights; pass the model the "
                                "diffusion model will be trained with (--allow_untrained_text_encoder: tests)")
@@ -342,6 +387,8 @@ def build_components(
     from ldm.models.text import TextEncoderError
 
     source = resolve_source(model_name_or_path)
+    if os.path.isfile(os.path.join(source, "model_index.json")):
+        check_model_index(source)
     if not os.path.isfile(os.path.join(source, "unet", "config.json")):
         raise ModelSourceError(f"{model_name_or_path}: no unet/config.json (expected a preset, a folder of "
                                "configs or a pipeline folder)")

@@ -102,9 +102,26 @@ def encode_prompt(text_encoder, input_ids):
 
 
 def prompt_length(text_encoder, tokenizer) -> int:
-    """The caption length a model reads: its text encoder's positions (LDMBert, CLIP), or, for an encoder of
-    relative positions (T5), the length its tokenizer was saved with by the run."""
-    return getattr(text_encoder.config, "max_position_embeddings", None) or int(tokenizer.model_max_length)
+    """The caption length a model was trained with, which it must sample with: the length its tokenizer was saved
+    with (a run saves it with its --model_max_length; loading a checkpoint sets the one its model record holds), at
+    most its text encoder's positions. A pretrained CLIP keeps its 77 positions when trained on fewer tokens: on 77
+    its UNet would attend to padding states it never saw. A tokenizer saved without a length (a library's huge
+    default) leaves the encoder's positions; T5's relative positions leave the tokenizer's."""
+    positions = getattr(text_encoder.config, "max_position_embeddings", None)
+    saved = int(tokenizer.model_max_length)
+    return min(positions, saved) if positions else saved
+
+
+def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_source: str) -> None:
+    """Every token id the tokenizer makes has a row in the encoder's embedding: a larger tokenizer fails deep in
+    Paddle ("expected >= 0 and < N") at the first caption that uses a token past the end, or at the empty caption's
+    end-of-text token."""
+    rows = int(text_encoder.config.vocab_size)
+    size = len(tokenizer)
+    if size > rows:
+        raise TextEncoderError(f"the tokenizer of {tokenizer_source} has {size} tokens and the text encoder of "
+                               f"{encoder_source} embeds {rows}: not a pair. Use the tokenizer the encoder "
+                               "was trained with (a model's own tokenizer/, or --tokenizer_name for LDMBert)")
 
 
 def train_text_encoder(family: TextFamily, asked: bool | None) -> bool:

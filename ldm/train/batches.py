@@ -133,7 +133,8 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
                            data.resolution, data.resolution, data.resolution)
     state = rank_stream_state(saved_streams, dist.rank, dist.world_size) if saved_streams else None
     shards = read_file_list(data.file_list)
-    dist.from_main(lambda: check_shards(shards, data.file_list))
+    # a tokenizer: an LDM run, whose slots batch one kind of record (the autoencoder refuses latents record by record)
+    dist.from_main(lambda: check_shards(shards, data.file_list, one_kind=tokenizer is not None))
     stream = CaptionImageStream(
         shards,
         tokenize=CaptionTokenizer(tokenizer, data.model_max_length) if tokenizer is not None else None,

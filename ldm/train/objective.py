@@ -18,6 +18,7 @@ from ldm.checkpoint.format import (
     load_initial_weights,
     load_ldm_weights,
     save_model,
+    text_identity_difference,
     write_frozen_autoencoder,
     write_frozen_text_encoder,
 )
@@ -274,6 +275,10 @@ class TextToImage(Objective):
         check_autoencoder(resume.path, resume.autoencoder, self.vae_identity,
                           f"this run's autoencoder ({self.components.vae_source})", self.components.vae_source)
         if resume.text_encoder != self.text_identity and not setup.legacy_frozen(resume, self.text.family):
+            if resume.text_encoder is not None and self.text_identity is not None:  # both frozen: say what differs
+                raise CheckpointError(f"{resume.path} kept its text encoder frozen, and this run's differs from it "
+                                      f"({text_identity_difference(resume.text_encoder, self.text_identity)}): resume "
+                                      "with the model and --model_max_length the run started with")
             said = ("trained its text encoder" if resume.text_encoder is None else
                     f"kept the text encoder {resume.text_encoder.get('family')} "
                     f"{resume.text_encoder.get('weights_sha256', '')[:12]} frozen")

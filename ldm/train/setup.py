@@ -23,7 +23,15 @@ from ldm.models.build import (
     resolve_source,
 )
 from ldm.models.diffusion import LatentDiffusion
-from ldm.models.text import LDMBERT, TextEncoderError, TextFamily, load_text_tokenizer, text_family, train_text_encoder
+from ldm.models.text import (
+    LDMBERT,
+    TextEncoderError,
+    TextFamily,
+    check_vocabulary,
+    load_text_tokenizer,
+    text_family,
+    train_text_encoder,
+)
 from ldm.runtime.device import resolve_vae_dtype
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import quiet_libraries
@@ -86,9 +94,10 @@ def text_source(model_args: ModelArguments, resume=None) -> TextSource:
         raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None
     trained = train_text_encoder(family, model_args.train_text_encoder)
     tokenizer = None if family is LDMBERT else "tokenizer"  # LDMBert's is --tokenizer_name
-    if resume is not None and (resume.text_encoder_folder or legacy_frozen(resume, family)):
+    own = resume.text_encoder_folder if resume is not None else None  # checked against its manifest: read once
+    if resume is not None and (own or legacy_frozen(resume, family)):
         # the frozen copy the run wrote (a checkpoint from before frozen copies: the one it holds)
-        return TextSource(family, trained, resume.text_encoder_folder or os.path.join(resume.path, family.folder),
+        return TextSource(family, trained, own or os.path.join(resume.path, family.folder),
                           tokenizer and os.path.join(resume.path, tokenizer))
     init = model_args.init_from_checkpoint
     if init and not trained and not has_weights(os.path.join(source, family.folder)):
@@ -157,6 +166,11 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
+    try:
+        check_vocabulary(tokenizer, text.tokenizer if text and text.tokenizer else data.tokenizer_name,
+                         components.text_encoder, components.text_source)
+    except TextEncoderError as e:
+        raise ModelSourceError(str(e)) from None
     positions = getattr(components.text_encoder.config, "max_position_embeddings", None)
     if positions is not None and data.model_max_length > positions:
         raise ModelSourceError(f"--model_max_length {data.model_max_length}: the {components.family.name} text encoder "
