@@ -252,7 +252,7 @@ def _judge_record_kinds(first: dict[str, str], file_list: str) -> None:
                "latent with text states": "a latent record with cached text states"}
     named = "; ".join(f"{path} begins with {records[kind]}" for kind, path in sorted(first.items()))
     fix = ("encode all of the corpus with --text_embeddings, or none of it" if "image" not in first else
-           "train on images or on latents (python -m ldm.data encode), not both")
+           "train on images or on latents (python -m ldm.prepare encode), not both")
     raise FileListError(f"{file_list} mixes shards of different kinds, and a run trains on one: {named}. List shards "
                         f"of one kind: {fix}")
 
