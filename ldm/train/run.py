@@ -42,7 +42,7 @@ from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.memory import log_largest, memory_by_rank
+from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
@@ -219,6 +219,9 @@ class TrainingRun:
                                                stage=self.stage, ema=objective.ema is not None,
                                                owners=owners[0] if owners else None)
         log_largest(self.record["memory"])
+        # before any work: a host that cannot hold the state and the snapshot's reservation ends here in one line
+        check_host_memory(self.record["memory"], dist, async_save=self.run_args.async_save,
+                          on_host=all(p.place.is_cpu_place() for p in self.trained[:1]))
         self.batches = start_batches(objective, self.resume, self.data, batch_size=plan.batch_size, seed=self.seed,
                                      dist=dist, num_workers=plan.num_workers)
         try:  # from here on, every exit stops the loader (`finally`)
