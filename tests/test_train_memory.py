@@ -109,3 +109,20 @@ def test_ranks_on_other_hosts_do_not_count_and_a_host_that_cannot_tell_is_not_re
 def test_the_check_on_this_machine_passes_for_a_tiny_model_and_its_error_is_a_user_error(memory):
     check_host_memory({**memory, "ranks": memory["ranks"][:1]}, Distributed(), async_save=True, on_host=True)
     assert issubclass(HostMemoryError, UserError)  # one line and exit 2 at the entry points
+
+
+def test_the_gradients_are_freed_once_the_updates_are_over():
+    """The export at the end of a run loads a copy of the model: into the gradients' memory, not beside it (Paddle
+    keeps them allocated, zeroed, between updates)."""
+    import paddle
+
+    from ldm.train.run import release_gradients
+
+    layer = paddle.nn.Linear(64, 64)
+    optimizer = paddle.optimizer.AdamW(parameters=layer.parameters())
+    layer(paddle.ones([2, 64])).sum().backward()
+    optimizer.step()
+    optimizer.clear_grad()
+    assert all(p.grad is not None for p in layer.parameters())
+    release_gradients(layer.parameters())
+    assert all(p.grad is None for p in layer.parameters())

@@ -144,7 +144,7 @@ def host_memory_problem(hosts: list[tuple[str, int, int, tuple[int, str] | None]
         reserved, state = sum(r for r, _, _ in ranks), sum(s for _, s, _ in ranks)
         if reserved + state <= available:
             continue
-        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
+        count = f"{len(ranks)} ranks need" if len(ranks) > 1 else "1 rank needs"
         need = " and ".join(part for part in (
             f"{readable(reserved)} reserved for asynchronous checkpoint snapshots" if reserved else "",
             f"{readable(state)} of gradients and optimizer state still to be allocated" if state else "") if part)
@@ -156,7 +156,7 @@ def host_memory_problem(hosts: list[tuple[str, int, int, tuple[int, str] | None]
             ways = " and ".join(["--async_save false", *stage1])
         else:
             ways = ", ".join(stage1)
-        return (f"host {host} cannot hold this run: its {count} need at least {readable(reserved + state)} more host "
+        return (f"host {host} cannot hold this run: its {count} at least {readable(reserved + state)} more host "
                 f"memory ({need}) and {readable(available)} is available ({source}); use "
                 + (f"{ways}, or " if ways else "") + "fewer ranks per host")
     return None
