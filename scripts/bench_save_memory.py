@@ -6,7 +6,8 @@ One run of the hand-written loop on one process (`--async_save false`, EMA on, L
 `scripts/bench_checkpoint.py`, the 12-layer preset with the UNet's channels cut to --width; `--width 0` keeps the
 preset's), 2 updates saved at update 2, then the export at the end of the run; then `python -m ldm.export` of that
 checkpoint in a process of its own. Around the final save (`CheckpointManager.save`), the end-of-run export and the
-standalone export (`ldm.inference.export.export_checkpoint`) the process's peak resident memory is reset
+standalone export (`ldm.inference.export.export_checkpoint`: loading the checkpoint, applying its EMA, writing the
+pipeline; and the writing alone, `export_pipeline`) the process's peak resident memory is reset
 (`/proc/self/clear_refs`) and read back (VmHWM) afterwards, against what was resident before:
 
   peak/before   how many times the memory the process held before the step it held at the step's peak (a save that
@@ -49,14 +50,22 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
+active = []  # the measured calls under way, outermost first: a call inside another resets the peak it also needs
+
 def measured(name, fn, size):
     def call(*args, **kwargs):
-        before = status("VmRSS")
+        for frame in active:
+            frame["peak"] = max(frame["peak"], status("VmHWM"))
+        frame = {"peak": 0, "before": status("VmRSS")}
+        active.append(frame)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS: the peak from here on
         result = fn(*args, **kwargs)
+        active.pop()
+        row = {"step": name, "before": frame["before"], "peak": max(frame["peak"], status("VmHWM")),
+               "state": size(result)}
         with open(report, "a") as f:
-            f.write(json.dumps({"step": name, "before": before, "peak": status("VmHWM"), "state": size(result)}) + "\n")
+            f.write(json.dumps(row) + "\n")
         return result
     return call
 
@@ -65,6 +74,8 @@ def folder_bytes(path, suffix=".safetensors"):
                if n.endswith(suffix))
 
 import ldm.inference.export as export
+export.export_pipeline = measured("the pipeline's writing alone (within the next row)", export.export_pipeline,
+                                  folder_bytes)
 export.export_checkpoint = measured("export at the end of the run" if what == "train" else "python -m ldm.export",
                                     export.export_checkpoint, lambda result: folder_bytes(result[0]))
 if what == "train":
