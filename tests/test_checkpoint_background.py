@@ -166,3 +166,28 @@ def test_the_writer_runs_one_task_at_a_time_and_hands_back_its_error():
     failing = writer.start("failing", lambda: 1 / 0)
     writer.wait()
     assert isinstance(failing.error, ZeroDivisionError) and not writer.busy
+
+
+def test_a_save_that_waits_for_its_writing_brings_one_tensor_at_a_time_to_host_memory(tmp_path):
+    """`--async_save false` writes from the tensors themselves: a tensor whose host form is a copy (a GPU's; on a CPU
+    a bfloat16 one, which DLPack's numpy side lacks) is copied when its bytes are written, then let go, so that a save
+    holds at most one such copy beside the state, not a copy of all of it (issue 58: a save doubled host memory)."""
+    from host_memory import MIB, peak_added
+    from safetensors import safe_open
+
+    from ldm.checkpoint.format import weight_jobs
+
+    layers = paddle.nn.Sequential(*[paddle.nn.Linear(2048, 2048) for _ in range(16)])
+    layers.to(dtype="bfloat16")  # 8 MiB a weight, 128 MiB in all
+    total = sum(int(t.numel()) * t.element_size() for t in layers.state_dict().values())
+
+    def save() -> None:
+        jobs, _ = weight_jobs({"unet": layers}, 0, 1, HostBuffers(copy=False))
+        write_files(str(tmp_path), jobs, 0, 1)
+
+    _, added = peak_added(save)
+    # a tensor's copy, and Paddle's own on its way to numpy: a few tensors' worth, whatever the number of tensors
+    assert added < 4 * 8 * MIB < total / 4, f"{added / MIB:.0f} MiB at the peak for {total / MIB:.0f} MiB of weights"
+    with safe_open(str(tmp_path / "unet" / "diffusion_paddle_model.safetensors"), framework="numpy") as f:
+        for name, tensor in layers.state_dict().items():
+            np.testing.assert_array_equal(f.get_tensor(name), tensor.numpy())  # bfloat16 as its raw 16 bits

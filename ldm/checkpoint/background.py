@@ -27,10 +27,11 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ldm.checkpoint.serialization import Written, write_bytes, write_safetensors
+from ldm.checkpoint.serialization import LiveTensor, Written, is_tensor, on_host, write_bytes, write_safetensors
 
 RECEIPT_PREFIX = ".written-"
 logger = logging.getLogger("ldm.train")
@@ -89,11 +90,14 @@ class HostBuffers:
                 return self._pool[start:start + size].view(dtype).reshape(shape)
         return np.empty(shape, dtype)
 
-    def taker(self, file: str) -> Callable[[str, np.ndarray], np.ndarray]:
-        """`take(key, array)` for `flatten`: `array` copied into the buffer of (`file`, `key`)."""
-        def take(key: str, array: np.ndarray) -> np.ndarray:
+    def taker(self, file: str) -> Callable[[str, Any], np.ndarray | LiveTensor]:
+        """`take(key, value)` for `flatten` (`value` numpy or Paddle): copied into the buffer of (`file`, `key`);
+        without `copy`, a Paddle tensor is kept as it is (`LiveTensor`: brought to the host one at a time as it is
+        written)."""
+        def take(key: str, value) -> np.ndarray | LiveTensor:
             if not self.copy:
-                return np.ascontiguousarray(array)
+                return LiveTensor(value) if is_tensor(value) else np.ascontiguousarray(value)
+            array = on_host(value)
             buffer = self._arrays.get((file, key))
             if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
                 buffer = self._arrays[(file, key)] = self._new(array.shape, array.dtype)
@@ -111,7 +115,7 @@ class FileJob:
     """One file of a checkpoint to write: arrays (safetensors) or bytes, at `path` relative to the folder."""
 
     path: str
-    arrays: dict[str, np.ndarray] | None = None
+    arrays: dict[str, np.ndarray | LiveTensor] | None = None
     metadata: dict[str, str] | None = None
     data: bytes | None = None
 

@@ -45,7 +45,6 @@ from ldm.checkpoint.run_folder import (
 )
 from ldm.checkpoint.serialization import (
     has_state,
-    host_array,
     load_state,
     save_state,
     writes_failing_as_os_errors,
@@ -119,7 +118,7 @@ def weight_jobs(parts: dict, rank: int, world_size: int, buffers: HostBuffers) -
         mine = share_out({n: int(t.numel()) * t.element_size() for n, t in state.items()}, world_size)[rank]
         path = f"{part}/{weight_shard_file(part, rank, world_size)}"
         take = buffers.taker(path)
-        jobs.append(FileJob(path, {n: take(n, host_array(state[n])) for n in mine}, {"format": WEIGHT_FILES[part][1]}))
+        jobs.append(FileJob(path, {n: take(n, state[n]) for n in mine}, {"format": WEIGHT_FILES[part][1]}))
         written[part] = mine
     return jobs, written
 

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ class StateFormatError(UserError, ValueError):
     """A state file that is not what this module writes."""
 
 
-def _is_tensor(value) -> bool:
+def is_tensor(value) -> bool:
     return hasattr(value, "numpy") and hasattr(value, "dtype") and hasattr(value, "place")
 
 
@@ -50,24 +50,53 @@ def host_array(tensor) -> np.ndarray:
         return tensor.numpy()
 
 
+class LiveTensor:
+    """A Paddle tensor to be written as it is when its turn comes: its host bytes (`host_array`: a view on a CPU, a
+    copy from a GPU or of a bfloat16 tensor) are taken by the writer one tensor at a time and let go, so that a save
+    that waits for its writing (`--async_save false`) or an export holds no host copy of the whole state beside it.
+    Shape, dtype and size are known without a copy (the safetensors header comes first)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        name = str(tensor.dtype).replace("paddle.", "")
+        self.dtype = np.dtype("uint16" if name == "bfloat16" else name)  # bfloat16 as its raw 16 bits
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def array(self) -> np.ndarray:
+        return host_array(self.tensor)
+
+
+def on_host(value) -> np.ndarray:
+    """An array of a state (numpy, a Paddle tensor or a `LiveTensor`) in host memory."""
+    if isinstance(value, LiveTensor):
+        return value.array()
+    return host_array(value) if is_tensor(value) else value
+
+
+def contiguous(key: str, value) -> np.ndarray:
+    """`flatten`'s default: the array in host memory, contiguous."""
+    return np.ascontiguousarray(on_host(value))
+
+
 def flatten(tree: Any, arrays: dict[str, np.ndarray], key: str = "", take: Callable | None = None,
             mine: Callable[[str], bool] | None = None) -> Any:
     """`tree` with every array (numpy or Paddle) moved into `arrays` and replaced by a reference.
 
-    `take(key, array)`: what is kept of each array (default: the array itself, contiguous; a snapshot passes a copy
-    into a reused buffer). `mine(key)`: only the arrays it accepts are taken; the others' references stay in the
-    structure (`select` drops them)."""
+    `take(key, value)`: what is kept of each array, given as it is in the tree (default `contiguous`: the array in
+    host memory; a snapshot passes a copy into a reused buffer, a save written before training goes on a
+    `LiveTensor`). `mine(key)`: only the arrays it accepts are taken; the others' references stay in the structure
+    (`select` drops them)."""
     if isinstance(tree, dict):
         return {str(k): flatten(v, arrays, f"{key}/{k}" if key else str(k), take, mine) for k, v in tree.items()}
     if isinstance(tree, tuple):
         return {TUPLE: [flatten(v, arrays, f"{key}/{i}", take, mine) for i, v in enumerate(tree)]}
     if isinstance(tree, list):
         return [flatten(v, arrays, f"{key}/{i}", take, mine) for i, v in enumerate(tree)]
-    if _is_tensor(tree) or isinstance(tree, np.ndarray):
+    if is_tensor(tree) or isinstance(tree, np.ndarray):
         dtype = str(tree.dtype).replace("paddle.", "")
         if mine is None or mine(key):
-            array = host_array(tree) if _is_tensor(tree) else tree
-            arrays[key] = take(key, array) if take is not None else np.ascontiguousarray(array)
+            arrays[key] = (take or contiguous)(key, tree)
         return {ARRAY: key, "dtype": dtype} if dtype == "bfloat16" else {ARRAY: key}
     if isinstance(tree, np.generic):
         return tree.item()
@@ -83,7 +112,7 @@ def array_sizes(tree: Any, key: str = "") -> dict[str, int]:
                 for k, v in array_sizes(value, f"{key}/{name}" if key else str(name)).items()}
     if isinstance(tree, list | tuple):
         return {k: v for i, value in enumerate(tree) for k, v in array_sizes(value, f"{key}/{i}").items()}
-    if _is_tensor(tree):
+    if is_tensor(tree):
         return {key: int(tree.numel()) * tree.element_size()}
     if isinstance(tree, np.ndarray):
         return {key: tree.nbytes}
@@ -153,10 +182,12 @@ class Written:
         return {"size": self.size, "sha256": self.sha256}
 
 
-def write_safetensors(path: str, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> Written:
+def write_safetensors(path: str, arrays: dict[str, np.ndarray | LiveTensor],
+                      metadata: dict[str, str] | None = None) -> Written:
     """`arrays` as a safetensors file, flushed to disk, hashed as it is written; the same bytes as safetensors'
     `save_file`. Written here because `save_file` first copies every array into a bytes object and cannot report
-    the hash: a checkpoint would then be copied once more and read back in full to be sealed."""
+    the hash: a checkpoint would then be copied once more and read back in full to be sealed. A `LiveTensor` is
+    brought to the host only when its bytes are written, and let go before the next one is."""
     order = sorted(arrays, key=lambda k: (DTYPE_ORDER.index(SAFETENSORS_DTYPE[arrays[k].dtype]), k))
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -174,11 +205,12 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray], metadata: dict[s
                 digest.update(piece)
                 f.write(piece)
             for key in order:
-                data = memoryview(np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8))
+                data = memoryview(contiguous(key, arrays[key]).reshape(-1).view(np.uint8))
                 for start in range(0, len(data), WRITE_PIECE):
                     piece = data[start:start + WRITE_PIECE]
                     digest.update(piece)  # hashlib and file writes release the GIL: training goes on beside them
                     f.write(piece)
+                data = piece = None  # a tensor's host copy (GPU, bfloat16) lives only while it is written
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
@@ -280,8 +312,59 @@ def _array_keys(tree: Any) -> list[str]:
 def load_state(folder: str, name: str, wanted=None) -> Any:
     """The tree `save_state` wrote (whole, or in every rank's shard), arrays as numpy. `wanted(key)`: read only
     the arrays it accepts (the others' entries are left out), each by name from the file that holds it."""
-    from safetensors import safe_open
+    structure, by_file = _stored(folder, name, wanted)
+    return unflatten(structure, dict(_read_arrays(folder, by_file)))
 
+
+def state_arrays(folder: str, name: str, wanted=None) -> Iterator[tuple[str, np.ndarray]]:
+    """The arrays of the state `save_state` wrote (those `wanted(key)` accepts), as (key, array), read one at a time
+    as they are asked for: a caller that uses each and lets it go (an export applying the EMA) holds one at a time."""
+    return _read_arrays(folder, _stored(folder, name, wanted)[1])
+
+
+def _read_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Each array read by name with plain reads into memory of its own (safetensors' `safe_open` maps the whole file,
+    whose pages then count as the process's resident memory until it is closed)."""
+    for file, keys in by_file.items():
+        path = os.path.join(folder, file)
+        with open(path, "rb") as f:
+            header, start = _safetensors_header(f, path)
+            for key in keys:
+                yield key, _read_array(f, path, key, header, start)
+
+
+NUMPY_DTYPE = {name: numpy for numpy, name in SAFETENSORS_DTYPE.items()}
+
+
+def _safetensors_header(f, path: str) -> tuple[dict, int]:
+    """A safetensors file's header ({name: {"dtype", "shape", "data_offsets"}}) and where its data begins."""
+    try:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    except (struct.error, ValueError) as e:
+        raise StateFormatError(f"{path} is not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise StateFormatError(f"{path} is not a safetensors file (its header is not a table)")
+    return header, 8 + length
+
+
+def _read_array(f, path: str, key: str, header: dict, start: int) -> np.ndarray:
+    entry = header.get(key)
+    try:
+        dtype, shape, (begin, end) = NUMPY_DTYPE[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise StateFormatError(f"{path} holds no readable array {key!r}") from None
+    array = np.empty(shape, dtype)
+    if end - begin != array.nbytes:
+        raise StateFormatError(f"{path}: array {key!r} has {end - begin} bytes for its shape's {array.nbytes}")
+    f.seek(start + begin)
+    if array.nbytes and f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != array.nbytes:
+        raise StateFormatError(f"{path} ends inside array {key!r}")
+    return array
+
+
+def _stored(folder: str, name: str, wanted) -> tuple[Any, dict[str, list[str]]]:
+    """A stored state's structure (without the arrays `wanted` declines) and the keys of its arrays by file."""
     index_path = os.path.join(folder, f"{name}.index.json")
     if os.path.isfile(index_path):
         index = _read_json(index_path)
@@ -300,12 +383,7 @@ def load_state(folder: str, name: str, wanted=None) -> Any:
         if key not in files:
             raise StateFormatError(f"{folder}/{name}: array {key!r} is in no file")
         by_file.setdefault(files[key], []).append(key)
-    arrays = {}
-    for file, keys in by_file.items():
-        with safe_open(os.path.join(folder, file), framework="numpy") as f:
-            for key in keys:
-                arrays[key] = f.get_tensor(key)
-    return unflatten(structure, arrays)
+    return structure, by_file
 
 
 def to_paddle(tree: Any) -> Any:

@@ -3,14 +3,16 @@ ldm.export`, and every training run at its end) or diffusers' (`--format diffuse
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
 
-from ppdiffusers import LDMTextToImagePipeline, StableDiffusionPipeline
+import paddle
+from ppdiffusers import LDMTextToImagePipeline, ModelMixin, StableDiffusionPipeline
 
 from ldm.checkpoint.run_folder import CheckpointError, atomic_folder
-from ldm.checkpoint.serialization import writes_failing_as_os_errors
+from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import ddim_scheduler
@@ -84,16 +86,57 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
                                            scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                            requires_safety_checker=False)
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
-        # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
-        pipeline.save_pretrained(folder, to_diffusers=to_diffusers)
-        if to_diffusers:  # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
+        if to_diffusers:
+            # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
+            pipeline.save_pretrained(folder, to_diffusers=True)
+            # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
             _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert" if ldmbert else "text_encoder"))
             _write_diffusers_version(folder)
+        else:
+            write_pipeline(pipeline, folder)
         _write_standalone_tokenizer(os.path.join(folder, "tokenizer"), prompt_length(text_encoder, tokenizer))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
     return output
+
+
+def write_pipeline(pipeline, folder: str) -> None:
+    """What ppdiffusers' `save_pretrained` writes for the ppdiffusers layout, the same bytes, with each model's weights
+    written from the live tensors one at a time (`write_weights`): its own copies every weight to numpy, then to one
+    bytes object, holding two more copies of the largest model at its peak."""
+    for name, entry in pipeline.config.items():
+        component = getattr(pipeline, name, None) if not name.startswith("_") else None
+        if component is None or not isinstance(entry, list | tuple):  # a left-out part (a safety checker)
+            continue
+        target = os.path.join(folder, name)
+        if isinstance(component, paddle.nn.Layer):
+            write_weights(component, target)
+        else:  # the tokenizer, the scheduler: small files
+            component.save_pretrained(target)
+    pipeline.save_config(folder)  # model_index.json
+
+
+def write_weights(model, folder: str) -> None:
+    """A model's folder as its library's `save_pretrained(folder, safe_serialization=True)` writes it (one weights file:
+    ppdiffusers and PaddleNLP split only past 10 GB, which loads as well unsplit), its weights streamed."""
+    os.makedirs(folder, exist_ok=True)
+    if isinstance(model, ModelMixin):
+        model.save_config(folder)
+        file, metadata = "diffusion_paddle_model.safetensors", {"format": "pd"}
+    else:  # PaddleNLP's, whose save_pretrained records the dtype and the class in the configuration
+        from paddlenlp.transformers.model_utils import get_parameter_dtype
+
+        model.config.dtype = str(get_parameter_dtype(model)).split(".")[1]  # as its save_pretrained does
+        config = copy.deepcopy(model.config)
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(folder)
+        if model.can_generate():
+            model.generation_config.save_pretrained(folder)
+        file, metadata = "model.safetensors", {"format": "np"}
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    state = {name: LiveTensor(tensor) for name, tensor in model.state_dict().items() if name not in ignored}
+    write_safetensors(os.path.join(folder, file), state, metadata)
 
 
 def _write_torch_text_encoder(text_encoder, folder: str) -> None:

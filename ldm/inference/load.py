@@ -12,16 +12,17 @@ from paddlenlp.transformers import BertTokenizer
 from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 
 from ldm.checkpoint.format import (
+    EMA,
     MODEL_JSON,
     checkpoint_autoencoder,
     is_checkpoint,
-    read_ema,
     read_model_record,
     recorded_text_encoder_folder,
     refuse_pickles,
     text_identity_difference,
 )
 from ldm.checkpoint.run_folder import CheckpointError
+from ldm.checkpoint.serialization import has_state, state_arrays
 from ldm.models.build import check_model_index, read_config, vae_folder
 from ldm.models.text import (
     FAMILIES,
@@ -91,14 +92,20 @@ def load_tokenizer_of(family: TextFamily, folder: str):
         raise CheckpointError(str(e)) from None
 
 
-def apply_ema(state: dict, unet, text_encoder) -> None:
-    """Write EMA weights (named `unet.*` / `text_encoder.*` after the training wrapper) into the parts."""
-    for prefix, model in (("unet", unet), ("text_encoder", text_encoder)):
-        with paddle.no_grad():
-            for name, parameter in model.named_parameters():
-                key = f"shadow.{prefix}.{name}"
-                if key in state:
-                    parameter.set_value(paddle.to_tensor(state[key]).astype(parameter.dtype))
+def apply_ema(path: str, unet, text_encoder) -> bool:
+    """Write the EMA weights of checkpoint `path` (named `unet.*` / `text_encoder.*` after the training wrapper) into
+    the parts, read one at a time (the whole EMA as numpy beside the model would double an export's memory); whether
+    it had any."""
+    if not has_state(path, EMA):
+        return False
+    parameters = {f"shadow.{prefix}.{name}": parameter
+                  for prefix, model in (("unet", unet), ("text_encoder", text_encoder))
+                  for name, parameter in model.named_parameters()}
+    with paddle.no_grad():
+        for key, array in state_arrays(path, EMA, parameters.__contains__):
+            parameter = parameters[key]
+            parameter.set_value(paddle.to_tensor(array).astype(parameter.dtype))
+    return True
 
 
 def load_for_inference(path: str, use_ema: bool = True):
@@ -166,10 +173,7 @@ def _load_for_inference(path: str, use_ema: bool):
         raise CheckpointError(str(e)) from None
     scheduler_config = read_config(os.path.join(path, "scheduler"), "scheduler_config.json")
     vae = load_pretrained(AutoencoderKL, vae_folder(path)) if is_pipeline(path) else checkpoint_autoencoder(path)
-    ema = read_ema(path) if use_ema else None
-    if ema is not None:
-        apply_ema(ema, unet, text_encoder)
-    used_ema = ema is not None
+    used_ema = use_ema and apply_ema(path, unet, text_encoder)
     for model in (unet, text_encoder, vae):
         model.eval()
     return unet, text_encoder, vae, tokenizer, scheduler_config, used_ema

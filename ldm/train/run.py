@@ -42,7 +42,7 @@ from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.memory import log_largest, memory_by_rank
+from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
@@ -125,6 +125,13 @@ def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main
         image_logging_steps=image_logging_steps, progress="lines" if progress == "lines" else "none",
         report_to=args.report_to, trainer_drives=True, driver_bar=progress == "bar",
         resize_note=" (the Trainer path stretches its schedule over the new max_steps)")
+
+
+def release_gradients(parameters) -> None:
+    """Free the gradients once the updates are over (Paddle keeps them allocated, zeroed, from update to update): the
+    export at the end loads its copy of the model into their memory instead of beside the whole training state."""
+    for parameter in parameters:
+        parameter.clear_gradient(False)
 
 
 class Deferred:
@@ -219,6 +226,9 @@ class TrainingRun:
                                                stage=self.stage, ema=objective.ema is not None,
                                                owners=owners[0] if owners else None)
         log_largest(self.record["memory"])
+        # before any work: a host that cannot hold the state and the snapshot's reservation ends here in one line
+        check_host_memory(self.record["memory"], dist, async_save=self.run_args.async_save,
+                          on_host=all(p.place.is_cpu_place() for p in self.trained[:1]))
         self.batches = start_batches(objective, self.resume, self.data, batch_size=plan.batch_size, seed=self.seed,
                                      dist=dist, num_workers=plan.num_workers)
         try:  # from here on, every exit stops the loader (`finally`)
@@ -327,6 +337,7 @@ class TrainingRun:
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
+            release_gradients(self.trained)
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 

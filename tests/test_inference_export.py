@@ -1,0 +1,97 @@
+"""The export's host memory (issue 58: an export doubled it): the pipeline's weights written from the live tensors
+one at a time, the same bytes ppdiffusers' `save_pretrained` writes, and the EMA applied one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from host_memory import MIB, peak_added
+from interop_models import MAX_LENGTH, WORDS
+
+from ldm.checkpoint.serialization import save_state
+from ldm.data.tokenize import load_tokenizer, write_vocab
+from ldm.inference.export import export_pipeline, write_pipeline
+from ldm.inference.load import apply_ema, load_tokenizer_of
+from ldm.inference.sampling import ddim_scheduler
+from ldm.models.build import build_components
+
+
+def tiny_parts(folder, preset: str):
+    """A preset's parts and tokenizer (ldm-tiny: a 12-word vocabulary written into `folder`)."""
+    if preset == "sd-tiny":
+        c = build_components(preset)
+        return c, load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
+    write_vocab(WORDS, str(folder / "vocab"))
+    tokenizer = load_tokenizer(str(folder / "vocab"), MAX_LENGTH)
+    return build_components(preset, vocab_size=tokenizer.vocab_size, model_max_length=MAX_LENGTH), tokenizer
+
+
+def files_of(folder) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.mark.parametrize("preset", ["ldm-tiny", "sd-tiny"])
+def test_the_streamed_pipeline_is_what_ppdiffusers_writes_byte_for_byte(tmp_path, preset):
+    from ppdiffusers import LDMTextToImagePipeline, StableDiffusionPipeline
+
+    c, tokenizer = tiny_parts(tmp_path, preset)
+    scheduler = ddim_scheduler(dict(c.noise_scheduler.config))
+    if preset == "ldm-tiny":
+        pipeline = LDMTextToImagePipeline(vqvae=c.vae, bert=c.text_encoder, tokenizer=tokenizer, unet=c.unet,
+                                          scheduler=scheduler)
+    else:
+        pipeline = StableDiffusionPipeline(vae=c.vae, text_encoder=c.text_encoder, tokenizer=tokenizer, unet=c.unet,
+                                           scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
+    pipeline.save_pretrained(str(tmp_path / "theirs"))
+    write_pipeline(pipeline, str(tmp_path / "ours"))
+    theirs, ours = files_of(tmp_path / "theirs"), files_of(tmp_path / "ours")
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if ours[name] != theirs[name]] == []
+
+
+def wide_unet(width: int):
+    """ldm-tiny's UNet with `width` channels (128: 47.5 MiB of weights, the largest 4.5 MiB)."""
+    from ppdiffusers import UNet2DConditionModel
+
+    with open(os.path.join(ROOT, "ldm", "models", "presets", "ldm-tiny", "unet", "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    config["block_out_channels"] = [width, 2 * width]
+    return UNet2DConditionModel(**config)
+
+
+def test_an_export_writes_the_weights_one_tensor_at_a_time(tmp_path):
+    """ppdiffusers' own save held a numpy copy of the whole UNet and a bytes object of it at its peak."""
+    c, tokenizer = tiny_parts(tmp_path, "ldm-tiny")
+    unet = wide_unet(128)
+    total = sum(int(t.numel()) * t.element_size() for t in unet.state_dict().values())
+    _, added = peak_added(export_pipeline, unet, c.text_encoder, c.vae, tokenizer, dict(c.noise_scheduler.config),
+                          str(tmp_path / "pipeline"))
+    assert added < 4 * 4.5 * MIB < total / 2, f"{added / MIB:.0f} MiB at the peak for {total / MIB:.0f} MiB"
+    from ppdiffusers import LDMTextToImagePipeline
+
+    loaded = LDMTextToImagePipeline.from_pretrained(str(tmp_path / "pipeline"))
+    for name, tensor in unet.state_dict().items():
+        np.testing.assert_array_equal(loaded.unet.state_dict()[name].numpy(), tensor.numpy())
+
+
+def test_the_ema_is_applied_one_tensor_at_a_time(tmp_path):
+    """Reading the whole EMA beside the model (and mapping its file) held the trained weights twice more."""
+    c, _ = tiny_parts(tmp_path, "ldm-tiny")
+    unet = wide_unet(128)
+    rng = np.random.default_rng(0)
+    shadow = {f"shadow.unet.{name}": rng.standard_normal(tuple(p.shape)).astype("float32")
+              for name, p in unet.named_parameters()}
+    save_state(str(tmp_path), "ema", {"num_updates": 3, "max_decay": 0.9999, **shadow})
+    total = sum(array.nbytes for array in shadow.values())
+    used, added = peak_added(apply_ema, str(tmp_path), unet, c.text_encoder)
+    assert used
+    assert added < 4 * 4.5 * MIB < total / 2, f"{added / MIB:.0f} MiB at the peak for {total / MIB:.0f} MiB"
+    for name, parameter in unet.named_parameters():
+        np.testing.assert_array_equal(parameter.numpy(), shadow[f"shadow.unet.{name}"])
+    assert not apply_ema(str(tmp_path / "none"), unet, c.text_encoder)  # no EMA: the weights as they are
