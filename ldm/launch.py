@@ -437,13 +437,19 @@ class Supervisor:
         else:
             return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
         report = reports.get(rank, {})
-        if (report.get("cause") or "").startswith(PEER_LOST):
+        victim = report.get("cause") or ""
+        if victim.startswith(PEER_LOST):  # (Paddle's launcher names the first failed rank in rank order, not in time)
             culprit = self.unresponsive(reports)
             if culprit is not None and culprit != rank:
-                hung = reports[culprit]
-                cause = hung["cause"] or (f"stopped answering after update {hung['step']}: rank {rank}'s collective "
-                                          "waited for it and timed out")
-                return {"rank": culprit, "exit_code": hung["exit_code"], "cause": cause, "update": update}
+                other = reports[culprit]
+                if other["cause"]:
+                    cause = other["cause"]
+                elif re.search(r"timeout|timed out", victim, re.IGNORECASE):
+                    cause = f"stopped answering after update {other['step']}: rank {rank}'s collective waited for it " \
+                            "and timed out"
+                else:  # its peers saw its connections close: it died without a word
+                    cause = describe_exit(other["exit_code"])
+                return {"rank": culprit, "exit_code": other["exit_code"], "cause": cause, "update": update}
         exit_code = report.get("exit_code") if report.get("exit_code") is not None else launcher_code
         return {"rank": rank, "exit_code": exit_code, "cause": report.get("cause") or describe_exit(exit_code),
                 "update": update}
