@@ -27,8 +27,9 @@ PEER_LOST = "lost its peers"  # the start of a rank's cause when a collective fa
 # how gloo and NCCL say a peer is gone or silent: "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
 # "Timed out waiting 30000ms for recv operation to complete", "... TIMEOUT ...", NCCL's watchdog
 _PEER_ERROR = re.compile(r"gloo|nccl|ProcessGroup", re.IGNORECASE)
-_PEER_SYMPTOM = re.compile(r"timeout|timed out|closed by peer|reset by peer|connection refused|broken pipe|"
-                           r"connection closed|socket closed|end of file", re.IGNORECASE)
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|connection refused|broken pipe|connection closed|"
+                        r"socket closed|end of file", re.IGNORECASE)
+_PEER_SILENT = re.compile(r"timeout|timed out", re.IGNORECASE)
 
 _state: dict = {"fd": None, "step": None, "cause": None}
 
@@ -37,10 +38,13 @@ def peer_lost(error: BaseException) -> str | None:
     """The one line a rank says when a collective failed because a peer vanished or stopped answering (the rank or
     launcher that went first is the one to look at), or None for any other error."""
     text = f"{type(error).__name__}: {error}"
-    if not (_PEER_ERROR.search(text) and _PEER_SYMPTOM.search(text)):
+    # a peer that is gone (its connections closed) before one that is silent: gloo's messages may name a timeout
+    # beside a closed connection
+    symptom = _PEER_GONE.search(text) or _PEER_SILENT.search(text)
+    if not (_PEER_ERROR.search(text) and symptom):
         return None
-    symptom = _PEER_SYMPTOM.search(text).group(0)
-    return f"{PEER_LOST} ({symptom} in a collective): another rank or its launcher stopped first; its log says why"
+    return (f"{PEER_LOST} ({symptom.group(0)} in a collective): another rank or its launcher stopped first; its log "
+            "says why")
 
 
 def _folder() -> str | None:
