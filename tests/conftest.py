@@ -85,8 +85,13 @@ def pytest_collection_modifyitems(items):
     rather than one long test running alone while the other workers wait (alphabetical order put the soak last)."""
     from collections import Counter
 
-    weight = Counter(item.module.__name__ for item in items
-                     if item.get_closest_marker("slow") or item.get_closest_marker("distributed"))
+    weight = Counter()
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("distributed"):
+            weight[item.module.__name__] += 1
+        timeout = item.get_closest_marker("timeout")
+        if timeout is not None and timeout.args:  # a test given more than the suite's 300 s is among the longest:
+            weight[item.module.__name__] += timeout.args[0] / 100  # started late, it ran alone at the end (the demo)
     items.sort(key=lambda item: -weight[item.module.__name__])
 
 
