@@ -15,7 +15,7 @@ PADDLE_INDEX_URL="${PADDLE_INDEX_URL:-}"
 
 stamp_of() {
     cat "$LOCK" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1
-    echo "$PADDLE_PACKAGE $PADDLE_INDEX_URL"
+    echo "$PADDLE_PACKAGE $PADDLE_INDEX_URL bytecode"
 }
 
 want="$(stamp_of)"
@@ -53,6 +53,12 @@ else
     echo "==> uv was not usable: installing with pip"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$lock"
 fi
+# Bytecode for every installed module, written once here: an interpreter that may not write it (PYTHONDONTWRITEBYTECODE,
+# a read-only venv) would otherwise compile paddle, paddlenlp and ppdiffusers from source at every start, 12 of the
+# 18 CPU-seconds a tiny training run costs, against 6 with bytecode (docs/benchmarks.md). Every rank, restart, test
+# and command pays that start.
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')" \
+    >/dev/null || echo "==> warning: some installed modules did not compile to bytecode (they still import)"
 # The project itself is used in place (a .pth entry), so edits need no reinstall.
 "$VENV/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/ldm-laion.pth", "w").write(sys.argv[1] + "\n")' "$ROOT"
 "$VENV/bin/python" -c "import paddle, paddlenlp, ppdiffusers, visualdl, fastcore, PIL, ldm" 2>/dev/null \

@@ -11,4 +11,7 @@ cd "$ROOT"
 # OpenBLAS threads that spin-wait for a core taken by another process made a 2048 x 2048 eigendecomposition 3.5x
 # slower on a loaded machine (183 s against 52 s on one thread, measured). Paddle sets its own threads.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+# The project's own bytecode, as setup_venv.sh writes the installed modules': every test starts interpreters that import
+# ldm, and one that may not write bytecode (PYTHONDONTWRITEBYTECODE) compiles it afresh each time.
+"$PYTHON" -m compileall -q -j 0 ldm apps scripts tests ./*.py >/dev/null || true
 exec "$PYTHON" -m pytest -n "${TEST_PROCESSES:-3}" --dist worksteal "$@"
