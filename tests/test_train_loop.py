@@ -59,8 +59,11 @@ def test_a_run_killed_or_stopped_resumes_to_the_weights_of_an_uninterrupted_one(
 
     out = tmp_path / "b"
     if fault == "SIGKILL":
-        code, log = run_until(SCRIPT, common + ["--save_steps", "1", "--output_dir", str(out)], "step 3 ",
-                              signal.SIGKILL, delay=random.uniform(0, 0.3))
+        # saves written in the update's own time (not in the background), so the two checkpoints before the one
+        # being written are whole when "step 3" shows, on a loaded machine too: one of them is damaged below, and
+        # the resume needs the other (in the background, a loaded machine had sealed only checkpoint-1 by then)
+        code, log = run_until(SCRIPT, common + ["--save_steps", "1", "--async_save", "false", "--output_dir",
+                                                str(out)], "step 3 ", signal.SIGKILL, delay=random.uniform(0, 0.3))
         assert code == -signal.SIGKILL, log[-3000:]
         # and the newest complete checkpoint is damaged afterwards: latest must skip it too
         newest = latest_checkpoint(str(out))
