@@ -53,10 +53,10 @@ else
     echo "==> uv was not usable: installing with pip"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$lock"
 fi
-# Bytecode for every installed module, written once here: an interpreter that may not write it (PYTHONDONTWRITEBYTECODE,
-# a read-only venv) would otherwise compile paddle, paddlenlp and ppdiffusers from source at every start, 12 of the
-# 18 CPU-seconds a tiny training run costs, against 6 with bytecode (docs/benchmarks.md). Every rank, restart, test
-# and command pays that start.
+# Bytecode for every installed module, written once here (43 s on 2 cores): an interpreter that may not write it
+# (PYTHONDONTWRITEBYTECODE, a read-only venv) compiles paddle, paddlenlp and ppdiffusers from source at every start,
+# which made a tiny two-update training run cost 16.5 CPU-seconds against 7.9 with bytecode (docs/benchmarks.md).
+# Every rank, restart, command and test pays that start.
 "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')" \
     >/dev/null || echo "==> warning: some installed modules did not compile to bytecode (they still import)"
 # The project itself is used in place (a .pth entry), so edits need no reinstall.
