@@ -55,14 +55,13 @@ import sys
 import threading
 import time
 
-from ldm.runtime.distributed import terminate_with_parent
+from ldm.runtime.distributed import PR_SET_CHILD_SUBREAPER, prctl, terminate_with_parent
 from ldm.runtime.supervisor import PEER_LOST, RESTARTS_ENV, STATUS_ENV, read_try
 
 MAX_PAUSE_SECONDS = 300
 STOPPED_ON_PURPOSE = 2  # a user error, the non-finite guard (`ldm.runtime.errors`)
 GAVE_UP = 3  # the restarts given were spent
 CRASH_LOOP = 4  # the same failure twice in a row
-PR_SET_CHILD_SUBREAPER = 36
 # "Container rank 1 status failed cmd [...] code -9 log ...": how Paddle's launcher names the rank that failed
 FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .* code (-?\d+) ")
 
@@ -207,12 +206,7 @@ def children(pid: int) -> list[int]:
 def become_subreaper() -> bool:
     """Adopt this process's orphaned descendants (Linux PR_SET_CHILD_SUBREAPER): the ranks of a launcher that was
     killed become children of this one, which can then wait for them. False where it cannot."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def reap() -> None:

@@ -26,13 +26,14 @@ import threading
 import time
 import traceback
 
+from ldm.runtime.distributed import PR_SET_PDEATHSIG, prctl
+
 DATA_ERROR = "data_error"
 STALL_EXIT_CODE = 124  # as coreutils `timeout`
 # faulthandler's own timer, armed while waiting, ends the process even when a C call holds the GIL
 # and the watchdog thread cannot run; it fires this much later than the watchdog.
 BACKSTOP_SECONDS = 60
 STACK_SIGNAL = signal.SIGUSR1
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def error_batch(error: BaseException) -> dict:
@@ -107,8 +108,7 @@ def die_with_parent() -> None:
     read (Paddle's own parent check runs only between batches, so a stuck worker outlived a killed run)."""
     if not sys.platform.startswith("linux"):
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the request took effect
         os._exit(1)

@@ -50,15 +50,24 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def terminate_with_parent() -> bool:
-    """Ask Linux for a SIGTERM to this process when its parent dies (prctl PR_SET_PDEATHSIG); False elsewhere."""
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value) for this process; False where it failed or there is none (not Linux)."""
     import ctypes
-    import signal
 
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def terminate_with_parent() -> bool:
+    """Ask Linux for a SIGTERM to this process when its parent dies (prctl PR_SET_PDEATHSIG); False elsewhere."""
+    import signal
+
+    return prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def run_main(main) -> NoReturn:
