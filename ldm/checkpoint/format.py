@@ -344,6 +344,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
     from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
     from ldm.models.build import ModelSourceError, check_model_index, vae_folder
+    from ldm.models.noise import prediction_type_of
     from ldm.models.torch_layout import load_pretrained  # a pipeline in either layout: ppdiffusers' or diffusers'
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
@@ -376,7 +377,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
     scheduler_config = os.path.join(path, "scheduler", "scheduler_config.json")
     if os.path.isfile(scheduler_config):
         with open(scheduler_config) as f:
-            prediction = json.load(f).get("prediction_type", "epsilon")
+            prediction = prediction_type_of(json.load(f))
         if prediction != model.prediction_type:
             raise CheckpointError(f"--init_from_checkpoint {path} predicts {prediction} and this run "
                                   f"{model.prediction_type}: pass --prediction_type {prediction} (another target needs "

@@ -15,7 +15,7 @@ from ldm.checkpoint.run_folder import CheckpointError, atomic_folder
 from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
-from ldm.inference.sampling import ddim_scheduler
+from ldm.inference.sampling import sampling_scheduler
 from ldm.models.text import LDMBERT, family_of, is_masked, prompt_length
 from ldm.models.torch_layout import save_torch_layout
 
@@ -77,7 +77,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     ldmbert = family_of(text_encoder) is LDMBERT
     if to_diffusers and ldmbert:
         check_diffusers_context(text_encoder)
-    scheduler = ddim_scheduler(scheduler_config)
+    scheduler = sampling_scheduler(scheduler_config)
     if ldmbert:
         pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                           scheduler=scheduler)

@@ -9,6 +9,7 @@ import json
 import os
 
 from ldm.checkpoint.run_folder import RUN_CONFIG
+from ldm.models.noise import is_flow, prediction_type_of
 from ldm.models.text import LDMBERT, family_of
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
@@ -68,6 +69,15 @@ def _training_lines(record: dict) -> list[str]:
     ]
 
 
+def schedule_line(scheduler_config: dict) -> str:
+    if is_flow(scheduler_config):
+        return (f"- noise schedule: rectified flow (x_t = (1 - sigma) x_0 + sigma noise), shift "
+                f"{scheduler_config.get('shift')}, timestep 1000 sigma; sampled with FlowMatchEulerDiscreteScheduler")
+    return (f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
+            f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
+            "with DDIM")
+
+
 def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, used_ema: bool,
                origin: str | None = None, tokens: int | None = None) -> str:
     """`origin`: what the weights were converted from, when they were not trained here; `tokens`: the caption length
@@ -99,13 +109,11 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         f"- UNet2DConditionModel: {_parameters(unet)}, channels {list(u.block_out_channels)}, "
         f"{u.layers_per_block} ResNet layers per block, {u.attention_head_dim} attention heads, cross-attention "
         f"width {u.cross_attention_dim}, latents {u.in_channels}x{u.sample_size}x{u.sample_size}, predicts "
-        f"{scheduler_config.get('prediction_type', 'epsilon')}",
+        f"{prediction_type_of(scheduler_config)}",
         text_line,
         f"- AutoencoderKL (frozen): {_parameters(vae)}, channels {list(v.block_out_channels)}, "
         f"{v.latent_channels} latent channels, scaling factor {v.scaling_factor}",
-        f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
-        f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
-        "with DDIM",
+        schedule_line(scheduler_config),
         f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
         "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
         "## Evaluation", "", *score_lines, "",

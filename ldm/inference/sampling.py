@@ -1,4 +1,4 @@
-"""Sampling: prompts -> images with DDIM and classifier-free guidance.
+"""Sampling: prompts -> images with DDIM (flow matching: Euler) and classifier-free guidance.
 
 A free function of (unet, text encoder, vae, scheduler, token ids), used by the training loops
 for image logging and by `python -m ldm.generate`. Initial noise is drawn per image from
@@ -33,6 +33,18 @@ def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = N
     )
 
 
+def sampling_scheduler(noise_scheduler_config: dict):
+    """The sampler of a training noise schedule: flow matching's Euler steps (`FlowMatchEulerDiscreteScheduler`, its
+    shift), else the reference's DDIM."""
+    from ldm.models.noise import is_flow
+
+    if is_flow(noise_scheduler_config):
+        from ppdiffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(noise_scheduler_config)
+    return ddim_scheduler(noise_scheduler_config)
+
+
 def initial_noise(shape: Sequence[int], seed: int, index: int) -> np.ndarray:
     return np.random.default_rng([seed, index]).standard_normal(shape).astype(np.float32)
 
@@ -65,6 +77,7 @@ def generate(
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
+    random_state = paddle.get_rng_state()  # the flow Euler step draws (unused) noise: training's generator kept
     try:
         rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
@@ -85,11 +98,12 @@ def generate(
                 context = cond
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
-            latents = latents * scheduler.init_noise_sigma
+            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
             scheduler.set_timesteps(num_inference_steps)
             for t in scheduler.timesteps:
                 model_input = paddle.concat([latents] * 2) if guided else latents
-                model_input = scheduler.scale_model_input(model_input, t)
+                if hasattr(scheduler, "scale_model_input"):
+                    model_input = scheduler.scale_model_input(model_input, t)
                 prediction = unet(model_input, t, encoder_hidden_states=context, encoder_attention_mask=mask).sample
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
@@ -98,6 +112,7 @@ def generate(
             images.append(to_uint8(vae.decode(latents.astype("float32") / scaling_factor).sample))
         return np.concatenate(images)
     finally:
+        paddle.set_rng_state(random_state)
         for model, training in modes:
             model.train() if training else model.eval()
 

@@ -353,13 +353,24 @@ def vae_folder(name_or_path: str) -> str:
     raise ModelSourceError(f"no autoencoder config in {name_or_path} (looked in ., vqvae/, vae/)")
 
 
-def noise_scheduler_config(source: str, prediction_type: str | None = None) -> dict:
+def noise_scheduler_config(source: str, prediction_type: str | None = None, flow_shift: float | None = None) -> dict:
     """The training noise schedule: the source's own settings (a pipeline continued keeps its betas and
-    prediction type), the reference's where it has none; `prediction_type` overrides when given."""
+    prediction type; a flow-matching scheduler makes it a flow-matching model), the reference's where it has none;
+    `prediction_type` overrides when given (`flow_matching`: a `FlowMatchEulerDiscreteScheduler` of the source's
+    number of timesteps), `flow_shift` a flow scheduler's resolution shift."""
+    from ldm.models.noise import FLOW_SCHEDULERS, is_flow
+
     folder = os.path.join(source, "scheduler")
-    config = {**DDPM_DEFAULTS, "prediction_type": "epsilon"}
+    saved = {}
     if os.path.isfile(os.path.join(folder, "scheduler_config.json")):
         saved = read_config(folder, "scheduler_config.json")
+    flow = prediction_type == "flow_matching" or (prediction_type is None and is_flow(saved))
+    if flow:
+        steps = saved.get("num_train_timesteps", DDPM_DEFAULTS["num_train_timesteps"])
+        shift = flow_shift if flow_shift is not None else saved.get("shift", 1.0) if is_flow(saved) else 1.0
+        return {"_class_name": FLOW_SCHEDULERS[0], "num_train_timesteps": steps, "shift": float(shift)}
+    config = {**DDPM_DEFAULTS, "prediction_type": "epsilon"}
+    if not is_flow(saved):
         config.update({k: v for k, v in saved.items() if not k.startswith("_")})
     if prediction_type is not None:
         config["prediction_type"] = prediction_type
@@ -374,6 +385,7 @@ def build_components(
     model_max_length: int | None = None,
     pad_token_id: int = 0,
     prediction_type: str | None = None,
+    flow_shift: float | None = None,
     seed: int | None = None,
     text_encoder_from: str | None = None,
 ) -> Components:
@@ -381,9 +393,10 @@ def build_components(
     `model_max_length` and `pad_token_id` shape an LDMBert built from scratch (its tokenizer is chosen apart);
     `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy)."""
     import paddle
-    from ppdiffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
 
     from ldm.models.init import init_ldm_weights
+    from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
 
     source = resolve_source(model_name_or_path)
@@ -409,7 +422,7 @@ def build_components(
         init_ldm_weights(None if unet_loaded else unet, None if text_loaded or family is not LDMBERT else text_encoder)
     vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
-    scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
+    scheduler = training_scheduler(noise_scheduler_config(source, prediction_type, flow_shift))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source)
 

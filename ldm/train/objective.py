@@ -228,11 +228,12 @@ class TextToImage(Objective):
         from ldm.evaluation.clip import ClipError
         from ldm.evaluation.fid import FIDError
         from ldm.evaluation.generated import pipeline_images
-        from ldm.inference.sampling import ddim_scheduler
+        from ldm.inference.sampling import sampling_scheduler
+        from ldm.models.noise import scheduler_config
 
         metrics, sampling = self.generated
         model = self.model
-        scheduler = ddim_scheduler(dict(model.noise_scheduler.config), model.prediction_type)
+        scheduler = sampling_scheduler(scheduler_config(model.noise_scheduler))
         make = pipeline_images(model.unet, model.text_encoder, model.vae, scheduler,
                                CaptionTokenizer(self.tokenizer, self.data.model_max_length), sampling)
         try:
@@ -305,7 +306,7 @@ class TextToImage(Objective):
             loss = loss * float("nan")
         # the loss by quarter of the noise schedule (guided-diffusion's quartiles): (sum, count) pairs, so that a
         # quarter no sample of a batch drew counts for nothing rather than for zero
-        quarter = timesteps * QUARTERS // self.model.noise_scheduler.config.num_train_timesteps
+        quarter = (timesteps.astype("float32") * QUARTERS / self.model.num_train_timesteps).floor().astype("int64")
         per_sample = per_sample.detach()
         extra = {}
         for q in range(QUARTERS):

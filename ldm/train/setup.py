@@ -23,6 +23,7 @@ from ldm.models.build import (
     resolve_source,
 )
 from ldm.models.diffusion import LatentDiffusion
+from ldm.models.noise import FlowSettings, is_flow, scheduler_config
 from ldm.models.text import (
     LDMBERT,
     TextEncoderError,
@@ -146,16 +147,20 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             model_max_length=data.model_max_length,
             pad_token_id=tokenizer.pad_token_id,
             prediction_type=model_args.prediction_type,
+            flow_shift=model_args.flow_shift,
             seed=seed,
             text_encoder_from=text.encoder if text else None,
         )
         trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
+        if is_flow(scheduler_config(components.noise_scheduler)) and model_args.snr_gamma:
+            raise ModelSourceError(f"{model_args.model_name_or_path} trains with flow matching (a flow scheduler): "
+                                   "--snr_gamma weights epsilon and v-prediction losses; use --flow_weighting")
         model = LatentDiffusion(
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
             freeze_text_encoder=not trained, recompute=recompute,
-            vae_dtype=resolve_vae_dtype(model_args.vae_dtype),
+            vae_dtype=resolve_vae_dtype(model_args.vae_dtype), flow=flow_settings(model_args),
         )
     latent = data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
     if components.unet.config.sample_size != latent:
@@ -176,6 +181,11 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
         raise ModelSourceError(f"--model_max_length {data.model_max_length}: the {components.family.name} text encoder "
                                f"of {components.text_source} reads at most {positions} tokens")
     return model, components
+
+
+def flow_settings(model_args: ModelArguments) -> FlowSettings:
+    return FlowSettings(model_args.flow_sigma_sampling, model_args.flow_logit_mean, model_args.flow_logit_std,
+                        model_args.flow_mode_scale, model_args.flow_weighting)
 
 
 def check_text_encoder_trained(components, trained: bool, allowed: bool) -> None:
