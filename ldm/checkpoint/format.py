@@ -87,8 +87,8 @@ def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
 # -- model parts -------------------------------------------------------------------------------------
 # The trained parts' weight files as their libraries name them, and the `format` each writes into the safetensors
 # metadata (ppdiffusers reads "pt" as PyTorch's layout and transposes: never write that here)
-WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np"), "text_encoder": ("model", "np"),
-                "vqvae": ("diffusion_paddle_model", "pd")}
+WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "transformer": ("diffusion_paddle_model", "pd"),
+                "bert": ("model", "np"), "text_encoder": ("model", "np"), "vqvae": ("diffusion_paddle_model", "pd")}
 TEXT_ENCODER_FOLDER = "text_encoder"  # a run's frozen text encoder, beside its vqvae/
 
 

@@ -15,6 +15,7 @@ from PIL import Image
 from ppdiffusers import DDIMScheduler
 
 from ldm.models.autoencoder import to_uint8
+from ldm.models.backbone import predict
 from ldm.models.text import encode_prompt
 
 
@@ -104,7 +105,7 @@ def generate(
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 if hasattr(scheduler, "scale_model_input"):
                     model_input = scheduler.scale_model_input(model_input, t)
-                prediction = unet(model_input, t, encoder_hidden_states=context, encoder_attention_mask=mask).sample
+                prediction = predict(unet, model_input, t, context, mask)
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)

@@ -1,6 +1,7 @@
 """Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
 
-A source is laid out like a ppdiffusers pipeline folder: `unet/`, a text encoder (`bert/` for LDMBert, or
+A source is laid out like a ppdiffusers pipeline folder: a backbone (`unet/`, or a DiT's `transformer/`:
+`ldm.models.backbone`), a text encoder (`bert/` for LDMBert, or
 `text_encoder/` + `tokenizer/` for a CLIP text model: `ldm.models.text`), `vqvae/` (or `vae/`), `scheduler/`
 (and `tokenizer/` when exported). A part whose folder holds weights is loaded, in Paddle's layout or in
 PyTorch's (a diffusers pipeline: `torch_layout`); a part with a config only is built and initialised from
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ldm.models.backbone import UNET, backbone_family_of, context_width
 from ldm.models.text import LDMBERT, TextFamily, text_family
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
@@ -54,6 +56,7 @@ def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
     "unet": ("UNet2DConditionModel",),
+    "transformer": ("Transformer2DModel",),
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
@@ -226,13 +229,14 @@ def model_size_step(name_or_path: str, vae_config=None) -> int:
 
     folder = resolve_source(name_or_path)
     configs = {"vqvae": vae_config} if vae_config is not None else {}
-    for part in ("vqvae", "unet"):
+    backbone = backbone_family_of(folder) or UNET
+    for part in ("vqvae", backbone.folder):
         try:
             configs[part] = configs.get(part) or SimpleNamespace(**read_config(os.path.join(folder, part)))
         except (OSError, ValueError, TypeError) as e:
             raise ModelSourceError(f"{name_or_path}: cannot read its {part}/config.json ({e}), which sets the "
                                    "aspect-ratio buckets' size step: name the model they are for") from None
-    return size_step(configs["vqvae"], configs["unet"])
+    return size_step(configs["vqvae"], configs[backbone.folder])
 
 
 def model_resolution(unet, vae) -> int:
@@ -243,7 +247,7 @@ def model_resolution(unet, vae) -> int:
 
 @dataclass
 class Components:
-    unet: object
+    unet: object  # the backbone: a UNet or a DiT (`ldm.models.backbone`)
     text_encoder: object
     vae: object
     noise_scheduler: object
@@ -393,8 +397,9 @@ def build_components(
     `model_max_length` and `pad_token_id` shape an LDMBert built from scratch (its tokenizer is chosen apart);
     `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy)."""
     import paddle
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+    from ppdiffusers import AutoencoderKL
 
+    from ldm.models.backbone import init_backbone
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -402,24 +407,27 @@ def build_components(
     source = resolve_source(model_name_or_path)
     if os.path.isfile(os.path.join(source, "model_index.json")):
         check_model_index(source)
-    if not os.path.isfile(os.path.join(source, "unet", "config.json")):
-        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json (expected a preset, a folder of "
-                               "configs or a pipeline folder)")
+    backbone = backbone_family_of(source)
+    if backbone is None:
+        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json nor transformer/config.json (expected a "
+                               "preset, a folder of configs or a pipeline folder)")
     try:
         family = text_family(source)
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
-    unet, unet_loaded = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
+    unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
     else:
         text_encoder, text_loaded = load_frozen_text_encoder(family, text_source)
     check_context(unet, text_encoder, model_name_or_path)
-    if not unet_loaded or (family is LDMBERT and not text_loaded):
-        init_ldm_weights(None if unet_loaded else unet, None if text_loaded or family is not LDMBERT else text_encoder)
+    if not unet_loaded:
+        init_backbone(unet)
+    if family is LDMBERT and not text_loaded:
+        init_ldm_weights(None, text_encoder)
     vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
     scheduler = training_scheduler(noise_scheduler_config(source, prediction_type, flow_shift))
@@ -428,11 +436,11 @@ def build_components(
 
 
 def check_context(unet, text_encoder, name: str) -> None:
-    """The UNet's cross-attention reads states as wide as the text encoder makes them."""
+    """The backbone's cross-attention reads states as wide as the text encoder makes them."""
     width = getattr(text_encoder.config, "hidden_size", None) or text_encoder.config.d_model
-    if unet.config.cross_attention_dim != width:
-        raise ModelSourceError(f"{name}: the UNet's cross_attention_dim is {unet.config.cross_attention_dim} and its "
-                               f"text encoder's states are {width} wide: they cannot work together")
+    if context_width(unet.config) != width:
+        raise ModelSourceError(f"{name}: the {type(unet).__name__} reads text states {context_width(unet.config)} "
+                               f"wide and its text encoder's are {width} wide: they cannot work together")
 
 
 def check_autoencoder_source(model_name_or_path: str, vae_name_or_path: str | None, allowed: bool) -> None:

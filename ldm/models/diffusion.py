@@ -12,6 +12,7 @@ from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import posterior
+from ldm.models.backbone import predict
 from ldm.models.noise import (
     PREDICTION_TYPES,
     FlowSettings,
@@ -175,8 +176,7 @@ class LatentDiffusion(nn.Layer):
         timesteps = self.draw_timesteps(batch)
         noisy_latents, target = self.noised(latents, noise, timesteps)
         context, mask = self.context(input_ids, text_states, text_dropped, text_lengths)
-        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=context,
-                               encoder_attention_mask=mask).sample
+        model_pred = predict(self.unet, noisy_latents, timesteps, context, mask)
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])
         weights = self.loss_weights(timesteps)

@@ -29,6 +29,7 @@ from ldm.data.latents import fingerprint, text_fingerprint
 from ldm.data.tokenize import CaptionTokenizer
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.backbone import family_of as backbone_of
 from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
 from ldm.models.ema import EMA
 from ldm.models.flops import ldm_training_flops
@@ -315,7 +316,7 @@ class TextToImage(Objective):
         return loss, extra
 
     def trained_parts(self):
-        parts = {"unet": self.model.unet}
+        parts = {backbone_of(self.model.unet).folder: self.model.unet}
         if self.text.trained:
             parts[self.text.family.folder] = self.model.text_encoder
         return parts
@@ -336,13 +337,14 @@ class TextToImage(Objective):
                                        self.sampling, ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
     def finish(self, checkpoint, batches, dist, run_dir):
-        if dist.is_main and checkpoint and self.text.family.masked:
-            logger.info("no pipeline is exported: neither ppdiffusers' nor diffusers' text-to-image pipelines give a "
-                        "UNet the T5 encoder's mask; sample from %s with python -m ldm.generate --model", checkpoint)
-        elif dist.is_main and checkpoint:
-            from ldm.inference.export import export_checkpoint
+        if dist.is_main and checkpoint:
+            from ldm.inference.export import NoPipeline, export_checkpoint
 
-            pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
+            try:
+                pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
+            except NoPipeline as e:
+                logger.info("no pipeline is exported: %s", e)
+                return
             logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
 
 

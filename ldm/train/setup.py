@@ -14,6 +14,7 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
+from ldm.models.backbone import follow_resolution
 from ldm.models.build import (
     ModelSourceError,
     build_components,
@@ -162,12 +163,8 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             freeze_text_encoder=not trained, recompute=recompute,
             vae_dtype=resolve_vae_dtype(model_args.vae_dtype), flow=flow_settings(model_args),
         )
-    latent = data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
-    if components.unet.config.sample_size != latent:
-        # the size the UNet is trained at is the size it samples at by default (an exported pipeline, evaluation)
-        logger.info("UNet sample_size %d -> %d (--resolution %d)", components.unet.config.sample_size, latent,
-                    data.resolution)
-        components.unet.register_to_config(sample_size=latent)
+    # a UNet samples by default at the size it is trained at (an exported pipeline, evaluation)
+    follow_resolution(components.unet, data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1))
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
