@@ -1,6 +1,6 @@
 """PixArt-α by composition (`ldm.models.backbone`): ppdiffusers' PixArt `Transformer2DModel` with a frozen T5, trained
 from a diffusers `PixArtAlphaPipeline` folder in an aspect-ratio bucket, exported in diffusers' layout and sampled by
-ppdiffusers' `PixArtAlphaPipeline` as by `ldm.generate`; its position embedding on a non-square patch grid; the
+ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; its position embedding on a non-square patch grid; the
 0.6 B preset's architecture."""
 
 import json
@@ -76,7 +76,9 @@ def test_a_pixart_pipeline_trains_in_a_bucket_and_exports_what_ppdiffusers_pipel
     result = run_python(["-m", "ldm.export", "--checkpoint", str(run / "checkpoint-2"), "--output", str(exported),
                          "--format", "diffusers"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((exported / "model_index.json").read_text())["_class_name"] == "PixArtAlphaPipeline"
+    index = json.loads((exported / "model_index.json").read_text())
+    assert index["_class_name"] == "PixArtAlphaPipeline"
+    assert index["scheduler"] == ["diffusers", "DPMSolverMultistepScheduler"]  # the source's sampler, kept
     source, ours = (load_file(f"{folder}/text_encoder/model.safetensors") for folder in (pipeline, exported))
     assert all(np.array_equal(source[k], ours[k]) for k in source)  # the frozen T5 as it came
     trained = load_file(f"{exported}/transformer/diffusion_pytorch_model.safetensors")
@@ -90,6 +92,7 @@ def test_a_pixart_pipeline_trains_in_a_bucket_and_exports_what_ppdiffusers_pipel
     latents = paddle.to_tensor(initial_noise([4, 12, 6], 7, 0)[None])
     image = theirs("a red circle", num_inference_steps=3, guidance_scale=3.0, latents=latents, height=48, width=24,
                    output_type="np", use_resolution_binning=False, clean_caption=False).images[0]
+    assert type(theirs.scheduler).__name__ == "DPMSolverMultistepScheduler"
     assert mine[0].std() > 1  # an image, not a flat field
     np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
 

@@ -190,7 +190,7 @@ def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True, to_dif
     """A checkpoint or a pipeline (either layout) exported to `output`; diffusers' layout with a model card."""
     check_output(output, checkpoint)
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
-    pipeline_of(unet, text_encoder, vae, tokenizer, None)  # refused before the model card, which describes it
+    pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))  # refused before the card
     card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema,
                       tokens=prompt_length(text_encoder, tokenizer)) if to_diffusers else None
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output, to_diffusers,

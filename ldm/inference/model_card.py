@@ -9,6 +9,7 @@ import json
 import os
 
 from ldm.checkpoint.run_folder import RUN_CONFIG
+from ldm.inference.sampling import sampling_scheduler
 from ldm.models.backbone import describe_backbone, pipeline_class_name
 from ldm.models.backbone import family_of as family_of_backbone
 from ldm.models.noise import is_flow, prediction_type_of
@@ -77,7 +78,7 @@ def schedule_line(scheduler_config: dict) -> str:
                 f"{scheduler_config.get('shift')}, timestep 1000 sigma; sampled with FlowMatchEulerDiscreteScheduler")
     return (f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
             f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
-            "with DDIM")
+            f"with {type(sampling_scheduler(scheduler_config)).__name__}")
 
 
 def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, used_ema: bool,

@@ -36,14 +36,20 @@ def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = N
 
 def sampling_scheduler(noise_scheduler_config: dict):
     """The sampler of a training noise schedule: flow matching's Euler steps (`FlowMatchEulerDiscreteScheduler`, its
-    shift), else the reference's DDIM."""
+    shift); the sampler the model source came with (a pipeline's `scheduler/`, kept as the training schedule's
+    `_sampler`, or a sampler's own config), predicting what the model was trained to; else the reference's DDIM."""
+    import ppdiffusers
+
     from ldm.models.noise import is_flow
 
-    if is_flow(noise_scheduler_config):
-        from ppdiffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(noise_scheduler_config)
-    return ddim_scheduler(noise_scheduler_config)
+    config = noise_scheduler_config
+    if is_flow(config):
+        return ppdiffusers.FlowMatchEulerDiscreteScheduler.from_config(config)
+    sampler = config.get("_sampler") or (config if config.get("_class_name") not in (None, "DDPMScheduler") else None)
+    sampler_class = getattr(ppdiffusers, str((sampler or {}).get("_class_name")), None)
+    if sampler_class is None:
+        return ddim_scheduler(config)
+    return sampler_class.from_config({**sampler, "prediction_type": config.get("prediction_type", "epsilon")})
 
 
 def initial_noise(shape: Sequence[int], seed: int, index: int) -> np.ndarray:

@@ -71,7 +71,7 @@ UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
 def check_model_index(folder: str) -> None:
     """Refuse a pipeline folder whose `model_index.json` names a part of a class this framework does not read, or a
     part it would leave out (Stable Diffusion XL's `text_encoder_2`): it would be read as another model, silently.
-    The scheduler may be of any class: only its noise schedule is read (sampling is DDIM's)."""
+    The scheduler may be of any class: its noise schedule is trained with, and it samples (`sampling_scheduler`)."""
     path = os.path.join(folder, "model_index.json")
     try:
         index = read_config(folder, "model_index.json")
@@ -378,6 +378,9 @@ def noise_scheduler_config(source: str, prediction_type: str | None = None, flow
         config.update({k: v for k, v in saved.items() if not k.startswith("_")})
     if prediction_type is not None:
         config["prediction_type"] = prediction_type
+    if saved.get("_class_name") not in (None, "DDPMScheduler", *FLOW_SCHEDULERS):
+        # the source's own sampler (a pipeline's DPM-Solver, PNDM, DDIM), kept for sampling and the export
+        config["_sampler"] = {k: v for k, v in saved.items() if k not in ("_diffusers_version", "_ppdiffusers_version")}
     return config
 
 
