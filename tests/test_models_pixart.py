@@ -1,7 +1,7 @@
 """PixArt-α by composition (`ldm.models.backbone`): ppdiffusers' PixArt `Transformer2DModel` with a frozen T5, trained
 from a diffusers `PixArtAlphaPipeline` folder in an aspect-ratio bucket, exported in diffusers' layout and sampled by
-ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; its position embedding on a non-square patch grid; the
-0.6 B preset's architecture."""
+ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; its position embedding on a non-square
+patch grid; the 0.6 B preset's architecture."""
 
 import json
 
