@@ -109,3 +109,53 @@ def test_pixart_trains_with_flow_matching_on_the_trainer_path(tmp_path):
     scheduler = json.loads((tmp_path / "run" / "checkpoint-2" / "scheduler" / "scheduler_config.json").read_text())
     assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler"
     assert (tmp_path / "run" / "checkpoint-2" / "transformer" / "config.json").is_file()
+
+
+def test_a_t5_saved_without_its_tied_embedding_is_read_as_transformers_reads_it(pipeline, tmp_path):
+    """transformers writes a tied weight once (`shared.weight`, not `encoder.embed_tokens.weight`)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from ldm.models.text import T5
+    from ldm.models.torch_layout import load_pretrained
+
+    folder = tmp_path / "text_encoder"
+    shutil.copytree(f"{pipeline}/text_encoder", folder)
+    state = load_file(folder / "model.safetensors")
+    del state["encoder.embed_tokens.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_pretrained(T5.model_class(), str(folder))
+    np.testing.assert_array_equal(model.encoder.embed_tokens.weight.numpy(), state["shared.weight"])
+
+
+def test_learned_sigma_trains_on_improved_ddpms_variational_bound():
+    """guided-diffusion's `_vb_terms_bpd` (KL of the posterior to the model's step, the decoder's likelihood at t = 0)
+    on known tensors, and the variance half of the DiT's output gets gradients."""
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.noise import variational_bound
+
+    c = build_components("pixart-tiny", seed=0)
+    s = c.noise_scheduler
+    x0, eps, t = paddle.randn([3, 4, 8, 8]), paddle.randn([3, 4, 8, 8]), paddle.to_tensor([0, 10, 500])
+    xt = s.add_noise(x0, eps, t)
+    exact = variational_bound(s, x0, xt, eps, -paddle.ones([3, 4, 8, 8]), t).numpy()  # the posterior's own step
+    assert exact[0] > 0.1 and abs(exact[1]) < 1e-6 and abs(exact[2]) < 1e-6
+    b, ab = s.betas.numpy().astype("float64"), s.alphas_cumprod.numpy().astype("float64")
+    prev = np.append(1.0, ab[:-1])
+    posterior = b * (1 - prev) / (1 - ab)
+    k, x, e, n = 500, x0.numpy()[2], eps.numpy()[2] * 0.9, xt.numpy()[2]
+    c1, c2 = b[k] * np.sqrt(prev[k]) / (1 - ab[k]), (1 - prev[k]) * np.sqrt(1 - b[k]) / (1 - ab[k])
+    true_log_variance = np.log(posterior[k])
+    log_variance = 0.65 * np.log(b[k]) + 0.35 * true_log_variance  # v = 0.3
+    mean = c1 * (np.sqrt(1 / ab[k]) * n - np.sqrt(1 / ab[k] - 1) * e) + c2 * n
+    kl = 0.5 * (-1 + log_variance - true_log_variance + np.exp(true_log_variance - log_variance)
+                + (c1 * x + c2 * n - mean) ** 2 * np.exp(-log_variance))
+    ours = variational_bound(s, x0, xt, eps * 0.9, paddle.full([3, 4, 8, 8], 0.3), t).numpy()[2]
+    assert ours == pytest.approx(kl.mean() / np.log(2), rel=1e-3)
+
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, s, freeze_text_encoder=True)
+    model(paddle.rand([2, 3, 32, 32]) * 2 - 1, paddle.ones([2, 16], dtype="int64")).backward()
+    grad = c.unet.proj_out.weight.grad.numpy()
+    assert np.abs(grad.reshape(grad.shape[0], 4, 8)[:, :, 4:]).sum() > 0  # (patch, channel): the variance half

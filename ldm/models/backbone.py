@@ -4,9 +4,9 @@
 - `pixart`: ppdiffusers' `Transformer2DModel` in its PixArt-α form (a DiT: patches, adaLN-single
   `norm_type="ada_norm_single"`, cross-attention to T5 states projected from `caption_channels`). With
   `out_channels` = 2 × `in_channels` it predicts the noise and, in the other half, the interpolation of the variance
-  PixArt learns with improved DDPM's variational bound ("learned sigma"). Here the noise half alone is trained and
-  sampled (`predict`), as PixArt's pipelines sample: the variance half takes no gradient and stays as loaded (zero from
-  scratch). Its position embedding is 2-D sin-cos over the patch grid of `sample_size`; ppdiffusers' `PatchEmbed`
+  PixArt learns with improved DDPM's variational bound ("learned sigma": `predict_with_variance`, trained by
+  `ldm.models.noise.variational_bound`); sampling reads the noise half (`predict`), as PixArt's pipelines do. Its
+  position embedding is 2-D sin-cos over the patch grid of `sample_size`; ppdiffusers' `PatchEmbed`
   recomputes it for another grid (an aspect-ratio bucket), its positions scaled to the trained grid's span, so a DiT
   takes any latent shape that is a multiple of its patch. `sample_size` sets that span, so it is not changed to
   follow `--resolution` (`follow_resolution`).
@@ -58,13 +58,22 @@ def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: p
             mask: paddle.Tensor | None) -> paddle.Tensor:
     """The backbone's prediction (of `sample`'s channels) for latents at `timesteps` (a scalar or one per sample),
     conditioned on text `states` (their `mask`: None, or 1 for a real token)."""
+    return predict_with_variance(backbone, sample, timesteps, states, mask)[0]
+
+
+def predict_with_variance(backbone, sample, timesteps, states, mask):
+    """(prediction, the learned variance's values in [-1, 1] or None: a backbone with twice the latents' channels)."""
     if family_of(backbone) is UNET:
-        return backbone(sample, timesteps, encoder_hidden_states=states, encoder_attention_mask=mask).sample
-    if timesteps.ndim == 0:
-        timesteps = timesteps.expand([sample.shape[0]])
-    out = backbone(sample, encoder_hidden_states=states, timestep=timesteps, encoder_attention_mask=mask,
-                   added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
-    return out[:, : sample.shape[1]]  # learned sigma's variance half is not a prediction of the latents
+        out = backbone(sample, timesteps, encoder_hidden_states=states, encoder_attention_mask=mask).sample
+    else:
+        if timesteps.ndim == 0:
+            timesteps = timesteps.expand([sample.shape[0]])
+        out = backbone(sample, encoder_hidden_states=states, timestep=timesteps, encoder_attention_mask=mask,
+                       added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+    channels = sample.shape[1]
+    if out.shape[1] == 2 * channels:  # learned sigma: the second half is no prediction of the latents
+        return out[:, :channels], out[:, channels:]
+    return out, None
 
 
 def size_step(config) -> int:

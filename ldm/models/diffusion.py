@@ -12,7 +12,7 @@ from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import posterior
-from ldm.models.backbone import predict
+from ldm.models.backbone import predict_with_variance
 from ldm.models.noise import (
     PREDICTION_TYPES,
     FlowSettings,
@@ -21,6 +21,7 @@ from ldm.models.noise import (
     flow_noisy,
     prediction_type_of,
     scheduler_config,
+    variational_bound,
 )
 from ldm.models.text import encode_prompt
 
@@ -176,10 +177,14 @@ class LatentDiffusion(nn.Layer):
         timesteps = self.draw_timesteps(batch)
         noisy_latents, target = self.noised(latents, noise, timesteps)
         context, mask = self.context(input_ids, text_states, text_dropped, text_lengths)
-        model_pred = predict(self.unet, noisy_latents, timesteps, context, mask)
+        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask)
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])
         weights = self.loss_weights(timesteps)
         if weights is not None:
             loss = loss * weights
+        if variance is not None and self.prediction_type == "epsilon":  # learned sigma: PixArt's and DiT's hybrid loss
+            loss = loss + variational_bound(self.noise_scheduler, latents, noisy_latents,
+                                            model_pred.detach().astype("float32"), variance.astype("float32"),
+                                            timesteps)
         return (loss.mean(), loss, timesteps) if details else loss.mean()

@@ -83,3 +83,51 @@ def flow_noisy(latents: paddle.Tensor, noise: paddle.Tensor, sigmas: paddle.Tens
     """(x_t, target) of rectified flow at per-sample σ."""
     sigma = sigmas.reshape([-1] + [1] * (latents.ndim - 1)).astype(latents.dtype)
     return (1 - sigma) * latents + sigma * noise, noise - latents
+
+
+# -- learned sigma: improved DDPM's variational bound (Nichol & Dhariwal 2021), as DiT and PixArt-α train it ---------
+def _normal_kl(mean1, logvar1, mean2, logvar2):
+    return 0.5 * (-1.0 + logvar2 - logvar1 + paddle.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * paddle.exp(-logvar2))
+
+
+def _standard_normal_cdf(x):
+    return 0.5 * (1.0 + paddle.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _discretized_gaussian_log_likelihood(x, means, log_scales):
+    """guided-diffusion's decoder likelihood of x in 255 bins of [-1, 1] (applied to latents as DiT does)."""
+    centered, inv_stdv = x - means, paddle.exp(-log_scales)
+    cdf_plus = _standard_normal_cdf(inv_stdv * (centered + 1.0 / 255.0))
+    cdf_min = _standard_normal_cdf(inv_stdv * (centered - 1.0 / 255.0))
+    log_cdf_plus = paddle.log(cdf_plus.clip(min=1e-12))
+    log_one_minus_cdf_min = paddle.log((1.0 - cdf_min).clip(min=1e-12))
+    log_delta = paddle.log((cdf_plus - cdf_min).clip(min=1e-12))
+    return paddle.where(x < -0.999, log_cdf_plus, paddle.where(x > 0.999, log_one_minus_cdf_min, log_delta))
+
+
+def variational_bound(scheduler, latents, noisy, epsilon, variance, timesteps):
+    """Each sample's term of the variational bound in bits per dimension (guided-diffusion's `_vb_terms_bpd`), the
+    variance "learned_range" (`variance` in [-1, 1] interpolates log β_t and the posterior's clipped log variance),
+    the mean from `epsilon` as given (the caller detaches it: the bound trains the variance only, as DiT's
+    `frozen_out`). At t = 0 the decoder's negative log-likelihood, elsewhere KL(posterior || model)."""
+    betas = scheduler.betas.astype("float32")
+    alphas_cumprod = scheduler.alphas_cumprod.astype("float32")
+    previous = paddle.concat([paddle.ones([1]), alphas_cumprod[:-1]])
+    posterior_variance = betas * (1.0 - previous) / (1.0 - alphas_cumprod)
+    clipped = paddle.log(paddle.concat([posterior_variance[1:2], posterior_variance[1:]]))
+
+    def at(table):
+        return paddle.gather(table, timesteps).reshape([-1, 1, 1, 1])
+
+    a_bar, a_prev, beta = at(alphas_cumprod), at(previous), at(betas)
+    coef_x0, coef_xt = beta * paddle.sqrt(a_prev) / (1 - a_bar), (1 - a_prev) * paddle.sqrt(1 - beta) / (1 - a_bar)
+    true_mean, true_log_variance = coef_x0 * latents + coef_xt * noisy, at(clipped)
+    frac = (variance + 1) / 2
+    model_log_variance = frac * paddle.log(beta) + (1 - frac) * true_log_variance
+    predicted_x0 = paddle.sqrt(1 / a_bar) * noisy - paddle.sqrt(1 / a_bar - 1) * epsilon
+    model_mean = coef_x0 * predicted_x0 + coef_xt * noisy
+    kl = _normal_kl(true_mean, true_log_variance, model_mean, model_log_variance).mean(axis=[1, 2, 3]) / math.log(2.0)
+    nll = -_discretized_gaussian_log_likelihood(latents, model_mean, 0.5 * model_log_variance).mean(
+        axis=[1, 2, 3]) / math.log(2.0)
+    return paddle.where(timesteps == 0, nll, kl)
