@@ -46,12 +46,14 @@ FAMILIES = (UNET, PIXART)
 
 
 def backbone_family_of(source: str) -> BackboneFamily | None:
-    """The family of the backbone a model folder holds (its `unet/` or `transformer/` config); None: neither."""
-    return next((f for f in FAMILIES if os.path.isfile(os.path.join(source, f.folder, "config.json"))), None)
+    """The family of the backbone a model folder holds (its `unet/` or `transformer/`, read or not: an unreadable one
+    is said to be so by its loader); None: neither."""
+    return next((f for f in FAMILIES if os.path.lexists(os.path.join(source, f.folder))), None)
 
 
 def family_of(backbone) -> BackboneFamily:
-    return next(f for f in FAMILIES if type(backbone).__name__ == f.class_name)
+    names = {cls.__name__ for cls in type(backbone).__mro__}
+    return next(f for f in FAMILIES if f.class_name in names)
 
 
 def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,
