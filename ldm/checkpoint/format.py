@@ -1,9 +1,10 @@
 """What a training checkpoint holds, in formats that load without running code (writing: `ldm.checkpoint.manager`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_folder`) holds:
-  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once (`text_encoder/`
-                                 for a CLIP text encoder trained with --train_text_encoder)
-  tokenizer/, scheduler/         the tokenizer and the DDPM noise scheduler config: the folder describes itself
+  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once (`transformer/` for
+                                 a DiT; `text_encoder/` for a CLIP text encoder trained with --train_text_encoder)
+  tokenizer/, scheduler/         the tokenizer and the noise scheduler config (DDPM with the source's sampler, or
+                                 flow matching's): the folder describes itself
   ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity; the
                                  same for a frozen text encoder
   ema.json, ema.safetensors      EMA weights and update counter (with --use_ema)
