@@ -154,9 +154,14 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
         )
         trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
-        if is_flow(scheduler_config(components.noise_scheduler)) and model_args.snr_gamma:
+        flow = is_flow(scheduler_config(components.noise_scheduler))
+        if flow and model_args.snr_gamma:
             raise ModelSourceError(f"{model_args.model_name_or_path} trains with flow matching (a flow scheduler): "
                                    "--snr_gamma weights epsilon and v-prediction losses; use --flow_weighting")
+        if not flow and (flow_settings(model_args) != FlowSettings() or model_args.flow_shift is not None):
+            raise ModelSourceError(f"the --flow_* flags are for flow matching, and {model_args.model_name_or_path} "
+                                   f"trains {components.noise_scheduler.config.prediction_type}: pass "
+                                   "--prediction_type flow_matching, or leave them out")
         model = LatentDiffusion(
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
