@@ -56,6 +56,14 @@ def family_of(backbone) -> BackboneFamily:
     return next(f for f in FAMILIES if f.class_name in names)
 
 
+def unsupported(backbone) -> str | None:
+    """Why this framework cannot condition a backbone as it was trained, or None."""
+    if getattr(backbone, "use_additional_conditions", False):
+        return ("its transformer takes resolution and aspect-ratio conditions (PixArt-α's 1024 px models, "
+                "sample_size 128), which this framework does not give it; the 512 px PixArt-α (sample_size 64) trains")
+    return None
+
+
 def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,
             mask: paddle.Tensor | None) -> paddle.Tensor:
     """The backbone's prediction (of `sample`'s channels) for latents at `timesteps` (a scalar or one per sample),

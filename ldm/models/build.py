@@ -402,7 +402,7 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import init_backbone
+    from ldm.models.backbone import init_backbone, unsupported
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -421,6 +421,8 @@ def build_components(
     if seed is not None:
         paddle.seed(seed)
     unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
+    if unsupported(unet):
+        raise ModelSourceError(f"{model_name_or_path}: {unsupported(unet)}")
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
