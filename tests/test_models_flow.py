@@ -116,3 +116,15 @@ def test_a_flow_matching_run_exports_samples_as_ppdiffusers_does_and_refuses_ano
                                                                   "--resume_from_checkpoint", "latest"])
     assert refused.returncode == 2
     assert "prediction type: 'flow_matching' -> 'epsilon'" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_flow_flags_on_a_run_that_does_not_train_flow_matching_are_refused_in_one_line(vocab_dir):
+    from ldm.config.args import DataArguments, ModelArguments
+    from ldm.models.build import ModelSourceError
+    from ldm.train import setup
+
+    model_args = ModelArguments(model_name_or_path="ldm-tiny", allow_untrained_vae=True, flow_weighting="cosmap")
+    data = DataArguments(tokenizer_name=vocab_dir, model_max_length=16, resolution=32)
+    text = setup.text_source(model_args)
+    with pytest.raises(ModelSourceError, match=r"--flow_\* flags are for flow matching, and ldm-tiny trains epsilon"):
+        setup.build_model(model_args, data, setup.build_tokenizer(data, text), recompute=False, seed=0, text=text)
