@@ -142,7 +142,7 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     the model's own autoencoder reconstructions (what the LDM can at best reach)."""
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
-    from ldm.inference.sampling import ddim_scheduler, generate, image_grid
+    from ldm.inference.sampling import generate, image_grid, sampling_scheduler
     from ldm.models.build import model_resolution
     from ldm.models.text import prompt_length
 
@@ -150,7 +150,7 @@ def evaluate_model(model: str, *, num_images_per_prompt: int = 4, guidance_scale
     prompts = eval_prompts()
     repeated = [p for p in prompts for _ in range(num_images_per_prompt)]
     tokenize = CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer))
-    images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
+    images = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), tokenize, repeated,
                       guidance_scale=guidance_scale, num_inference_steps=num_inference_steps, seed=seed,
                       batch_size=32)
     readings = [classify(image) for image in images]

@@ -230,7 +230,7 @@ def cmd_run(args) -> int:
     except (FileNotFoundError, CheckpointError) as e:
         raise EvalError(f"--model {args.model}: {e}") from None
     from ldm.data.tokenize import CaptionTokenizer
-    from ldm.inference.sampling import ddim_scheduler
+    from ldm.inference.sampling import sampling_scheduler
     from ldm.models.text import prompt_length
 
     resolution = model_resolution(unet, vae)
@@ -244,7 +244,7 @@ def cmd_run(args) -> int:
     if dist.is_main:
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
-    make = pipeline_images(unet, text_encoder, vae, ddim_scheduler(scheduler_config),
+    make = pipeline_images(unet, text_encoder, vae, sampling_scheduler(scheduler_config),
                            CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer)), sampling)
     scored = metrics.evaluate(make, sampling, dist, keep_images=args.grid_images)
     if not dist.is_main:
@@ -306,8 +306,6 @@ def write_figures(scored, output_dir: str) -> None:
 # -- loss: the held-out validation loss -----------------------------------------------------------------
 def cmd_loss(args) -> int:
     """The held-out loss of a pipeline or checkpoint, as training logs it (`ldm.evaluation.heldout`)."""
-    from ppdiffusers import DDPMScheduler
-
     from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import fingerprint
     from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
@@ -316,6 +314,7 @@ def cmd_loss(args) -> int:
     from ldm.models.buckets import bucket_name, parse_buckets, size_step
     from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.noise import training_scheduler
     from ldm.models.text import prompt_length
     from ldm.runtime.distributed import Distributed
     from ldm.train.errors import user_errors
@@ -328,7 +327,7 @@ def cmd_loss(args) -> int:
                 args.model, use_ema=args.weights == "ema")
         except FileNotFoundError as e:
             raise EvalError(str(e)) from None
-        model = LatentDiffusion(unet, text_encoder, vae, DDPMScheduler.from_config(scheduler_config))
+        model = LatentDiffusion(unet, text_encoder, vae, training_scheduler(scheduler_config))
         resolution = args.resolution or model_resolution(unet, vae)
         buckets = parse_buckets(args.aspect_buckets, resolution, size_step(vae.config, unet.config),
                                 args.max_aspect_ratio)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
-    from ldm.inference.sampling import ddim_scheduler, generate, labeled_grid, latent_size
+    from ldm.inference.sampling import generate, labeled_grid, latent_size, sampling_scheduler
     from ldm.models.text import prompt_length
 
     try:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         latent_size(unet, vae, args.height, args.width)
     except ValueError as e:  # a size the autoencoder cannot make
         parser.exit(2, f"error: {e}\n")
-    images = generate(unet, text_encoder, vae, ddim_scheduler(scheduler_config), tokenize, repeated,
+    images = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), tokenize, repeated,
                       guidance_scale=args.guidance_scale, num_inference_steps=args.num_inference_steps,
                       seed=args.seed, batch_size=args.batch_size, height=args.height, width=args.width,
                       negative_prompt=args.negative_prompt)

@@ -3,19 +3,55 @@ them on the CPU; `ldm.models.flops` counts the FLOPs as a run does at its start)
 
     .venv/bin/python scripts/model_report.py [--resolution 256] [--text_length 77] [preset ...]
 
-The FLOPs are of forward and backward of the UNet and of a trained text encoder (LDMBert; a frozen CLIP's forward
-only, left out too on cached text embeddings), and the forward of the autoencoder's encoder (left out on latent
-shards), at `--resolution` (default: each preset's own) for one sample.
+The FLOPs are of forward and backward of the backbone (UNet or DiT) and of a trained text encoder (LDMBert; a frozen
+CLIP's or T5's forward only, left out too on cached text embeddings; T5 counted from copies of 1 and 2 layers), and
+the forward of the autoencoder's encoder (left out on latent shards), at `--resolution` (default: each preset's
+own) for one sample.
 """
 
 import argparse
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 
-from ldm.models.build import PRESETS, build_components, model_resolution
+from ldm.models.backbone import family_of as backbone_of
+from ldm.models.build import PRESETS, build_components, model_resolution, read_config, resolve_source
 from ldm.models.diffusion import LatentDiffusion
-from ldm.models.flops import ldm_training_flops
+from ldm.models.flops import forward_flops, ldm_training_flops
+from ldm.models.text import text_family
 from ldm.runtime.device import use_fast_cpu_kernels
+
+
+def few_layers(preset: str, layers: int, folder: str) -> str:
+    """A copy of a preset's configs whose T5 text encoder has `layers` layers: T5-XXL (4.8 B parameters, 19 GB in
+    float32) does not fit beside the rest on a small host, and its layers after the first are alike."""
+    source = resolve_source(preset)
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    config = read_config(os.path.join(folder, "text_encoder"))
+    config["num_layers"] = layers
+    with open(os.path.join(folder, "text_encoder", "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def t5_scaled(preset: str, text_length: int, temp: str) -> tuple[int, int]:
+    """(parameters, forward FLOPs) of a preset's whole T5 encoder, from copies of 1 and 2 layers: the first layer
+    (with the relative position table) and the embedding, plus the number of further layers times one of them."""
+    import paddle
+
+    counted = []
+    for layers in (1, 2):
+        encoder = build_components(few_layers(preset, layers, os.path.join(temp, str(layers))),
+                                   model_max_length=text_length).text_encoder
+        ids = paddle.ones([1, text_length], dtype="int64")
+        flops = sum(forward_flops(encoder, lambda encoder=encoder, ids=ids: encoder(ids)).values())
+        counted.append((sum(int(p.numel()) for p in encoder.parameters()), flops))
+    total = read_config(os.path.join(resolve_source(preset), "text_encoder"))["num_layers"]
+    (p1, f1), (p2, f2) = counted
+    return p1 + (total - 1) * (p2 - p1), f1 + (total - 1) * (f2 - f1)
 
 
 def main() -> None:
@@ -28,23 +64,31 @@ def main() -> None:
     logging.getLogger("ldm.models").setLevel(logging.ERROR)
     for preset in args.presets:
         start = time.perf_counter()
-        components = build_components(preset, vocab_size=30522, model_max_length=args.text_length)
+        with tempfile.TemporaryDirectory() as temp:
+            t5 = text_family(resolve_source(preset)).name == "t5"
+            source = few_layers(preset, 1, os.path.join(temp, "1")) if t5 else preset
+            components = build_components(source, vocab_size=30522, model_max_length=args.text_length)
+            scaled = t5_scaled(preset, args.text_length, temp) if t5 else None
         counts = components.parameter_counts()
         frozen = not components.family.trained_by_default
         encoder = getattr(components.text_encoder, "model", components.text_encoder)  # LDMBert's, without to_logits
-        text = sum(int(p.numel()) for p in encoder.parameters())
-        unused = counts["text_encoder"] - text
+        text = scaled[0] if scaled else sum(int(p.numel()) for p in encoder.parameters())
+        unused = counts["text_encoder"] - sum(int(p.numel()) for p in encoder.parameters())
         head = (f"(+ unused to_logits head {unused / 1e6:.2f}M)" if unused else
                 f"({components.family.name}, frozen)" if frozen else "")
-        print(f"{preset:12s} unet {counts['unet'] / 1e6:8.2f}M  text encoder {text / 1e6:8.2f}M {head}  "
+        backbone = backbone_of(components.unet).folder
+        print(f"{preset:16s} {backbone} {counts['unet'] / 1e6:8.2f}M  text encoder {text / 1e6:8.2f}M {head}  "
               f"vae {counts['vae'] / 1e6:7.2f}M", flush=True)
         model = LatentDiffusion(components.unet, components.text_encoder, components.vae,
                                 components.noise_scheduler, freeze_text_encoder=frozen)
         resolution = args.resolution or model_resolution(components.unet, components.vae)
-        flops = {name: value / 1e9 for name, value in
-                 ldm_training_flops(model, resolution=resolution, text_length=args.text_length).items()}
-        print(f"{'':12s} GFLOP per training sample at {resolution} px, {args.text_length} tokens: "
-              f"{flops['total']:.4g} (unet {flops['unet']:.4g}, text encoder {flops['text_encoder']:.4g}, "
+        counted = ldm_training_flops(model, resolution=resolution, text_length=args.text_length)
+        if scaled:
+            counted["total"] += scaled[1] - counted["text_encoder"]
+            counted["text_encoder"] = scaled[1]
+        flops = {name: value / 1e9 for name, value in counted.items()}
+        print(f"{'':16s} GFLOP per training sample at {resolution} px, {args.text_length} tokens: "
+              f"{flops['total']:.4g} ({backbone} {flops['unet']:.4g}, text encoder {flops['text_encoder']:.4g}, "
               f"autoencoder encode {flops['vae_encode']:.4g}; {flops['total'] - flops['vae_encode']:.4g} on "
               f"latents" + (f", {flops['unet']:.4g} on latents and cached text embeddings" if frozen else "")
               + f")  [{time.perf_counter() - start:.0f} s]", flush=True)

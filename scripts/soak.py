@@ -128,10 +128,11 @@ def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
     from ldm.inference.export import export_pipeline
     from ldm.inference.load import load_tokenizer_of
     from ldm.models.build import build_components
+    from ldm.models.noise import scheduler_config
 
     parts = build_components("sd-tiny", seed=5)
     export_pipeline(parts.unet, parts.text_encoder, parts.vae, load_tokenizer_of(parts.family, os.path.join(
-        parts.source, "tokenizer")), dict(parts.noise_scheduler.config), folder)
+        parts.source, "tokenizer")), scheduler_config(parts.noise_scheduler), folder)
     return ["--model_name_or_path", folder]
 
 

@@ -67,6 +67,28 @@ def tiny_sd_pipeline(folder: str) -> str:
                            os.path.join(folder, "ppdiffusers"))
 
 
+def tiny_pixart_pipeline(folder: str, to_diffusers: bool = True) -> str:
+    """The pixart-tiny PixArtAlphaPipeline (a DiT, a T5 text encoder, its own tokenizer) with seeded weights and the
+    DPM-Solver++ sampler PixArt-alpha's pipelines ship, in diffusers' layout (or ppdiffusers')."""
+    sys.path.insert(0, ROOT)
+    from ldm.inference.export import export_pipeline
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components
+    from ldm.models.noise import scheduler_config
+
+    c = build_components("pixart-tiny")
+    for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
+        fill_seeded(part, 60 + seed)
+    tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
+    sampler = {"_class_name": "DPMSolverMultistepScheduler", "algorithm_type": "dpmsolver++", "beta_end": 0.02,
+               "beta_schedule": "linear", "beta_start": 0.0001, "lower_order_final": True, "num_train_timesteps": 1000,
+               "prediction_type": "epsilon", "solver_order": 2, "solver_type": "midpoint", "steps_offset": 0,
+               "thresholding": False, "timestep_spacing": "linspace", "use_karras_sigmas": False}
+    return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer,
+                           {**scheduler_config(c.noise_scheduler), "_sampler": sampler},
+                           os.path.join(folder, "diffusers" if to_diffusers else "ppdiffusers"), to_diffusers)
+
+
 def tiny_t5_model(folder: str) -> str:
     """A model folder whose text encoder is a seeded tiny T5 (with a SentencePiece tokenizer trained here on a few
     words) beside sd-tiny's UNet and autoencoder, with weights: what the T5 tests train and encode with."""

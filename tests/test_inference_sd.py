@@ -376,5 +376,5 @@ def test_a_t5_model_exported_for_diffusers_is_refused_in_one_line(tmp_path, caps
     with open(f"{folder}/model_index.json", "w") as f:  # the model folder as a pipeline folder
         json.dump(index, f)
     line = said(capsys, export, ["--checkpoint", folder, "--output", str(tmp_path / "out"), "--format", "diffusers"])
-    assert "a model of a T5 text encoder is not exported as a pipeline" in line, line
+    assert "a UNet with a T5 text encoder is not exported as a pipeline" in line, line
     assert not (tmp_path / "out").exists()

@@ -185,3 +185,14 @@ def test_weights_in_shares_load_without_a_progress_bar(tmp_path, capfd):
     assert "Loading checkpoint shards" not in capfd.readouterr().err
     for name, value in unet.state_dict().items():
         np.testing.assert_array_equal(loaded.state_dict()[name].numpy(), value.numpy())
+
+
+def test_pixarts_caption_projection_builds_with_its_unconditional_caption_in_the_state_dict():
+    """ppdiffusers 0.29 builds no PixArt transformer without the shim (its patched `paddle.randn` reads the second
+    side of the shape as a dtype); with it the buffer diffusers' checkpoints hold is there, of its shape."""
+    from ppdiffusers.models import embeddings
+
+    compat.buildable_caption_projection()
+    layer = embeddings.CaptionProjection(32, 16)
+    assert tuple(layer.state_dict()["y_embedding"].shape) == (120, 32)
+    assert layer.linear_1.weight.shape == [32, 16]

@@ -1,9 +1,10 @@
 """What a training checkpoint holds, in formats that load without running code (writing: `ldm.checkpoint.manager`).
 
 A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_folder`) holds:
-  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once (`text_encoder/`
-                                 for a CLIP text encoder trained with --train_text_encoder)
-  tokenizer/, scheduler/         the tokenizer and the DDPM noise scheduler config: the folder describes itself
+  unet/, bert/                   the trained weights in the pipeline layout, as safetensors, once (`transformer/` for
+                                 a DiT; `text_encoder/` for a CLIP text encoder trained with --train_text_encoder)
+  tokenizer/, scheduler/         the tokenizer and the noise scheduler config (DDPM with the source's sampler, or
+                                 flow matching's): the folder describes itself
   ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity; the
                                  same for a frozen text encoder
   ema.json, ema.safetensors      EMA weights and update counter (with --use_ema)
@@ -87,8 +88,8 @@ def refuse_pickles(folder: str, what: str = "checkpoint") -> None:
 # -- model parts -------------------------------------------------------------------------------------
 # The trained parts' weight files as their libraries name them, and the `format` each writes into the safetensors
 # metadata (ppdiffusers reads "pt" as PyTorch's layout and transposes: never write that here)
-WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "bert": ("model", "np"), "text_encoder": ("model", "np"),
-                "vqvae": ("diffusion_paddle_model", "pd")}
+WEIGHT_FILES = {"unet": ("diffusion_paddle_model", "pd"), "transformer": ("diffusion_paddle_model", "pd"),
+                "bert": ("model", "np"), "text_encoder": ("model", "np"), "vqvae": ("diffusion_paddle_model", "pd")}
 TEXT_ENCODER_FOLDER = "text_encoder"  # a run's frozen text encoder, beside its vqvae/
 
 
@@ -344,6 +345,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
     from ldm.checkpoint.run_folder import MANIFEST, checkpoint_dirs, checkpoint_problem, checkpoint_step
     from ldm.models.autoencoder import autoencoder_identity
     from ldm.models.build import ModelSourceError, check_model_index, vae_folder
+    from ldm.models.noise import prediction_type_of
     from ldm.models.torch_layout import load_pretrained  # a pipeline in either layout: ppdiffusers' or diffusers'
 
     pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
@@ -376,7 +378,7 @@ def load_initial_weights(path: str, parts: dict, model, ema, vae_identity: dict,
     scheduler_config = os.path.join(path, "scheduler", "scheduler_config.json")
     if os.path.isfile(scheduler_config):
         with open(scheduler_config) as f:
-            prediction = json.load(f).get("prediction_type", "epsilon")
+            prediction = prediction_type_of(json.load(f))
         if prediction != model.prediction_type:
             raise CheckpointError(f"--init_from_checkpoint {path} predicts {prediction} and this run "
                                   f"{model.prediction_type}: pass --prediction_type {prediction} (another target needs "

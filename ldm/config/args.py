@@ -45,15 +45,27 @@ def arg_list(default: list, help: str, **metadata):
 @dataclass
 class ModelArguments:
     model_name_or_path: str = arg(
-        "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny, sd-1.5, sd-2-base, sd-tiny), folder of configs, "
-        "pipeline folder (ours, or a diffusers Stable Diffusion one) or hub name",
+        "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny, sd-1.5, sd-2-base, sd-tiny, pixart-alpha-512, "
+        "pixart-tiny), folder of configs, pipeline folder (ours, or a diffusers Stable Diffusion or PixArt-alpha one) "
+        "or hub name",
         aliases=["--pretrained_model_name_or_path"])
     vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder: a folder, or a hub name org/repo[/subfolder] "
                                                 "(default: the model's vqvae/)")
     allow_untrained_vae: bool = arg(False, "train on an autoencoder that has no trained weights (tests only: its "
                                            "latents are random projections)")
-    prediction_type: Optional[str] = arg(None, "epsilon or v_prediction (default: the model source's scheduler, "
-                                               "else epsilon)")
+    prediction_type: Optional[str] = arg(None, "epsilon, v_prediction or flow_matching (rectified flow, as Stable "
+                                               "Diffusion 3; default: the model source's scheduler, else epsilon)")
+    flow_shift: Optional[float] = arg(None, "flow matching: the resolution shift of sigma, sigma' = shift sigma / (1 + "
+                                            "(shift - 1) sigma), in training and sampling (default: the model "
+                                            "source's flow scheduler's, else 1; SD3 uses 3 at 1024 px)")
+    flow_sigma_sampling: str = arg("logit_normal", "flow matching: how sigma is drawn: logit_normal "
+                                                   "(--flow_logit_mean, --flow_logit_std), uniform, or mode (SD3's "
+                                                   "mode sampling, --flow_mode_scale)")
+    flow_logit_mean: float = arg(0.0, "flow matching: the mean of the logit-normal sigma")
+    flow_logit_std: float = arg(1.0, "flow matching: the standard deviation of the logit-normal sigma")
+    flow_mode_scale: float = arg(1.29, "flow matching: the scale of SD3's mode sampling")
+    flow_weighting: str = arg("none", "flow matching: the loss weighting, none, sigma_sqrt or cosmap (diffusers' "
+                                      "compute_loss_weighting_for_sd3)")
     noise_offset: float = arg(0.0, "noise offset (0: off)")
     snr_gamma: Optional[float] = arg(None, "min-SNR loss weighting gamma (e.g. 5.0; default off)")
     train_text_encoder: Optional[bool] = arg(None, "train the text encoder with the UNet (default: true for "
@@ -78,8 +90,18 @@ class ModelArguments:
                "--freeze_text_encoder and --train_text_encoder true contradict each other: pass one")
         if self.freeze_text_encoder:
             self.train_text_encoder = False
-        _check(self.prediction_type in (None, "epsilon", "v_prediction"),
-               f"--prediction_type must be epsilon or v_prediction, not {self.prediction_type!r}")
+        from ldm.models.noise import FLOW_WEIGHTING, PREDICTION_TYPES, SIGMA_SAMPLING
+
+        _check(self.prediction_type in (None, *PREDICTION_TYPES),
+               f"--prediction_type must be one of {', '.join(PREDICTION_TYPES)}, not {self.prediction_type!r}")
+        _check(self.flow_sigma_sampling in SIGMA_SAMPLING, f"--flow_sigma_sampling must be one of "
+               f"{', '.join(SIGMA_SAMPLING)}, not {self.flow_sigma_sampling!r}")
+        _check(self.flow_weighting in FLOW_WEIGHTING,
+               f"--flow_weighting must be one of {', '.join(FLOW_WEIGHTING)}, not {self.flow_weighting!r}")
+        _check(self.flow_shift is None or self.flow_shift > 0, "--flow_shift must be > 0")
+        _check(self.flow_logit_std > 0, "--flow_logit_std must be > 0")
+        _check(not (self.prediction_type == "flow_matching" and self.snr_gamma),
+               "--snr_gamma weights epsilon and v-prediction losses; flow matching weights with --flow_weighting")
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
         _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")

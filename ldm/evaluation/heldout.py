@@ -24,6 +24,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from ldm.models.backbone import predict
 from ldm.models.text import encode_prompt
 
 logger = logging.getLogger("ldm.train")
@@ -123,12 +124,9 @@ class HeldOut:
         states, mask = encode_prompt(model.text_encoder, ids)
         sums = []
         for t in self.timesteps:
-            timesteps = paddle.full([len(indices)], t, dtype="int64")
-            noisy = model.noise_scheduler.add_noise(latents, noise, timesteps)
-            prediction = model.unet(noisy, timesteps, encoder_hidden_states=states,
-                                    encoder_attention_mask=mask).sample.astype("float32")
-            target = noise if model.prediction_type == "epsilon" else \
-                model.noise_scheduler.get_velocity(latents, noise, timesteps)
+            timesteps = paddle.full([len(indices)], t, dtype="int64" if model.flow is None else "float32")
+            noisy, target = model.noised(latents, noise, timesteps)
+            prediction = predict(model.unet, noisy, timesteps, states, mask).astype("float32")
             loss = F.mse_loss(prediction, target.astype("float32"), reduction="none").mean(axis=[1, 2, 3])
             sums.append(float(loss.astype("float64").sum()))
         return np.array(sums)

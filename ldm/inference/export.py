@@ -9,14 +9,15 @@ import json
 import os
 
 import paddle
-from ppdiffusers import LDMTextToImagePipeline, ModelMixin, StableDiffusionPipeline
+from ppdiffusers import ModelMixin
 
 from ldm.checkpoint.run_folder import CheckpointError, atomic_folder
 from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_failing_as_os_errors
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
-from ldm.inference.sampling import ddim_scheduler
-from ldm.models.text import LDMBERT, family_of, is_masked, prompt_length
+from ldm.inference.sampling import sampling_scheduler
+from ldm.models.backbone import PipelineError, text_to_image_pipeline
+from ldm.models.text import LDMBERT, family_of, prompt_length
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -51,11 +52,17 @@ def check_diffusers_context(text_encoder) -> None:
             "with --format ppdiffusers and samples with python -m ldm.generate")
 
 
-def check_exportable(text_encoder) -> None:
-    if is_masked(text_encoder):
-        raise CheckpointError("a model of a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
-                              "diffusers' text-to-image pipelines give a UNet the encoder's mask. Sample from the "
-                              "checkpoint with python -m ldm.generate --model CHECKPOINT")
+class NoPipeline(CheckpointError):
+    """A model that no pipeline class samples as it was trained."""
+
+
+def pipeline_of(unet, text_encoder, vae, tokenizer, scheduler):
+    """The pipeline the model's families export as (`ldm.models.backbone.text_to_image_pipeline`); a model that has
+    none is refused in one line."""
+    try:
+        return text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler)
+    except PipelineError as e:
+        raise NoPipeline(str(e)) from None
 
 
 # What `_diffusers_version` of a diffusers export says: the diffusers release its layout was checked against
@@ -70,27 +77,18 @@ SOURCE_PATH_KEYS = ("special_tokens_map_file", "name_or_path")
 
 def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, output: str,
                     to_diffusers: bool = False, card: str | None = None) -> str:
-    """An `LDMTextToImagePipeline` folder (LDMBert) or a `StableDiffusionPipeline` one (a CLIP text encoder: no
-    safety checker, as a pretraining framework's own samples need none)."""
+    """The pipeline folder of the model's families (`pipeline_of`): `LDMTextToImagePipeline`,
+    `StableDiffusionPipeline` or `PixArtAlphaPipeline`."""
     check_output(output)
-    check_exportable(text_encoder)
-    ldmbert = family_of(text_encoder) is LDMBERT
-    if to_diffusers and ldmbert:
+    pipeline = pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))
+    if to_diffusers and family_of(text_encoder) is LDMBERT:
         check_diffusers_context(text_encoder)
-    scheduler = ddim_scheduler(scheduler_config)
-    if ldmbert:
-        pipeline = LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
-                                          scheduler=scheduler)
-    else:
-        pipeline = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                           scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                           requires_safety_checker=False)
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         if to_diffusers:
             # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
             pipeline.save_pretrained(folder, to_diffusers=True)
             # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
-            _write_torch_text_encoder(text_encoder, os.path.join(folder, "bert" if ldmbert else "text_encoder"))
+            _write_torch_text_encoder(text_encoder, os.path.join(folder, family_of(text_encoder).folder))
             _write_diffusers_version(folder)
         else:
             write_pipeline(pipeline, folder)
@@ -192,7 +190,7 @@ def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True, to_dif
     """A checkpoint or a pipeline (either layout) exported to `output`; diffusers' layout with a model card."""
     check_output(output, checkpoint)
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
-    check_exportable(text_encoder)  # before the model card, which describes only what is exported
+    pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))  # refused before the card
     card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema,
                       tokens=prompt_length(text_encoder, tokenizer)) if to_diffusers else None
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output, to_diffusers,

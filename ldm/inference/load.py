@@ -9,7 +9,7 @@ import tempfile
 
 import paddle
 from paddlenlp.transformers import BertTokenizer
-from ppdiffusers import AutoencoderKL, UNet2DConditionModel
+from ppdiffusers import AutoencoderKL
 
 from ldm.checkpoint.format import (
     EMA,
@@ -23,6 +23,7 @@ from ldm.checkpoint.format import (
 )
 from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.serialization import has_state, state_arrays
+from ldm.models.backbone import backbone_family_of
 from ldm.models.build import check_model_index, read_config, vae_folder
 from ldm.models.text import (
     FAMILIES,
@@ -160,7 +161,10 @@ def _load_for_inference(path: str, use_ema: bool):
     if is_pipeline(path):
         check_model_index(path)
     check_scheduler(path)
-    unet = load_pretrained(UNet2DConditionModel, os.path.join(path, "unet"))
+    backbone = backbone_family_of(path)
+    if backbone is None:
+        raise CheckpointError(f"{path} has no unet/ nor transformer/: not a text-to-image model")
+    unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.folder))
     family, text_folder = text_encoder_of(path)
     text_encoder = load_pretrained(family.model_class(), text_folder)
     check_recorded_text_encoder(path, family, text_encoder, text_folder)

@@ -9,6 +9,10 @@ import json
 import os
 
 from ldm.checkpoint.run_folder import RUN_CONFIG
+from ldm.inference.sampling import sampling_scheduler
+from ldm.models.backbone import describe_backbone, pipeline_class_name
+from ldm.models.backbone import family_of as family_of_backbone
+from ldm.models.noise import is_flow, prediction_type_of
 from ldm.models.text import LDMBERT, family_of
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
@@ -68,6 +72,15 @@ def _training_lines(record: dict) -> list[str]:
     ]
 
 
+def schedule_line(scheduler_config: dict) -> str:
+    if is_flow(scheduler_config):
+        return (f"- noise schedule: rectified flow (x_t = (1 - sigma) x_0 + sigma noise), shift "
+                f"{scheduler_config.get('shift')}, timestep 1000 sigma; sampled with FlowMatchEulerDiscreteScheduler")
+    return (f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
+            f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
+            f"with {type(sampling_scheduler(scheduler_config)).__name__}")
+
+
 def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, used_ema: bool,
                origin: str | None = None, tokens: int | None = None) -> str:
     """`origin`: what the weights were converted from, when they were not trained here; `tokens`: the caption length
@@ -75,37 +88,37 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
     record = training_record(source)
     made = f"converted from {origin}" if origin else "trained with ldm-laion (PaddlePaddle)"
     config, scores = record["config"], record["scores"]
-    u, b, v = unet.config, text_encoder.config, vae.config
-    ldmbert = family_of(text_encoder) is LDMBERT
-    pipeline_class = "LDMTextToImagePipeline" if ldmbert else "StableDiffusionPipeline"
-    if ldmbert:
+    b, v = text_encoder.config, vae.config
+    family = family_of(text_encoder)
+    pipeline_class = pipeline_class_name(unet, text_encoder)
+    if family is LDMBERT:
         text_line = (f"- LDMBert text encoder: {_parameters(text_encoder)}, {b.encoder_layers} layers of width "
                      f"{b.d_model}, {b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, "
                      f"{b.max_position_embeddings} tokens")
-    else:
+    elif family.name == "clip":
         length = tokens or b.max_position_embeddings
         text_line = (f"- CLIP text encoder: {_parameters(text_encoder)}, "
                      f"{b.num_hidden_layers} layers of width {b.hidden_size}, {b.num_attention_heads} heads, "
                      f"vocabulary {b.vocab_size}, {b.max_position_embeddings} positions, prompts of {length} tokens")
+    else:
+        text_line = (f"- T5 text encoder (frozen): {_parameters(text_encoder)}, {b.num_layers} layers of width "
+                     f"{b.d_model}, {b.num_heads} heads, vocabulary {b.vocab_size}, prompts of {tokens} tokens, "
+                     "padding masked")
+    backbone_line = f"- {describe_backbone(unet)}, predicts {prediction_type_of(scheduler_config)}"
     score_lines = [f"- {name.split('/')[1]} {value:.4g} (held-out evaluation at update {step})"
                    for name, (step, value) in sorted(scores.items())] or ["- FID, CLIP score: not measured during "
                                                                           "training (`python -m ldm.evaluate run`)"]
     lines = [
         "---", "library_name: diffusers", "pipeline_tag: text-to-image", "tags: [latent-diffusion, text-to-image]",
         "---", "", "# Text-to-image latent diffusion model", "",
-        f"A `{pipeline_class}` {made} and exported in diffusers' layout: PyTorch safetensors for the UNet, "
-        "the text encoder and the KL autoencoder.", "",
+        f"A `{pipeline_class}` {made} and exported in diffusers' layout: PyTorch safetensors for the "
+        f"{family_of_backbone(unet).folder}, the text encoder and the KL autoencoder.", "",
         "## Architecture", "",
-        f"- UNet2DConditionModel: {_parameters(unet)}, channels {list(u.block_out_channels)}, "
-        f"{u.layers_per_block} ResNet layers per block, {u.attention_head_dim} attention heads, cross-attention "
-        f"width {u.cross_attention_dim}, latents {u.in_channels}x{u.sample_size}x{u.sample_size}, predicts "
-        f"{scheduler_config.get('prediction_type', 'epsilon')}",
+        backbone_line,
         text_line,
         f"- AutoencoderKL (frozen): {_parameters(vae)}, channels {list(v.block_out_channels)}, "
         f"{v.latent_channels} latent channels, scaling factor {v.scaling_factor}",
-        f"- noise schedule: {scheduler_config.get('beta_schedule')} betas {scheduler_config.get('beta_start')} to "
-        f"{scheduler_config.get('beta_end')} over {scheduler_config.get('num_train_timesteps')} steps; sampled "
-        "with DDIM",
+        schedule_line(scheduler_config),
         f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
         "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
         "## Evaluation", "", *score_lines, "",

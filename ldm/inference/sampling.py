@@ -1,4 +1,4 @@
-"""Sampling: prompts -> images with DDIM and classifier-free guidance.
+"""Sampling: prompts -> images with DDIM (flow matching: Euler) and classifier-free guidance.
 
 A free function of (unet, text encoder, vae, scheduler, token ids), used by the training loops
 for image logging and by `python -m ldm.generate`. Initial noise is drawn per image from
@@ -15,6 +15,7 @@ from PIL import Image
 from ppdiffusers import DDIMScheduler
 
 from ldm.models.autoencoder import to_uint8
+from ldm.models.backbone import predict
 from ldm.models.text import encode_prompt
 
 
@@ -31,6 +32,24 @@ def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = N
         steps_offset=1,
         prediction_type=prediction_type or config.get("prediction_type", "epsilon"),
     )
+
+
+def sampling_scheduler(noise_scheduler_config: dict):
+    """The sampler of a training noise schedule: flow matching's Euler steps (`FlowMatchEulerDiscreteScheduler`, its
+    shift); the sampler the model source came with (a pipeline's `scheduler/`, kept as the training schedule's
+    `_sampler`, or a sampler's own config), predicting what the model was trained to; else the reference's DDIM."""
+    import ppdiffusers
+
+    from ldm.models.noise import is_flow
+
+    config = noise_scheduler_config
+    if is_flow(config):
+        return ppdiffusers.FlowMatchEulerDiscreteScheduler.from_config(config)
+    sampler = config.get("_sampler") or (config if config.get("_class_name") not in (None, "DDPMScheduler") else None)
+    sampler_class = getattr(ppdiffusers, str((sampler or {}).get("_class_name")), None)
+    if sampler_class is None:
+        return ddim_scheduler(config)
+    return sampler_class.from_config({**sampler, "prediction_type": config.get("prediction_type", "epsilon")})
 
 
 def initial_noise(shape: Sequence[int], seed: int, index: int) -> np.ndarray:
@@ -65,6 +84,7 @@ def generate(
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
+    random_state = paddle.get_rng_state()  # the flow Euler step draws (unused) noise: training's generator kept
     try:
         rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
@@ -85,12 +105,13 @@ def generate(
                 context = cond
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
-            latents = latents * scheduler.init_noise_sigma
+            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
             scheduler.set_timesteps(num_inference_steps)
             for t in scheduler.timesteps:
                 model_input = paddle.concat([latents] * 2) if guided else latents
-                model_input = scheduler.scale_model_input(model_input, t)
-                prediction = unet(model_input, t, encoder_hidden_states=context, encoder_attention_mask=mask).sample
+                if hasattr(scheduler, "scale_model_input"):
+                    model_input = scheduler.scale_model_input(model_input, t)
+                prediction = predict(unet, model_input, t, context, mask)
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)
@@ -98,6 +119,7 @@ def generate(
             images.append(to_uint8(vae.decode(latents.astype("float32") / scaling_factor).sample))
         return np.concatenate(images)
     finally:
+        paddle.set_rng_state(random_state)
         for model, training in modes:
             model.train() if training else model.eval()
 

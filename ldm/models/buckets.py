@@ -30,10 +30,12 @@ def bucket_name(bucket: Bucket) -> str:
 
 def size_step(vae_config, unet_config=None) -> int:
     """The side every bucket is a multiple of: the autoencoder's downsampling (2 per block after the first), times
-    the UNet's (the same rule) when there is one."""
+    the backbone's (a UNet's, the same rule; a DiT's patch) when there is one."""
+    from ldm.models.backbone import size_step as backbone_step
+
     step = 2 ** (len(vae_config.block_out_channels) - 1)
     if unet_config is not None:
-        step *= 2 ** (len(unet_config.block_out_channels) - 1)
+        step *= backbone_step(unet_config)
     return step
 
 

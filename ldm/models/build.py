@@ -1,6 +1,7 @@
 """Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
 
-A source is laid out like a ppdiffusers pipeline folder: `unet/`, a text encoder (`bert/` for LDMBert, or
+A source is laid out like a ppdiffusers pipeline folder: a backbone (`unet/`, or a DiT's `transformer/`:
+`ldm.models.backbone`), a text encoder (`bert/` for LDMBert, or
 `text_encoder/` + `tokenizer/` for a CLIP text model: `ldm.models.text`), `vqvae/` (or `vae/`), `scheduler/`
 (and `tokenizer/` when exported). A part whose folder holds weights is loaded, in Paddle's layout or in
 PyTorch's (a diffusers pipeline: `torch_layout`); a part with a config only is built and initialised from
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ldm.models.backbone import UNET, backbone_family_of, context_width
 from ldm.models.text import LDMBERT, TextFamily, text_family
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
@@ -54,6 +56,7 @@ def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
     "unet": ("UNet2DConditionModel",),
+    "transformer": ("Transformer2DModel",),
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
@@ -68,7 +71,7 @@ UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
 def check_model_index(folder: str) -> None:
     """Refuse a pipeline folder whose `model_index.json` names a part of a class this framework does not read, or a
     part it would leave out (Stable Diffusion XL's `text_encoder_2`): it would be read as another model, silently.
-    The scheduler may be of any class: only its noise schedule is read (sampling is DDIM's)."""
+    The scheduler may be of any class: its noise schedule is trained with, and it samples (`sampling_scheduler`)."""
     path = os.path.join(folder, "model_index.json")
     try:
         index = read_config(folder, "model_index.json")
@@ -226,13 +229,14 @@ def model_size_step(name_or_path: str, vae_config=None) -> int:
 
     folder = resolve_source(name_or_path)
     configs = {"vqvae": vae_config} if vae_config is not None else {}
-    for part in ("vqvae", "unet"):
+    backbone = backbone_family_of(folder) or UNET
+    for part in ("vqvae", backbone.folder):
         try:
             configs[part] = configs.get(part) or SimpleNamespace(**read_config(os.path.join(folder, part)))
         except (OSError, ValueError, TypeError) as e:
             raise ModelSourceError(f"{name_or_path}: cannot read its {part}/config.json ({e}), which sets the "
                                    "aspect-ratio buckets' size step: name the model they are for") from None
-    return size_step(configs["vqvae"], configs["unet"])
+    return size_step(configs["vqvae"], configs[backbone.folder])
 
 
 def model_resolution(unet, vae) -> int:
@@ -243,7 +247,7 @@ def model_resolution(unet, vae) -> int:
 
 @dataclass
 class Components:
-    unet: object
+    unet: object  # the backbone: a UNet or a DiT (`ldm.models.backbone`)
     text_encoder: object
     vae: object
     noise_scheduler: object
@@ -353,16 +357,30 @@ def vae_folder(name_or_path: str) -> str:
     raise ModelSourceError(f"no autoencoder config in {name_or_path} (looked in ., vqvae/, vae/)")
 
 
-def noise_scheduler_config(source: str, prediction_type: str | None = None) -> dict:
+def noise_scheduler_config(source: str, prediction_type: str | None = None, flow_shift: float | None = None) -> dict:
     """The training noise schedule: the source's own settings (a pipeline continued keeps its betas and
-    prediction type), the reference's where it has none; `prediction_type` overrides when given."""
+    prediction type; a flow-matching scheduler makes it a flow-matching model), the reference's where it has none;
+    `prediction_type` overrides when given (`flow_matching`: a `FlowMatchEulerDiscreteScheduler` of the source's
+    number of timesteps), `flow_shift` a flow scheduler's resolution shift."""
+    from ldm.models.noise import FLOW_SCHEDULERS, is_flow
+
     folder = os.path.join(source, "scheduler")
-    config = {**DDPM_DEFAULTS, "prediction_type": "epsilon"}
+    saved = {}
     if os.path.isfile(os.path.join(folder, "scheduler_config.json")):
         saved = read_config(folder, "scheduler_config.json")
+    flow = prediction_type == "flow_matching" or (prediction_type is None and is_flow(saved))
+    if flow:
+        steps = saved.get("num_train_timesteps", DDPM_DEFAULTS["num_train_timesteps"])
+        shift = flow_shift if flow_shift is not None else saved.get("shift", 1.0) if is_flow(saved) else 1.0
+        return {"_class_name": FLOW_SCHEDULERS[0], "num_train_timesteps": steps, "shift": float(shift)}
+    config = {**DDPM_DEFAULTS, "prediction_type": "epsilon"}
+    if not is_flow(saved):
         config.update({k: v for k, v in saved.items() if not k.startswith("_")})
     if prediction_type is not None:
         config["prediction_type"] = prediction_type
+    if saved.get("_class_name") not in (None, "DDPMScheduler", *FLOW_SCHEDULERS):
+        # the source's own sampler (a pipeline's DPM-Solver, PNDM, DDIM), kept for sampling and the export
+        config["_sampler"] = {k: v for k, v in saved.items() if k not in ("_diffusers_version", "_ppdiffusers_version")}
     return config
 
 
@@ -374,6 +392,7 @@ def build_components(
     model_max_length: int | None = None,
     pad_token_id: int = 0,
     prediction_type: str | None = None,
+    flow_shift: float | None = None,
     seed: int | None = None,
     text_encoder_from: str | None = None,
 ) -> Components:
@@ -381,45 +400,52 @@ def build_components(
     `model_max_length` and `pad_token_id` shape an LDMBert built from scratch (its tokenizer is chosen apart);
     `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy)."""
     import paddle
-    from ppdiffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from ppdiffusers import AutoencoderKL
 
+    from ldm.models.backbone import init_backbone, unsupported
     from ldm.models.init import init_ldm_weights
+    from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
 
     source = resolve_source(model_name_or_path)
     if os.path.isfile(os.path.join(source, "model_index.json")):
         check_model_index(source)
-    if not os.path.isfile(os.path.join(source, "unet", "config.json")):
-        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json (expected a preset, a folder of "
-                               "configs or a pipeline folder)")
+    backbone = backbone_family_of(source)
+    if backbone is None:
+        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json nor transformer/config.json (expected a "
+                               "preset, a folder of configs or a pipeline folder)")
     try:
         family = text_family(source)
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
-    unet, unet_loaded = load_part(UNet2DConditionModel, os.path.join(source, "unet"))
+    unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
+    if unsupported(unet):
+        raise ModelSourceError(f"{model_name_or_path}: {unsupported(unet)}")
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
     else:
         text_encoder, text_loaded = load_frozen_text_encoder(family, text_source)
     check_context(unet, text_encoder, model_name_or_path)
-    if not unet_loaded or (family is LDMBERT and not text_loaded):
-        init_ldm_weights(None if unet_loaded else unet, None if text_loaded or family is not LDMBERT else text_encoder)
+    if not unet_loaded:
+        init_backbone(unet)
+    if family is LDMBERT and not text_loaded:
+        init_ldm_weights(None, text_encoder)
     vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
-    scheduler = DDPMScheduler.from_config(noise_scheduler_config(source, prediction_type))
+    scheduler = training_scheduler(noise_scheduler_config(source, prediction_type, flow_shift))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source)
 
 
 def check_context(unet, text_encoder, name: str) -> None:
-    """The UNet's cross-attention reads states as wide as the text encoder makes them."""
+    """The backbone's cross-attention reads states as wide as the text encoder makes them."""
     width = getattr(text_encoder.config, "hidden_size", None) or text_encoder.config.d_model
-    if unet.config.cross_attention_dim != width:
-        raise ModelSourceError(f"{name}: the UNet's cross_attention_dim is {unet.config.cross_attention_dim} and its "
-                               f"text encoder's states are {width} wide: they cannot work together")
+    if context_width(unet.config) != width:
+        raise ModelSourceError(f"{name}: the {type(unet).__name__} reads text states {context_width(unet.config)} "
+                               f"wide and its text encoder's are {width} wide: they cannot work together")
 
 
 def check_autoencoder_source(model_name_or_path: str, vae_name_or_path: str | None, allowed: bool) -> None:

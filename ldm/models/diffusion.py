@@ -1,7 +1,7 @@
 """The training objective: a batch in, the loss out.
 
 The wrapper owns no tokenizer, sampler or logger. The scheduler owns the noise math
-(`add_noise`, `get_velocity`) and the VAE config its scaling factor.
+(`add_noise`, `get_velocity`; rectified flow's is `ldm.models.noise`) and the VAE config its scaling factor.
 """
 
 from __future__ import annotations
@@ -12,9 +12,18 @@ from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import posterior
+from ldm.models.backbone import predict_with_variance
+from ldm.models.noise import (
+    PREDICTION_TYPES,
+    FlowSettings,
+    draw_sigmas,
+    flow_loss_weights,
+    flow_noisy,
+    prediction_type_of,
+    scheduler_config,
+    variational_bound,
+)
 from ldm.models.text import encode_prompt
-
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
 def freeze(layer: nn.Layer) -> None:
@@ -36,11 +45,14 @@ class LatentDiffusion(nn.Layer):
         freeze_text_encoder: bool = False,
         recompute: bool = False,
         vae_dtype: str = "float32",
+        flow: FlowSettings | None = None,
     ):
+        """`flow`: how a flow-matching model (its scheduler is a flow one) draws σ and weights its loss."""
         super().__init__()
-        prediction_type = noise_scheduler.config.prediction_type
+        prediction_type = prediction_type_of(scheduler_config(noise_scheduler))
         if prediction_type not in PREDICTION_TYPES:
             raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+        self.flow = (flow or FlowSettings()) if prediction_type == "flow_matching" else None
         self.unet, self.text_encoder, self.vae = unet, text_encoder, vae
         self.noise_scheduler = noise_scheduler
         self.prediction_type = prediction_type
@@ -59,8 +71,12 @@ class LatentDiffusion(nn.Layer):
             unet.enable_gradient_checkpointing()
             if not freeze_text_encoder and hasattr(text_encoder, "model"):  # LDMBert's; a frozen one keeps nothing
                 text_encoder.model.gradient_checkpointing = True
-        alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
-        self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
+        if self.flow is None:
+            alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
+            self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
+        elif snr_gamma:
+            raise ValueError("--snr_gamma weights epsilon and v-prediction losses; a flow-matching model weights its "
+                             "loss with --flow_weighting")
         self.register_buffer("empty_states", None, persistable=False)  # the empty caption's states (cached text)
         self.empty_length = None  # and its tokens (a masked encoder's)
 
@@ -92,8 +108,30 @@ class LatentDiffusion(nn.Layer):
                 return encode_prompt(self.text_encoder, input_ids)
         return encode_prompt(self.text_encoder, input_ids)
 
+    @property
+    def num_train_timesteps(self) -> int:
+        return int(self.noise_scheduler.config.num_train_timesteps)
+
+    def draw_timesteps(self, batch: int) -> paddle.Tensor:
+        """The backbone's timesteps of a batch: DDPM's uniform integers, or flow matching's 1000 σ (float32)."""
+        if self.flow is None:
+            return paddle.randint(0, self.num_train_timesteps, [batch], dtype="int64")
+        return draw_sigmas(batch, self.flow, float(self.noise_scheduler.config.shift)) * self.num_train_timesteps
+
+    def noised(self, latents: paddle.Tensor, noise: paddle.Tensor, timesteps: paddle.Tensor):
+        """(noisy latents, the backbone's target) at `timesteps`."""
+        if self.flow is not None:
+            return flow_noisy(latents, noise, timesteps.astype("float32") / self.num_train_timesteps)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            return noisy, noise
+        return noisy, self.noise_scheduler.get_velocity(latents, noise, timesteps)
+
     def loss_weights(self, timesteps: paddle.Tensor) -> paddle.Tensor | None:
-        """Min-SNR-gamma weighting (Hang et al. 2023): min(SNR, gamma) / SNR, or / (SNR + 1) for v."""
+        """Min-SNR-gamma weighting (Hang et al. 2023): min(SNR, gamma) / SNR, or / (SNR + 1) for v; flow matching's
+        `--flow_weighting`."""
+        if self.flow is not None:
+            return flow_loss_weights(timesteps.astype("float32") / self.num_train_timesteps, self.flow.weighting)
         if not self.snr_gamma:
             return None
         snr = self.snr[timesteps]
@@ -136,18 +174,17 @@ class LatentDiffusion(nn.Layer):
         noise = paddle.randn(latents.shape, dtype=latents.dtype)
         if self.noise_offset:
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
-        timesteps = paddle.randint(0, self.noise_scheduler.config.num_train_timesteps, [batch], dtype="int64")
-        noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        timesteps = self.draw_timesteps(batch)
+        noisy_latents, target = self.noised(latents, noise, timesteps)
         context, mask = self.context(input_ids, text_states, text_dropped, text_lengths)
-        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states=context,
-                               encoder_attention_mask=mask).sample
-        if self.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask)
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])
         weights = self.loss_weights(timesteps)
         if weights is not None:
             loss = loss * weights
+        if variance is not None and self.prediction_type == "epsilon":  # learned sigma: PixArt's and DiT's hybrid loss
+            loss = loss + variational_bound(self.noise_scheduler, latents, noisy_latents,
+                                            model_pred.detach().astype("float32"), variance.astype("float32"),
+                                            timesteps)
         return (loss.mean(), loss, timesteps) if details else loss.mean()

@@ -30,6 +30,10 @@ TORCH_FORMAT = "pt"  # the safetensors metadata diffusers and transformers write
 # several and no plain weights: LDM_WEIGHTS_VARIANT=fp16. One variant alone is read without being asked.
 VARIANT_VARIABLE = "LDM_WEIGHTS_VARIANT"
 
+# (name, the name it is tied to): T5's token embedding is its `shared` table, which transformers writes alone
+TIED_WEIGHTS = (("encoder.embed_tokens.weight", "shared.weight"),)
+
+
 class TorchLayoutError(UserError, ValueError):
     """A PyTorch-layout part that cannot be loaded: unreadable, or not the architecture its config describes."""
 
@@ -171,6 +175,9 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
     state = with_model_prefix(model, state)
     state = convert_pytorch_state_dict_to_paddle(model, state)
     expected = model.state_dict()
+    for tied, source in TIED_WEIGHTS:  # written once, as transformers saves tied weights
+        if tied in expected and tied not in state and source in state:
+            state[tied] = state[source]
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         named = "; ".join(f"{what}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"

@@ -335,3 +335,28 @@ def stop_loader(iterator) -> None:
                            worker.pid, WORKER_EXIT_SECONDS)
             worker.kill()
             worker.join(timeout=10)
+
+
+# --- ppdiffusers: PixArt's caption projection ---------------------------------------------------------------------
+
+def buildable_caption_projection() -> None:
+    """ppdiffusers 0.29's `CaptionProjection` (PixArt-α's `Transformer2DModel`) draws its `y_embedding` buffer with
+    `paddle.randn(num_tokens, in_features)`, which ppdiffusers' own patched `paddle.randn` (`randn_pt(shape, dtype)`)
+    reads as a dtype: no PixArt transformer can be built. Its constructor is replaced by the same one with the shape
+    as a list (the buffer is diffusers' unconditional caption, kept in the state dict as in their checkpoints)."""
+    import paddle
+    from ppdiffusers.models import embeddings
+
+    projection = private(embeddings, "CaptionProjection", "building PixArt-α's Transformer2DModel")
+    if getattr(projection, "_ldm_buildable", False):
+        return
+
+    def __init__(self, in_features, hidden_size, num_tokens=120):
+        paddle.nn.Layer.__init__(self)
+        self.linear_1 = paddle.nn.Linear(in_features=in_features, out_features=hidden_size)
+        self.act_1 = paddle.nn.GELU(approximate="tanh")
+        self.linear_2 = paddle.nn.Linear(in_features=hidden_size, out_features=hidden_size)
+        self.register_buffer("y_embedding", paddle.randn([num_tokens, in_features]) / in_features ** 0.5)
+
+    projection.__init__ = __init__
+    projection._ldm_buildable = True

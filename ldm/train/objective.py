@@ -29,6 +29,7 @@ from ldm.data.latents import fingerprint, text_fingerprint
 from ldm.data.tokenize import CaptionTokenizer
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.models.autoencoder import autoencoder_identity
+from ldm.models.backbone import family_of as backbone_of
 from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
 from ldm.models.ema import EMA
 from ldm.models.flops import ldm_training_flops
@@ -228,11 +229,12 @@ class TextToImage(Objective):
         from ldm.evaluation.clip import ClipError
         from ldm.evaluation.fid import FIDError
         from ldm.evaluation.generated import pipeline_images
-        from ldm.inference.sampling import ddim_scheduler
+        from ldm.inference.sampling import sampling_scheduler
+        from ldm.models.noise import scheduler_config
 
         metrics, sampling = self.generated
         model = self.model
-        scheduler = ddim_scheduler(dict(model.noise_scheduler.config), model.prediction_type)
+        scheduler = sampling_scheduler(scheduler_config(model.noise_scheduler))
         make = pipeline_images(model.unet, model.text_encoder, model.vae, scheduler,
                                CaptionTokenizer(self.tokenizer, self.data.model_max_length), sampling)
         try:
@@ -305,7 +307,7 @@ class TextToImage(Objective):
             loss = loss * float("nan")
         # the loss by quarter of the noise schedule (guided-diffusion's quartiles): (sum, count) pairs, so that a
         # quarter no sample of a batch drew counts for nothing rather than for zero
-        quarter = timesteps * QUARTERS // self.model.noise_scheduler.config.num_train_timesteps
+        quarter = (timesteps.astype("float32") * QUARTERS / self.model.num_train_timesteps).floor().astype("int64")
         per_sample = per_sample.detach()
         extra = {}
         for q in range(QUARTERS):
@@ -314,7 +316,7 @@ class TextToImage(Objective):
         return loss, extra
 
     def trained_parts(self):
-        parts = {"unet": self.model.unet}
+        parts = {backbone_of(self.model.unet).folder: self.model.unet}
         if self.text.trained:
             parts[self.text.family.folder] = self.model.text_encoder
         return parts
@@ -335,13 +337,14 @@ class TextToImage(Objective):
                                        self.sampling, ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
     def finish(self, checkpoint, batches, dist, run_dir):
-        if dist.is_main and checkpoint and self.text.family.masked:
-            logger.info("no pipeline is exported: neither ppdiffusers' nor diffusers' text-to-image pipelines give a "
-                        "UNet the T5 encoder's mask; sample from %s with python -m ldm.generate --model", checkpoint)
-        elif dist.is_main and checkpoint:
-            from ldm.inference.export import export_checkpoint
+        if dist.is_main and checkpoint:
+            from ldm.inference.export import NoPipeline, export_checkpoint
 
-            pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
+            try:
+                pipeline, used_ema = export_checkpoint(checkpoint, run_dir.path("pipeline"))
+            except NoPipeline as e:
+                logger.info("no pipeline is exported: %s", e)
+                return
             logger.info("exported %s (%s weights) to %s", checkpoint, "EMA" if used_ema else "raw", pipeline)
 
 

@@ -7,7 +7,8 @@ import contextlib
 import numpy as np
 
 from ldm.data.tokenize import CaptionTokenizer
-from ldm.inference.sampling import ddim_scheduler, generate, image_grid
+from ldm.inference.sampling import generate, image_grid, sampling_scheduler
+from ldm.models.noise import scheduler_config
 
 # Prompts of the validation images when --validation_prompts gives none: general ones, fixed so runs compare.
 DEFAULT_PROMPTS = (
@@ -35,7 +36,7 @@ def log_validation(writer, step: int, model, tokenizer, model_max_length: int, s
         return
     prompts = sampling.validation_prompts or DEFAULT_PROMPTS
     tokenize = CaptionTokenizer(tokenizer, model_max_length)
-    scheduler = ddim_scheduler(dict(model.noise_scheduler.config))
+    scheduler = sampling_scheduler(scheduler_config(model.noise_scheduler))
     weights = [contextlib.nullcontext] + ([lambda: ema.swapped(model)] if ema is not None else [])
     grids = {(scale, size): [] for size in sizes for scale in sampling.validation_guidance_scales}
     for swap in weights:  # generate() puts every part back in the mode it found it in

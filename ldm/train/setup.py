@@ -14,6 +14,7 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
+from ldm.models.backbone import follow_resolution
 from ldm.models.build import (
     ModelSourceError,
     build_components,
@@ -23,6 +24,7 @@ from ldm.models.build import (
     resolve_source,
 )
 from ldm.models.diffusion import LatentDiffusion
+from ldm.models.noise import FlowSettings, is_flow, scheduler_config
 from ldm.models.text import (
     LDMBERT,
     TextEncoderError,
@@ -146,23 +148,28 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             model_max_length=data.model_max_length,
             pad_token_id=tokenizer.pad_token_id,
             prediction_type=model_args.prediction_type,
+            flow_shift=model_args.flow_shift,
             seed=seed,
             text_encoder_from=text.encoder if text else None,
         )
         trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
+        flow = is_flow(scheduler_config(components.noise_scheduler))
+        if flow and model_args.snr_gamma:
+            raise ModelSourceError(f"{model_args.model_name_or_path} trains with flow matching (a flow scheduler): "
+                                   "--snr_gamma weights epsilon and v-prediction losses; use --flow_weighting")
+        if not flow and (flow_settings(model_args) != FlowSettings() or model_args.flow_shift is not None):
+            raise ModelSourceError(f"the --flow_* flags are for flow matching, and {model_args.model_name_or_path} "
+                                   f"trains {components.noise_scheduler.config.prediction_type}: pass "
+                                   "--prediction_type flow_matching, or leave them out")
         model = LatentDiffusion(
             components.unet, components.text_encoder, components.vae, components.noise_scheduler,
             noise_offset=model_args.noise_offset, snr_gamma=model_args.snr_gamma,
             freeze_text_encoder=not trained, recompute=recompute,
-            vae_dtype=resolve_vae_dtype(model_args.vae_dtype),
+            vae_dtype=resolve_vae_dtype(model_args.vae_dtype), flow=flow_settings(model_args),
         )
-    latent = data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
-    if components.unet.config.sample_size != latent:
-        # the size the UNet is trained at is the size it samples at by default (an exported pipeline, evaluation)
-        logger.info("UNet sample_size %d -> %d (--resolution %d)", components.unet.config.sample_size, latent,
-                    data.resolution)
-        components.unet.register_to_config(sample_size=latent)
+    # a UNet samples by default at the size it is trained at (an exported pipeline, evaluation)
+    follow_resolution(components.unet, data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1))
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
@@ -176,6 +183,11 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
         raise ModelSourceError(f"--model_max_length {data.model_max_length}: the {components.family.name} text encoder "
                                f"of {components.text_source} reads at most {positions} tokens")
     return model, components
+
+
+def flow_settings(model_args: ModelArguments) -> FlowSettings:
+    return FlowSettings(model_args.flow_sigma_sampling, model_args.flow_logit_mean, model_args.flow_logit_std,
+                        model_args.flow_mode_scale, model_args.flow_weighting)
 
 
 def check_text_encoder_trained(components, trained: bool, allowed: bool) -> None:

@@ -1,0 +1,200 @@
+"""Backbones, by family: the network that denoises latents, read from a model folder's `unet/` or `transformer/`.
+
+- `unet`: ppdiffusers' `UNet2DConditionModel` (the CompVis LDM, Stable Diffusion);
+- `pixart`: ppdiffusers' `Transformer2DModel` in its PixArt-α form (a DiT: patches, adaLN-single
+  `norm_type="ada_norm_single"`, cross-attention to T5 states projected from `caption_channels`). With
+  `out_channels` = 2 × `in_channels` it predicts the noise and, in the other half, the interpolation of the variance
+  PixArt learns with improved DDPM's variational bound ("learned sigma": `predict_with_variance`, trained by
+  `ldm.models.noise.variational_bound`); sampling reads the noise half (`predict`), as PixArt's pipelines do. Its
+  position embedding is 2-D sin-cos over the patch grid of `sample_size`; ppdiffusers' `PatchEmbed`
+  recomputes it for another grid (an aspect-ratio bucket), its positions scaled to the trained grid's span, so a DiT
+  takes any latent shape that is a multiple of its patch. `sample_size` sets that span, so it is not changed to
+  follow `--resolution` (`follow_resolution`).
+
+Everything outside `ldm/models` asks the backbone through these functions, never which family it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import paddle
+
+logger = logging.getLogger("ldm.models")
+
+
+@dataclass(frozen=True)
+class BackboneFamily:
+    name: str
+    folder: str  # the part's folder in a pipeline
+    class_name: str
+
+    def model_class(self):
+        import ppdiffusers
+
+        from ldm.runtime.compat import buildable_caption_projection
+
+        buildable_caption_projection()
+        return getattr(ppdiffusers, self.class_name)
+
+
+UNET = BackboneFamily("unet", "unet", "UNet2DConditionModel")
+PIXART = BackboneFamily("pixart", "transformer", "Transformer2DModel")
+FAMILIES = (UNET, PIXART)
+
+
+def backbone_family_of(source: str) -> BackboneFamily | None:
+    """The family of the backbone a model folder holds (its `unet/` or `transformer/`, read or not: an unreadable one
+    is said to be so by its loader); None: neither."""
+    return next((f for f in FAMILIES if os.path.lexists(os.path.join(source, f.folder))), None)
+
+
+def family_of(backbone) -> BackboneFamily:
+    names = {cls.__name__ for cls in type(backbone).__mro__}
+    return next(f for f in FAMILIES if f.class_name in names)
+
+
+def unsupported(backbone) -> str | None:
+    """Why this framework cannot condition a backbone as it was trained, or None."""
+    if getattr(backbone, "use_additional_conditions", False):
+        return ("its transformer takes resolution and aspect-ratio conditions (PixArt-α's 1024 px models, "
+                "sample_size 128), which this framework does not give it; the 512 px PixArt-α (sample_size 64) trains")
+    return None
+
+
+def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,
+            mask: paddle.Tensor | None) -> paddle.Tensor:
+    """The backbone's prediction (of `sample`'s channels) for latents at `timesteps` (a scalar or one per sample),
+    conditioned on text `states` (their `mask`: None, or 1 for a real token)."""
+    return predict_with_variance(backbone, sample, timesteps, states, mask)[0]
+
+
+def predict_with_variance(backbone, sample, timesteps, states, mask):
+    """(prediction, the learned variance's values in [-1, 1] or None: a backbone with twice the latents' channels)."""
+    if family_of(backbone) is UNET:
+        out = backbone(sample, timesteps, encoder_hidden_states=states, encoder_attention_mask=mask).sample
+    else:
+        if timesteps.ndim == 0:
+            timesteps = timesteps.expand([sample.shape[0]])
+        out = backbone(sample, encoder_hidden_states=states, timestep=timesteps, encoder_attention_mask=mask,
+                       added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+    channels = sample.shape[1]
+    if out.shape[1] == 2 * channels:  # learned sigma: the second half is no prediction of the latents
+        return out[:, :channels], out[:, channels:]
+    return out, None
+
+
+def size_step(config) -> int:
+    """How many latent rows one step of the backbone's grid takes: 2 per UNet level after the first, a DiT's patch."""
+    if getattr(config, "patch_size", None):
+        return int(config.patch_size)
+    return 2 ** (len(config.block_out_channels) - 1)
+
+
+def context_width(config) -> int:
+    """The width of the text states the backbone reads."""
+    return int(getattr(config, "caption_channels", None) or config.cross_attention_dim)
+
+
+def follow_resolution(backbone, latent: int) -> None:
+    """A UNet's `sample_size` follows the training resolution (the size an exported pipeline samples at by default);
+    a DiT's stays: it sets the span of its position embedding, and a reloaded model would embed positions otherwise."""
+    config = backbone.config
+    if config.sample_size == latent:
+        return
+    if family_of(backbone) is not UNET:
+        logger.info("%s sample_size stays %d at latents of %d (it sets the span of the position embedding)",
+                    type(backbone).__name__, config.sample_size, latent)
+        return
+    logger.info("UNet sample_size %d -> %d", config.sample_size, latent)
+    backbone.register_to_config(sample_size=latent)
+
+
+@paddle.no_grad()
+def init_backbone(backbone) -> None:
+    """From scratch: a UNet as the original LDM (`ldm.models.init`); a DiT as PixArt's `initialize_weights`: Xavier-
+    uniform linear layers and patch projection (biases 0), N(0, 0.02) for the timestep MLP, adaLN-single's projection
+    and the caption projection, zero for each block's cross-attention output and the final projection."""
+    from paddle.nn.initializer import Constant, Normal, XavierUniform
+
+    from ldm.models.init import init_ldm_weights, zero_
+
+    if family_of(backbone) is UNET:
+        init_ldm_weights(backbone, None)
+        return
+    for layer in backbone.sublayers():
+        if isinstance(layer, paddle.nn.Linear):
+            XavierUniform()(layer.weight)
+            if layer.bias is not None:
+                Constant(0.0)(layer.bias)
+    proj = backbone.pos_embed.proj  # as a linear layer over the flattened patch (PixArt's x_embedder)
+    fan_in, fan_out = proj.weight.shape[1] * proj.weight.shape[2] * proj.weight.shape[3], proj.weight.shape[0]
+    bound = (6.0 / (fan_in + fan_out)) ** 0.5
+    proj.weight.set_value(paddle.uniform(proj.weight.shape, min=-bound, max=bound))
+    Constant(0.0)(proj.bias)
+    single = backbone.adaln_single
+    for layer in (single.emb.timestep_embedder.linear_1, single.emb.timestep_embedder.linear_2, single.linear):
+        Normal(0.0, 0.02)(layer.weight)
+    for layer in (backbone.caption_projection.linear_1, backbone.caption_projection.linear_2):
+        Normal(0.0, 0.02)(layer.weight)
+    for block in backbone.transformer_blocks:
+        zero_(block.attn2.to_out[0])
+    zero_(backbone.proj_out)
+
+
+class PipelineError(ValueError):
+    """A model no text-to-image pipeline class of ppdiffusers or diffusers samples as it was trained."""
+
+
+def text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler):
+    """The ppdiffusers pipeline of a backbone and a text encoder: `LDMTextToImagePipeline` (a UNet, LDMBert),
+    `StableDiffusionPipeline` (a UNet, CLIP; no safety checker, as a pretraining framework's own samples need none),
+    `PixArtAlphaPipeline` (a DiT, T5: it gives the transformer the encoder's mask). A UNet with T5 has none: neither
+    library's UNet pipelines pass the mask."""
+    import ppdiffusers
+
+    from ldm.models.text import CLIP, LDMBERT, T5
+    from ldm.models.text import family_of as text_family_of
+
+    pair = (family_of(unet), text_family_of(text_encoder))
+    if pair == (UNET, LDMBERT):
+        return ppdiffusers.LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
+                                                  scheduler=scheduler)
+    if pair == (UNET, CLIP):
+        return ppdiffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                                   requires_safety_checker=False)
+    if pair == (PIXART, T5):
+        return ppdiffusers.PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                                               transformer=unet, scheduler=scheduler)
+    if pair[1] is T5:
+        raise PipelineError("a UNet with a T5 text encoder is not exported as a pipeline: neither ppdiffusers' nor "
+                            "diffusers' UNet pipelines give it the encoder's mask. Sample from the checkpoint with "
+                            "python -m ldm.generate --model CHECKPOINT")
+    raise PipelineError(f"a {type(unet).__name__} with a {pair[1].name} text encoder has no text-to-image pipeline "
+                        "class in ppdiffusers or diffusers; sample from the checkpoint with python -m ldm.generate")
+
+
+def pipeline_class_name(unet, text_encoder) -> str:
+    from ldm.models.text import family_of as text_family_of
+
+    if family_of(unet) is PIXART:
+        return "PixArtAlphaPipeline"
+    return "LDMTextToImagePipeline" if text_family_of(text_encoder).name == "ldmbert" else "StableDiffusionPipeline"
+
+
+def describe_backbone(backbone) -> str:
+    """One line of a model card: the backbone's class, size and shape."""
+    c = backbone.config
+    parameters = f"{sum(int(p.numel()) for p in backbone.parameters()) / 1e6:.2f} M parameters"
+    latents = f"latents {c.in_channels}x{c.sample_size}x{c.sample_size}"
+    if family_of(backbone) is PIXART:
+        return (f"Transformer2DModel (PixArt-α DiT): {parameters}, {c.num_layers} blocks of {c.num_attention_heads} "
+                f"heads x {c.attention_head_dim}, patch {c.patch_size}, adaLN-single, caption channels "
+                f"{c.caption_channels}, {latents}, {c.out_channels} output channels (the first {c.in_channels} "
+                "sampled)")
+    return (f"UNet2DConditionModel: {parameters}, channels {list(c.block_out_channels)}, {c.layers_per_block} ResNet "
+            f"layers per block, {c.attention_head_dim} attention heads, cross-attention width "
+            f"{c.cross_attention_dim}, {latents}")

@@ -1,0 +1,161 @@
+"""PixArt-α by composition (`ldm.models.backbone`): ppdiffusers' PixArt `Transformer2DModel` with a frozen T5, trained
+from a diffusers `PixArtAlphaPipeline` folder in an aspect-ratio bucket, exported in diffusers' layout and sampled by
+ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; its position embedding on a non-square
+patch grid; the 0.6 B preset's architecture."""
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from corpus import write_corpus
+from entry import run_entry, run_python
+from safetensors.numpy import load_file
+
+from ldm.models.build import PRESETS_DIR
+
+RESOLUTION = 32
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from interop_models import tiny_pixart_pipeline
+
+    return tiny_pixart_pipeline(str(tmp_path_factory.mktemp("pixart")))
+
+
+def test_the_pixart_preset_is_pixart_alpha_512s_architecture():
+    transformer = json.loads((PRESETS_DIR / "pixart-alpha-512" / "transformer" / "config.json").read_text())
+    assert (transformer["num_layers"], transformer["num_attention_heads"], transformer["attention_head_dim"]) == (
+        28, 16, 72)
+    assert (transformer["patch_size"], transformer["sample_size"], transformer["caption_channels"]) == (2, 64, 4096)
+    assert transformer["norm_type"] == "ada_norm_single" and transformer["out_channels"] == 8
+    t5 = json.loads((PRESETS_DIR / "pixart-alpha-512" / "text_encoder" / "config.json").read_text())
+    assert (t5["d_model"], t5["num_layers"], t5["model_type"]) == (4096, 24, "t5")
+
+
+def test_a_non_square_patch_grid_gets_the_position_embedding_stretched_over_the_trained_span():
+    """A 12 x 6 latent (a 48x24 bucket of pixart-tiny: 6 x 3 patches of 2) on a transformer trained on 8 x 8 (4 x 4
+    patches): the sin-cos embedding of token (i, j) is at (i 4/6, j 4/3), both axes spanning the 4 x 4 grid."""
+    from ppdiffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+
+    from ldm.models.backbone import predict
+    from ldm.models.build import build_components
+
+    c = build_components("pixart-tiny", seed=0)
+    patches = c.unet.pos_embed
+    latents = paddle.randn([2, 4, 12, 6])
+    projected = patches.proj(latents).flatten(2).transpose([0, 2, 1])
+    positions = (patches(latents) - projected)[0].numpy()
+    rows, cols = np.meshgrid(np.arange(6) * 4 / 6, np.arange(3) * 4 / 3, indexing="ij")
+    expected = get_2d_sincos_pos_embed_from_grid(positions.shape[-1], np.stack([cols, rows]).reshape(2, 1, 6, 3))
+    np.testing.assert_allclose(positions, expected, atol=1e-5)
+    prediction = predict(c.unet, latents, paddle.to_tensor([10, 900]), paddle.randn([2, 5, 32]), None)
+    assert prediction.shape == [2, 4, 12, 6]  # the noise half of the 8 channels learned sigma makes
+
+
+def test_a_pixart_pipeline_trains_in_a_bucket_and_exports_what_ppdiffusers_pipeline_samples(pipeline, tmp_path):
+    from ppdiffusers import PixArtAlphaPipeline
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import generate, initial_noise, sampling_scheduler
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
+    run = tmp_path / "run"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--pretrained_model_name_or_path", pipeline, "--file_list", listing, "--resolution", str(RESOLUTION),
+        "--aspect_buckets", "48x24,32x32", "--train_batch_size", "2", "--max_train_steps", "2", "--save_steps", "2",
+        "--num_workers", "0", "--report_to", "none", "--model_max_length", "16", "--learning_rate", "1e-3",
+        "--output_dir", str(run)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())["model"]
+    assert record["class"] == "Transformer2DModel" and record["text_encoder_identity"]["family"] == "t5"
+    assert (run / "checkpoint-2" / "transformer").is_dir()
+    exported = tmp_path / "hf"
+    result = run_python(["-m", "ldm.export", "--checkpoint", str(run / "checkpoint-2"), "--output", str(exported),
+                         "--format", "diffusers"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((exported / "model_index.json").read_text())
+    assert index["_class_name"] == "PixArtAlphaPipeline"
+    assert index["scheduler"] == ["diffusers", "DPMSolverMultistepScheduler"]  # the source's sampler, kept
+    source, ours = (load_file(f"{folder}/text_encoder/model.safetensors") for folder in (pipeline, exported))
+    assert all(np.array_equal(source[k], ours[k]) for k in source)  # the frozen T5 as it came
+    trained = load_file(f"{exported}/transformer/diffusion_pytorch_model.safetensors")
+    start = load_file(f"{pipeline}/transformer/diffusion_pytorch_model.safetensors")
+    assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
+
+    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(str(exported))
+    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), CaptionTokenizer(tokenizer, 16),
+                    ["a red circle"], guidance_scale=3.0, num_inference_steps=3, seed=7, height=48, width=24)
+    theirs = PixArtAlphaPipeline.from_pretrained(str(exported), from_diffusers=True)
+    latents = paddle.to_tensor(initial_noise([4, 12, 6], 7, 0)[None])
+    image = theirs("a red circle", num_inference_steps=3, guidance_scale=3.0, latents=latents, height=48, width=24,
+                   output_type="np", use_resolution_binning=False, clean_caption=False).images[0]
+    assert type(theirs.scheduler).__name__ == "DPMSolverMultistepScheduler"
+    assert mine[0].std() > 1  # an image, not a flat field
+    np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
+
+
+def test_pixart_trains_with_flow_matching_on_the_trainer_path(tmp_path):
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
+    result = run_entry("train_txt2img_laion400m_trainer.py", [
+        "--do_train", "--model_name_or_path", "pixart-tiny", "--allow_untrained_vae", "--allow_untrained_text_encoder",
+        "--file_list", listing, "--resolution", str(RESOLUTION), "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "1", "--max_steps", "2", "--save_steps", "2", "--dataloader_num_workers", "0",
+        "--report_to", "none", "--model_max_length", "16", "--prediction_type", "flow_matching",
+        "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    scheduler = json.loads((tmp_path / "run" / "checkpoint-2" / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+    assert (tmp_path / "run" / "checkpoint-2" / "transformer" / "config.json").is_file()
+
+
+def test_a_t5_saved_without_its_tied_embedding_is_read_as_transformers_reads_it(pipeline, tmp_path):
+    """transformers writes a tied weight once (`shared.weight`, not `encoder.embed_tokens.weight`)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from ldm.models.text import T5
+    from ldm.models.torch_layout import load_pretrained
+
+    folder = tmp_path / "text_encoder"
+    shutil.copytree(f"{pipeline}/text_encoder", folder)
+    state = load_file(folder / "model.safetensors")
+    del state["encoder.embed_tokens.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_pretrained(T5.model_class(), str(folder))
+    np.testing.assert_array_equal(model.encoder.embed_tokens.weight.numpy(), state["shared.weight"])
+
+
+def test_learned_sigma_trains_on_improved_ddpms_variational_bound():
+    """guided-diffusion's `_vb_terms_bpd` (KL of the posterior to the model's step, the decoder's likelihood at t = 0)
+    on known tensors, and the variance half of the DiT's output gets gradients."""
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.noise import variational_bound
+
+    c = build_components("pixart-tiny", seed=0)
+    s = c.noise_scheduler
+    x0, eps, t = paddle.randn([3, 4, 8, 8]), paddle.randn([3, 4, 8, 8]), paddle.to_tensor([0, 10, 500])
+    xt = s.add_noise(x0, eps, t)
+    exact = variational_bound(s, x0, xt, eps, -paddle.ones([3, 4, 8, 8]), t).numpy()  # the posterior's own step
+    assert exact[0] > 0.1 and abs(exact[1]) < 1e-6 and abs(exact[2]) < 1e-6
+    b, ab = s.betas.numpy().astype("float64"), s.alphas_cumprod.numpy().astype("float64")
+    prev = np.append(1.0, ab[:-1])
+    posterior = b * (1 - prev) / (1 - ab)
+    k, x, e, n = 500, x0.numpy()[2], eps.numpy()[2] * 0.9, xt.numpy()[2]
+    c1, c2 = b[k] * np.sqrt(prev[k]) / (1 - ab[k]), (1 - prev[k]) * np.sqrt(1 - b[k]) / (1 - ab[k])
+    true_log_variance = np.log(posterior[k])
+    log_variance = 0.65 * np.log(b[k]) + 0.35 * true_log_variance  # v = 0.3
+    mean = c1 * (np.sqrt(1 / ab[k]) * n - np.sqrt(1 / ab[k] - 1) * e) + c2 * n
+    kl = 0.5 * (-1 + log_variance - true_log_variance + np.exp(true_log_variance - log_variance)
+                + (c1 * x + c2 * n - mean) ** 2 * np.exp(-log_variance))
+    ours = variational_bound(s, x0, xt, eps * 0.9, paddle.full([3, 4, 8, 8], 0.3), t).numpy()[2]
+    assert ours == pytest.approx(kl.mean() / np.log(2), rel=1e-3)
+
+    model = LatentDiffusion(c.unet, c.text_encoder, c.vae, s, freeze_text_encoder=True)
+    model(paddle.rand([2, 3, 32, 32]) * 2 - 1, paddle.ones([2, 16], dtype="int64")).backward()
+    grad = c.unet.proj_out.weight.grad.numpy()
+    assert np.abs(grad.reshape(grad.shape[0], 4, 8)[:, :, 4:]).sum() > 0  # (patch, channel): the variance half
