@@ -1,0 +1,316 @@
+"""The update around the step over flat buffers: every trained weight, its gradient, its AdamW moments and its EMA a
+view into one contiguous buffer per dtype, so that the global norm is one reduction, AdamW one kernel per span and
+the EMA one pass over the flat weights, instead of one or several kernels per tensor (846 in `ldm-12layer`).
+
+The layout Megatron's distributed optimizer, DeepSpeed and Apex use. Parameters stay Paddle parameters with their
+names and shapes (each one's storage is a slice of its dtype's buffer, as fleet's `tensor_fusion_helper` shares
+them): the model, the checkpoints and the optimizer's state dict do not change, so a run resumes across the two
+forms in both directions. Spans are runs of parameters of one dtype, one sharding owner and one decay setting:
+under `--sharding stage1` each rank's parameters are contiguous, so its moments and EMA are flat over its span.
+
+Paddle 3.3's own AdamW fusion storage (`Optimizer.use_fusion_storage`, `paddle/optimizer/fusion_utils.py`) was
+read and not used: it packs the moments and master weights into one buffer for offloading and IPC only (GPU, NPU
+or XPU; it asserts on a CPU), still runs one `adamw_` kernel per tensor, and leaves weights and gradients where they
+are. Its Adam's `use_multi_tensor` (`merged_adam_`) has L2 decay, not AdamW's decoupled one.
+
+What keeps a parameter a view (checked by `tests/test_train_flat.py`): `set_value`, `set_state_dict`,
+`paddle.assign(..., output=)`, broadcasts and in-place kernels write into its storage. What breaks it: Paddle's
+`clear_gradient` (either form) detaches the gradient, so the next backward allocates a new one; the flat optimizer
+zeroes the flat gradients instead, and every step checks the views (a pointer compare per tensor) and re-attaches
+any a caller replaced, copying its values in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import paddle
+
+from ldm.runtime.compat import private, scale_in_place, squared_l2_norm
+
+logger = logging.getLogger("ldm.train")
+
+# The EMA and the casts run in chunks of this many elements: their temporaries stay small (64 MiB of fp32)
+CHUNK = 1 << 24
+
+
+@dataclasses.dataclass
+class Span:
+    """Parameters `params` at [start, end) of their dtype's buffers: one owner (sharding rank), one decay setting."""
+
+    dtype: paddle.dtype
+    start: int
+    end: int
+    params: list
+    owner: int = 0
+    decay: bool = True
+
+
+def _attach(parameter, buffer, start: int, copy: bool = True) -> None:
+    """Make `parameter`'s storage buffer[start:start + size], its values copied in first (`copy`)."""
+    view = buffer._slice(start, start + parameter.size)
+    if copy:
+        paddle.assign(parameter.detach().reshape([-1]), output=view)
+    view._share_buffer_to(parameter)
+    parameter.get_tensor()._set_dims(parameter.shape)
+
+
+class FlatParameters:
+    """Trained parameters as views into one weight buffer and one gradient buffer per dtype.
+
+    `owner`: {parameter name: sharding rank}, to keep each rank's parameters together; `decay(parameter)`: whether
+    AdamW decays it (PaddleNLP's Trainer leaves biases and norms out). The buffers are made empty and filled tensor
+    by tensor while each parameter's own storage is freed, so the weights are never held twice."""
+
+    def __init__(self, parameters, owner: dict[str, int] | None = None, decay=None):
+        owner, decay = owner or {}, decay or (lambda p: True)
+        order = {id(p): i for i, p in enumerate(parameters)}
+        ordered = sorted(parameters, key=lambda p: (str(p.dtype), owner.get(p.name, 0), not decay(p), order[id(p)]))
+        self.parameters = ordered
+        self.weights: dict[str, paddle.Tensor] = {}
+        self.grads: dict[str, paddle.Tensor] = {}
+        self.offset: dict[int, int] = {}  # id(parameter) -> start in its dtype's buffers
+        self.spans: list[Span] = []
+        sizes: dict[str, int] = {}
+        for p in ordered:
+            key = str(p.dtype)
+            start = sizes.get(key, 0)
+            self.offset[id(p)] = start
+            sizes[key] = start + p.size
+            last = self.spans[-1] if self.spans else None
+            if last and last.dtype == p.dtype and last.owner == owner.get(p.name, 0) and last.decay == decay(p):
+                last.end, _ = sizes[key], last.params.append(p)
+            else:
+                self.spans.append(Span(p.dtype, start, sizes[key], [p], owner.get(p.name, 0), decay(p)))
+        with paddle.no_grad():
+            for p in ordered:
+                key = str(p.dtype)
+                if key not in self.weights:
+                    self.weights[key] = paddle.empty([sizes[key]], dtype=p.dtype)
+                    self.grads[key] = paddle.zeros([sizes[key]], dtype=p.dtype)
+                _attach(p, self.weights[key], self.offset[id(p)])
+                self._attach_grad(p)
+        self.span_of = {id(p): span for span in self.spans for p in span.params}
+        self.reattached = 0  # tensors a caller had replaced, found and re-attached by `ensure_views`
+
+    def _attach_grad(self, p, copy: bool = False) -> None:
+        grad = p.grad_ if copy else None
+        view = self.grads[str(p.dtype)]._slice(self.offset[id(p)], self.offset[id(p)] + p.size)
+        if grad is not None:
+            paddle.assign(grad.reshape([-1]), output=view)
+        view.get_tensor()._set_dims(p.shape)
+        p._copy_gradient_from(view)
+
+    def weight(self, span: Span) -> paddle.Tensor:
+        return self.weights[str(span.dtype)]._slice(span.start, span.end)
+
+    def grad(self, span: Span) -> paddle.Tensor:
+        return self.grads[str(span.dtype)]._slice(span.start, span.end)
+
+    def broken_views(self) -> list[tuple[object, str]]:
+        """(parameter, "weight" or "gradient") for each tensor whose storage is no longer its slice of the buffers."""
+        broken = []
+        for p in self.parameters:
+            key, start = str(p.dtype), self.offset[id(p)]
+            itemsize = self.weights[key].element_size()
+            if p.data_ptr() != self.weights[key].data_ptr() + start * itemsize:
+                broken.append((p, "weight"))
+            grad = p.grad_
+            if grad is None or grad.data_ptr() != self.grads[key].data_ptr() + start * itemsize:
+                broken.append((p, "gradient"))
+        return broken
+
+    @paddle.no_grad()
+    def ensure_views(self) -> None:
+        """Re-attach every tensor a caller replaced (its values copied into the buffers); the first time, a warning."""
+        broken = self.broken_views()
+        for p, what in broken:
+            if what == "weight":
+                _attach(p, self.weights[str(p.dtype)], self.offset[id(p)])
+            else:
+                self._attach_grad(p, copy=True)
+        if broken and not self.reattached:
+            logger.warning("flat update: %d weights or gradients had been replaced (e.g. %s's %s) and were "
+                           "re-attached to the flat buffers", len(broken), broken[0][0].name, broken[0][1])
+        self.reattached += len(broken)
+
+    @paddle.no_grad()
+    def zero_grad(self) -> None:
+        """The gradients to zero in place: one fill per dtype; the views stay (Paddle's `clear_grad` would detach
+        them)."""
+        for grad in self.grads.values():
+            grad.zero_()
+
+    @paddle.no_grad()
+    def grad_norm(self) -> paddle.Tensor:
+        """Global L2 norm of every gradient, fp32: one reduction per dtype."""
+        squares = [squared_l2_norm(grad) for grad in self.grads.values()]
+        return paddle.sqrt(paddle.add_n(squares) if len(squares) > 1 else squares[0]).reshape([])
+
+    @paddle.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        for grad in self.grads.values():
+            scale_in_place(grad, factor)
+
+    @paddle.no_grad()
+    def all_reduce_grads(self, world_size: int) -> None:
+        """Mean of the gradients over the ranks: one all-reduce per dtype (instead of fused buckets copied in and
+        out), scaled first as fleet's `fused_allreduce_gradients` does."""
+        for grad in self.grads.values():
+            scale_in_place(grad, 1.0 / world_size)
+            paddle.distributed.all_reduce(grad)
+
+
+class FlatAdamW(paddle.optimizer.AdamW):
+    """Paddle's AdamW, its update run as one `adamw_` kernel per span of flat buffers once `flatten` was called
+    (before it, Paddle's own per-tensor step). The same kernel, the same arguments: the decoupled decay, the bias
+    corrections and the skip on `found_inf` are Paddle's, so the result equals the per-tensor update to float
+    rounding. Each parameter's moments are views into the span's flat moments, under the names Paddle gives them:
+    the state dict is Paddle's own, per parameter. The bias-correction powers are one pair per span (every
+    parameter of a span steps together); the state dict gives each parameter its span's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flat: FlatParameters | None = None
+        self.moments: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}  # id(span) -> flat moment 1, 2
+
+    def flatten(self, owner: dict[str, int] | None = None) -> FlatParameters:
+        """Lay the parameters out flat (`owner`: the sharding partition, {name: rank}); before the first step."""
+        if self._already_create_accumulator:
+            raise RuntimeError("FlatAdamW.flatten comes before the optimizer's first step")
+        decay = (lambda p: self._apply_decay_param_fun(p.name)) if self._apply_decay_param_fun else None
+        parameters = [p for p in self._parameter_list if not p.stop_gradient]
+        if self._multi_precision and any(self._is_dtype_fp16_or_bf16(p.dtype) for p in parameters):
+            raise RuntimeError("flat AdamW keeps no fp32 master weights of fp16/bf16 parameters (run with "
+                               "--flat_update off)")
+        self.flat = FlatParameters(parameters, owner, decay)
+        return self.flat
+
+    def _create_accumulators(self, block, parameters):
+        new = [p for p in parameters if p.name not in self._already_create_accumulator]
+        super()._create_accumulators(block, parameters)  # Paddle's, with any state loaded before the first step
+        if self.flat is None:
+            return
+        with paddle.no_grad():
+            for p in new:
+                span = self.flat.span_of[id(p)]
+                if id(span) not in self.moments:
+                    dtype = self._accumulators[self._moment1_acc_str][p.name].dtype
+                    self.moments[id(span)] = (paddle.empty([span.end - span.start], dtype=dtype),
+                                              paddle.empty([span.end - span.start], dtype=dtype))
+                start = self.flat.offset[id(p)] - span.start
+                names = (self._moment1_acc_str, self._moment2_acc_str)
+                for name, flat in zip(names, self.moments[id(span)], strict=True):
+                    _attach(self._accumulators[name][p.name], flat, start)
+
+    def _span_pows(self, span: Span):
+        first = span.params[0].name
+        return (self._accumulators[self._beta1_pow_acc_str][first], self._accumulators[self._beta2_pow_acc_str][first])
+
+    def state_dict(self):
+        state = super().state_dict()
+        if self.flat is not None:
+            for span in self.spans_with_state():
+                pow1, pow2 = self._span_pows(span)
+                for p in span.params:
+                    state[self._accumulators[self._beta1_pow_acc_str][p.name].name] = pow1
+                    state[self._accumulators[self._beta2_pow_acc_str][p.name].name] = pow2
+        return state
+
+    def spans_with_state(self) -> list[Span]:
+        return [span for span in self.flat.spans if id(span) in self.moments]
+
+    def clear_grad(self, set_to_zero: bool = True):
+        if self.flat is None:
+            return super().clear_grad(set_to_zero)
+        self.flat.zero_grad()
+
+    def _apply_optimize(self, loss, startup_program, params_grads, param_group_idx=0):
+        if self.flat is None or not isinstance(params_grads, list):
+            return super()._apply_optimize(loss, startup_program, params_grads, param_group_idx)
+        self.flat.ensure_views()
+        parameters = [p for p, g in params_grads if g is not None and not p.stop_gradient]
+        spans = {id(self.flat.span_of[id(p)]): self.flat.span_of[id(p)] for p in parameters}
+        count = sum(len(span.params) for span in spans.values())
+        if count != len(parameters):  # a span is only stepped whole: a parameter without a gradient breaks that
+            raise RuntimeError(f"flat AdamW: {count - len(parameters)} parameters of the stepped spans have no "
+                               "gradient (run with --flat_update off)")
+        if self._grad_clip is not None:
+            self._clip_flat(spans.values())
+        self._create_global_learning_rate()
+        block = paddle.static.default_main_program().global_block()
+        self._create_accumulators(block, parameters)
+        found_inf = self._get_auxiliary_var("found_inf")
+        if found_inf:  # Paddle's own handling (Optimizer._create_optimization_pass): a skipped update
+            if isinstance(found_inf, paddle.Tensor):
+                self._set_auxiliary_var("found_inf", True)
+            return None
+        if isinstance(found_inf, paddle.Tensor):
+            self._set_auxiliary_var("found_inf", False)
+        lr = self._global_learning_rate()
+        beta1 = self._beta1.item(0) if isinstance(self._beta1, paddle.Tensor) else self._beta1
+        beta2 = self._beta2.item(0) if isinstance(self._beta2, paddle.Tensor) else self._beta2
+        adamw = private(paddle._C_ops, "adamw_", "the flat AdamW")
+        for span in spans.values():
+            moment1, moment2 = self.moments[id(span)]
+            pow1, pow2 = self._span_pows(span)
+            lr_ratio = 1.0 if self._lr_ratio is None else self._lr_ratio(span.params[0])
+            adamw(self.flat.weight(span), self.flat.grad(span), lr, moment1, moment2, None, pow1, pow2, None, None,
+                  beta1, beta2, self._epsilon, lr_ratio, self._weight_decay, span.decay, self._lazy_mode, 1000,
+                  False, False, self._amsgrad)
+        return None
+
+    def _clip_flat(self, spans) -> None:
+        """`ClipGradByGlobalNorm` (PaddleNLP's Trainer gives it) over the flat gradients: one reduction, one scale
+        per dtype, the same factor clip_norm / max(norm, clip_norm)."""
+        clip = self._grad_clip
+        if not isinstance(clip, paddle.nn.ClipGradByGlobalNorm) or len(spans) != len(self.flat.spans):
+            raise RuntimeError(f"flat AdamW clips a global norm over every parameter, not {type(clip).__name__} "
+                               "(run with --flat_update off)")
+        norm = self.flat.grad_norm()
+        factor = clip.clip_norm / paddle.maximum(norm, paddle.full([], clip.clip_norm, "float32"))
+        for grad in self.flat.grads.values():
+            grad.multiply_(factor.astype(grad.dtype))
+
+
+class FlatEMA:
+    """The EMA's averages as views into one fp32 buffer per span of the flat weights it keeps (`ldm.models.ema.EMA`
+    holds them by name as before: its state dict, gathering and swaps are unchanged). The update is today's
+    arithmetic, shadow * decay + weight * (1 - decay), over the flat buffers in chunks of `CHUNK` elements (so its
+    temporary stays small), or one `lerp_` (`kernel="lerp"`: shadow + (1 - decay) * (weight - shadow), equal to float
+    rounding)."""
+
+    def __init__(self, ema, flat: FlatParameters, kernel: str = "scale_add"):
+        self.ema, self.flat, self.kernel = ema, flat, kernel
+        kept = {id(p): name for name, p in ema.parameters.items() if name in ema.shadow}
+        self.spans = [span for span in flat.spans if all(id(p) in kept for p in span.params)]
+        partial = [span for span in flat.spans if any(id(p) in kept for p in span.params) and span not in self.spans]
+        if partial:
+            raise RuntimeError("the EMA keeps part of a span of the flat weights (its partition differs from the "
+                               "optimizer's)")
+        self.buffers: list[paddle.Tensor] = []
+        with paddle.no_grad():
+            for span in self.spans:
+                buffer = paddle.empty([span.end - span.start], dtype="float32")
+                for p in span.params:
+                    name = kept[id(p)]
+                    start = flat.offset[id(p)] - span.start
+                    view = buffer._slice(start, start + p.size)
+                    paddle.assign(ema.shadow[name].reshape([-1]), output=view)
+                    view.get_tensor()._set_dims(ema.shadow[name].shape)
+                    ema.shadow[name] = view
+                self.buffers.append(buffer)
+
+    @paddle.no_grad()
+    def update(self, decay: float) -> None:
+        for span, shadow in zip(self.spans, self.buffers, strict=True):
+            weights = self.flat.weight(span)
+            if self.kernel == "lerp" and weights.dtype == paddle.float32:
+                shadow.lerp_(weights, 1.0 - decay)
+                continue
+            for start in range(0, shadow.shape[0], CHUNK):
+                end = min(start + CHUNK, shadow.shape[0])
+                part = shadow._slice(start, end)
+                scale_in_place(part, decay)
+                part.add_(weights._slice(start, end).astype("float32") * (1.0 - decay))

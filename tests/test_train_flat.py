@@ -1,0 +1,170 @@
+"""The flat update (`ldm.train.flat`): the same results as the per-tensor update, parameters that stay views into
+the flat buffers through everything that writes them, and Paddle's per-parameter state dict."""
+
+import numpy as np
+import paddle
+import pytest
+
+from ldm.models.ema import EMA
+from ldm.train.flat import FlatAdamW
+from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+
+
+class Tiny(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.conv = paddle.nn.Conv2D(3, 8, 3, padding=1)
+        self.norm = paddle.nn.GroupNorm(4, 8)
+        self.linear = paddle.nn.Linear(8, 5)
+        self.frozen = paddle.nn.Linear(5, 5)
+        self.frozen.weight.stop_gradient = self.frozen.bias.stop_gradient = True
+
+    def forward(self, x):
+        h = paddle.nn.functional.silu(self.norm(self.conv(x))).mean([2, 3])
+        return self.frozen(self.linear(h))
+
+
+def build(seed=0):
+    paddle.seed(seed)
+    model = Tiny()
+    trained = [p for p in model.parameters() if not p.stop_gradient]
+    return model, trained
+
+
+def batch(i, accumulation=1):
+    rng = np.random.default_rng(i)
+    return [paddle.to_tensor(rng.normal(size=(2, 3, 6, 6)).astype("float32") * (1 + 3 * (i % 3)))
+            for _ in range(accumulation)]
+
+
+def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float = 1.0, skip=(), decay_fun=None):
+    """`updates` updates (clip, AdamW, EMA) as the loop makes them, per tensor or flat; returns the model and EMA."""
+    model, trained = build()
+    optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(
+        1e-2, parameters=trained, weight_decay=0.02, apply_decay_param_fun=decay_fun)
+    ema = EMA(model, 0.99)
+    if flat:
+        ema.flatten(optimizer.flatten())
+    for i in range(updates):
+        for x in batch(i, accumulation):
+            (model(x) ** 2).mean().backward()
+        norm = optimizer.flat.grad_norm() if flat else global_grad_norm(trained)
+        factor = float(clip_factor(norm, max_norm))
+        if factor < 1:
+            optimizer.flat.scale_grads(factor) if flat else scale_gradients(trained, factor)
+        optimizer._set_auxiliary_var("found_inf", i in skip)
+        optimizer.step()
+        optimizer.clear_grad()
+        if i not in skip:
+            ema.update()
+    return model, ema, optimizer
+
+
+def assert_close(a: dict, b: dict, rtol=1e-6):
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = np.asarray(a[name]), np.asarray(b[name])
+        scale = max(np.abs(y).max(), 1e-12)
+        assert np.abs(x - y).max() <= rtol * scale, name
+
+
+def weights(model):
+    return {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def shadows(ema):
+    return {n: t.numpy() for n, t in ema.shadow.items()}
+
+
+def test_flat_update_equals_the_per_tensor_update_over_20_updates():
+    per_tensor, ema_a, opt_a = run(False, skip=(7,))
+    flat, ema_b, opt_b = run(True, skip=(7,))
+    assert_close(weights(flat), weights(per_tensor))
+    assert_close(shadows(ema_b), shadows(ema_a))
+    # Paddle's names, per parameter, with their shapes: checkpoints unchanged on disk
+    assert_close(by_structured_name(opt_b, flat), by_structured_name(opt_a, per_tensor))
+
+
+def by_structured_name(optimizer, model) -> dict:
+    """The optimizer's state keyed by the model's names instead of Paddle's counters (two models in one process)."""
+    names = {p.name: n for n, p in model.named_parameters()}
+    state = {}
+    for key, value in optimizer.state_dict().items():
+        if key != "LR_Scheduler":
+            pname = max((p for p in names if key.startswith(p + "_")), key=len)
+            state[names[pname] + key[len(pname):]] = value.numpy()
+    return state
+
+
+def test_decay_excluded_parameters_form_their_own_span():
+    rule = lambda name: name.endswith(".w_0") and "norm" not in name  # noqa: E731 - PaddleNLP's: no bias, no norm
+    per_tensor, _, _ = run(False, 6, decay_fun=rule)
+    flat, _, optimizer = run(True, 6, decay_fun=rule)
+    assert_close(weights(flat), weights(per_tensor))
+    assert sorted(span.decay for span in optimizer.flat.spans) == [False, True]
+
+
+def test_parameters_stay_views_through_loads_swaps_and_gradient_accumulation():
+    model, ema, optimizer = run(True, 3)
+    flat = optimizer.flat
+    assert not flat.broken_views()
+    assert all(p._is_shared_buffer_with(flat.weights["paddle.float32"]) for p in flat.parameters)
+    # writes through every path a run uses
+    model.set_state_dict({n: np.full(p.shape, 0.5, "float32") for n, p in model.named_parameters()})
+    assert float(flat.weights["paddle.float32"].min()) == 0.5
+    with ema.swapped(model):
+        assert not flat.broken_views()
+    optimizer.set_state_dict(optimizer.state_dict())
+    ema.load_state_dict({k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in ema.state_dict().items()})
+    assert not flat.broken_views()
+    assert all(t._is_shared_buffer_with(ema.flat.buffers[0]) for t in ema.shadow.values())
+    # an in-place edit of the flat buffer is an edit of the parameter, and back
+    flat.weights["paddle.float32"].scale_(2.0)
+    assert float(model.conv.weight.min()) == 1.0
+    # accumulation writes into the flat gradient buffer
+    for x in batch(0, 2):
+        (model(x) ** 2).mean().backward()
+    total = float((flat.grads["paddle.float32"] ** 2).sum())
+    assert total > 0 and abs(total - sum(float((p.grad ** 2).sum()) for p in flat.parameters)) < 1e-5 * total
+    # Paddle's clear_gradient detaches a gradient: the next step finds it and copies it back in
+    model.linear.weight.clear_gradient(False)
+    (model(batch(1)[0]) ** 2).mean().backward()
+    assert flat.broken_views()
+    optimizer.step()
+    assert not flat.broken_views() and flat.reattached > 0
+
+
+@pytest.mark.parametrize("flat_first", [True, False])
+def test_state_dicts_cross_between_the_two_forms(flat_first):
+    """A checkpoint of either form resumes in the other: the same keys, shapes and values, and the same updates."""
+    source, source_ema, source_opt = run(flat_first, 5)
+    weights_state = {n: p.numpy() for n, p in source.named_parameters()}
+    opt_state = by_structured_name(source_opt, source)
+    ema_state = {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in source_ema.state_dict().items()}
+
+    def resumed(flat):
+        model, trained = build(seed=1)
+        optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(1e-2, parameters=trained, weight_decay=0.02)
+        ema = EMA(model, 0.99)
+        if flat:
+            ema.flatten(optimizer.flatten())
+        model.set_state_dict(weights_state)
+        pnames = {n: p.name for n, p in model.named_parameters()}
+        state = {}
+        for key, value in opt_state.items():  # Paddle's names of this process's parameters
+            name = max((n for n in pnames if key.startswith(n + "_")), key=len)
+            state[pnames[name] + key[len(name):]] = paddle.to_tensor(value)
+        optimizer.set_state_dict(state)
+        ema.load_state_dict(ema_state)
+        for i in range(5, 9):
+            (model(batch(i)[0]) ** 2).mean().backward()
+            optimizer.step()
+            optimizer.clear_grad()
+            ema.update()
+        if flat:
+            assert not optimizer.flat.broken_views()
+        return weights(model), shadows(ema)
+
+    a, b = resumed(not flat_first), resumed(flat_first)
+    assert_close(a[0], b[0])
+    assert_close(a[1], b[1])
