@@ -48,10 +48,10 @@ def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float
     for i in range(updates):
         for x in batch(i, accumulation):
             (model(x) ** 2).mean().backward()
-        norm = optimizer.flat.grad_norm() if flat else global_grad_norm(trained)
+        norm = optimizer.flat.norm() if flat else global_grad_norm(trained)
         factor = float(clip_factor(norm, max_norm))
         if factor < 1:
-            optimizer.flat.scale_grads(factor) if flat else scale_gradients(trained, factor)
+            optimizer.flat.scale(factor) if flat else scale_gradients(trained, factor)
         optimizer._set_auxiliary_var("found_inf", i in skip)
         optimizer.step()
         optimizer.clear_grad()

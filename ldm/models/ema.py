@@ -26,7 +26,7 @@ class EMA:
         self._gathered = False
         self.flat = None  # `flatten`: the averages as views into flat buffers (`ldm.train.flat.FlatEMA`)
 
-    def flatten(self, flat_parameters, kernel: str = "scale_add") -> None:
+    def flatten(self, flat_parameters, kernel: str = "lerp") -> None:
         """Keep the averages in flat buffers laid out as the flat weights (`ldm.train.flat.FlatParameters`, after
         `shard`): `update` becomes one pass over them."""
         from ldm.train.flat import FlatEMA

@@ -43,6 +43,13 @@ def resolve_precision(requested: str, what: str = "training") -> str:
     return requested
 
 
+def resolve_flat_update(requested: str) -> bool:
+    """`--flat_update`: on, off, or auto: flat on every device. Measured on 2-core CPUs (docs/benchmarks.md, `scripts/
+    bench_update.py`): the flat update takes about half of the per-tensor one's time; on a GPU, where the per-tensor
+    update is bound by its thousands of kernel launches, it is expected to gain more (not measured here)."""
+    return requested != "off"
+
+
 def resolve_vae_dtype(requested: str) -> str:
     """`--vae_dtype` where this device supports it, else float32 with a message."""
     if requested == "float32":

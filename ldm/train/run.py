@@ -35,12 +35,14 @@ from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import supervisor
-from ldm.runtime.compat import sharding_owners
-from ldm.runtime.device import check_sharding, resolve_precision
+from ldm.runtime.compat import innermost_optimizer, sharding_owners
+from ldm.runtime.device import check_sharding, resolve_flat_update, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
+from ldm.train.flat import FlatAdamW
+from ldm.train.gradients import TensorGradients
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
@@ -175,7 +177,8 @@ class TrainingRun:
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.objective = self.record = self.data = self.trained = None  # `build`
+        self.flat_update = resolve_flat_update(self.run_args.flat_update)  # the driver makes a `FlatAdamW` if so
+        self.objective = self.record = self.data = self.trained = self.gradients = None  # `build`
         self.optimizer, self.parts = None, {}  # `adopt`, `keep`
         # `started`:
         self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
@@ -193,11 +196,21 @@ class TrainingRun:
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision)
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
+        self.gradients = TensorGradients(self.trained)
 
     def adopt(self, optimizer) -> None:
-        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition."""
+        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition. A
+        `FlatAdamW` lays the weights out flat here, each rank's share together (`ldm.train.flat`), and the EMA and
+        the gradients' norm, clip and all-reduce follow (`gradients`)."""
         self.optimizer = optimizer
         shard_ema(self.objective.ema, self.objective.model, optimizer)
+        inner = innermost_optimizer(optimizer)
+        if isinstance(inner, FlatAdamW) and inner.flat is None:
+            shards = sharding_owners(optimizer)
+            self.gradients = inner.flatten(shards[0] if shards else None)
+            if self.objective.ema is not None:
+                self.objective.ema.flatten(self.gradients)
+            logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
@@ -337,7 +350,7 @@ class TrainingRun:
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
-            release_gradients(self.trained)
+            self.gradients.release()
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 
