@@ -126,7 +126,7 @@ def operator_calls(form: Form) -> int | None:
         import paddle.profiler as profiler
 
         form.refill(12345)
-        with profiler.Profiler(targets=[profiler.ProfilerTarget.CPU]) as prof:
+        with profiler.Profiler(targets=[profiler.ProfilerTarget.CPU], on_trace_ready=lambda _: None) as prof:
             form.update()
         count = 0
         stack = list(prof.profiler_result.get_data().values())

@@ -33,6 +33,10 @@ logger = logging.getLogger("ldm.train")
 
 # The EMA and the casts run in chunks of this many elements: their temporaries stay small (64 MiB of fp32)
 CHUNK = 1 << 24
+# Each parameter starts at a multiple of this many bytes of its buffer, as Paddle's own fused buffers align them
+# (`fleet/utils/tensor_fusion_helper.py`, 256 on a GPU): kernels see the alignment their own allocations had, and
+# their vectorised paths and results stay those of the per-tensor run. The gaps stay zero: no gradient, no update.
+ALIGN_BYTES = 256
 
 
 @dataclasses.dataclass
@@ -75,7 +79,8 @@ class FlatParameters:
         sizes: dict[str, int] = {}
         for p in ordered:
             key = str(p.dtype)
-            start = sizes.get(key, 0)
+            step = max(1, ALIGN_BYTES // paddle.empty([0], dtype=p.dtype).element_size())
+            start = -(-sizes.get(key, 0) // step) * step
             self.offset[id(p)] = start
             sizes[key] = start + p.size
             last = self.spans[-1] if self.spans else None
@@ -86,13 +91,26 @@ class FlatParameters:
         with paddle.no_grad():
             for p in ordered:
                 key = str(p.dtype)
-                if key not in self.weights:
+                if key not in self.weights:  # empty: its pages are touched as each parameter's own are freed
                     self.weights[key] = paddle.empty([sizes[key]], dtype=p.dtype)
                     self.grads[key] = paddle.zeros([sizes[key]], dtype=p.dtype)
                 _attach(p, self.weights[key], self.offset[id(p)])
                 self._attach_grad(p)
+            for buffer in self.weights.values():
+                self.zero_gaps(buffer)
         self.span_of = {id(p): span for span in self.spans for p in span.params}
         self.reattached = 0  # tensors a caller had replaced, found and re-attached by `ensure_views`
+
+    def zero_gaps(self, buffer, span: Span | None = None) -> None:
+        """Zero the alignment gaps of a buffer laid out as this one's dtype `buffer.dtype` (or as `span`, a buffer
+        of that span alone)."""
+        params = span.params if span else [p for p in self.parameters if p.dtype == buffer.dtype]
+        base = span.start if span else 0
+        ends = [self.offset[id(p)] + p.size - base for p in params]
+        starts = [self.offset[id(p)] - base for p in params[1:]] + [buffer.shape[0]]
+        for end, start in zip(ends, starts, strict=True):
+            if start > end:
+                buffer._slice(end, start).zero_()
 
     def _attach_grad(self, p, copy: bool = False) -> None:
         grad = p.grad_ if copy else None
@@ -194,12 +212,14 @@ class FlatAdamW(paddle.optimizer.AdamW):
         optimizer.flat, optimizer.moments = None, {}
         return optimizer
 
-    def flatten(self, owner: dict[str, int] | None = None) -> FlatParameters:
-        """Lay the parameters out flat (`owner`: the sharding partition, {name: rank}); before the first step."""
+    def flatten(self, parameters=None, owner: dict[str, int] | None = None) -> FlatParameters:
+        """Lay `parameters` out flat (default: the optimizer's; under sharding, every trained parameter, fleet
+        having left the optimizer its own share) with `owner`, the sharding partition ({name: rank}); before the
+        first step."""
         if self._already_create_accumulator:
             raise RuntimeError("FlatAdamW.flatten comes before the optimizer's first step")
         decay = (lambda p: self._apply_decay_param_fun(p.name)) if self._apply_decay_param_fun else None
-        parameters = [p for p in self._parameter_list if not p.stop_gradient]
+        parameters = [p for p in (parameters or self._parameter_list) if not p.stop_gradient]
         if self._multi_precision and any(self._is_dtype_fp16_or_bf16(p.dtype) for p in parameters):
             raise RuntimeError("flat AdamW keeps no fp32 master weights of fp16/bf16 parameters (run with "
                                "--flat_update off)")
@@ -216,8 +236,8 @@ class FlatAdamW(paddle.optimizer.AdamW):
                 span = self.flat.span_of[id(p)]
                 if id(span) not in self.moments:
                     dtype = self._accumulators[self._moment1_acc_str][p.name].dtype
-                    self.moments[id(span)] = (paddle.empty([span.end - span.start], dtype=dtype),
-                                              paddle.empty([span.end - span.start], dtype=dtype))
+                    self.moments[id(span)] = (paddle.zeros([span.end - span.start], dtype=dtype),
+                                              paddle.zeros([span.end - span.start], dtype=dtype))
                 start = self.flat.offset[id(p)] - span.start
                 names = (self._moment1_acc_str, self._moment2_acc_str)
                 for name, flat in zip(names, self.moments[id(span)], strict=True):
@@ -257,9 +277,12 @@ class FlatAdamW(paddle.optimizer.AdamW):
                                "gradient (run with --flat_update off)")
         if self._grad_clip is not None:
             self._clip(params_grads, len(spans) == len(self.flat.spans))
-        self._create_global_learning_rate()
-        block = paddle.static.default_main_program().global_block()
-        self._create_accumulators(block, parameters)
+        from paddle.base.layer_helper import LayerHelper
+
+        self.helper = LayerHelper(type(self).__name__)  # as Paddle's step makes it, for the learning rate's variable
+        with paddle.static.program_guard(paddle.static.default_main_program(), paddle.static.default_startup_program()):
+            self._create_global_learning_rate()
+        self._create_accumulators(paddle.static.default_main_program().global_block(), parameters)
         found_inf = self._get_auxiliary_var("found_inf")
         if found_inf:  # Paddle's own handling (Optimizer._create_optimization_pass): a skipped update
             if isinstance(found_inf, paddle.Tensor):
@@ -325,6 +348,7 @@ class FlatEMA:
                     paddle.assign(ema.shadow[name].reshape([-1]), output=view)
                     view.get_tensor()._set_dims(ema.shadow[name].shape)
                     ema.shadow[name] = view
+                flat.zero_gaps(buffer, span)
                 self.buffers.append(buffer)
 
     @paddle.no_grad()

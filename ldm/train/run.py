@@ -207,7 +207,7 @@ class TrainingRun:
         inner = innermost_optimizer(optimizer)
         if isinstance(inner, FlatAdamW) and inner.flat is None:
             shards = sharding_owners(optimizer)
-            self.gradients = inner.flatten(shards[0] if shards else None)
+            self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
             if self.objective.ema is not None:
                 self.objective.ema.flatten(self.gradients)
             logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
