@@ -218,3 +218,22 @@ def test_the_loop_flat_or_per_tensor_ends_alike_and_resumes_across_the_change(co
         shutil.copytree(os.path.dirname(source), out, ignore=shutil.ignore_patterns("checkpoint-4", "pipeline"))
         resumed = loop_checkpoint(corpus, out, 4, form, "--resume_from_checkpoint", "latest")
         assert_close(checkpoint_state(resumed), expected)
+
+
+@pytest.mark.slow
+def test_the_trainer_path_flat_or_per_tensor_ends_alike(corpus, tmp_path, vocab_dir):
+    """PaddleNLP's Trainer makes its own AdamW (biases and norms undecayed, its global-norm clip): flat, it ends
+    3 updates where the per-tensor one does."""
+    common = corpus[corpus.index("--file_list"):corpus.index("--model_max_length")] + [
+        "--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--model_max_length", "16",
+        "--resolution", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+        "--max_steps", "3", "--save_steps", "3", "--learning_rate", "1e-3", "--weight_decay", "0.02",
+        "--max_grad_norm", "0.05", "--use_ema", "--seed", "3", "--report_to", "none"]
+    states = {}
+    for flat in ("on", "off"):
+        result = run_entry("train_txt2img_laion400m_trainer.py",
+                           common + ["--flat_update", flat, "--output_dir", str(tmp_path / flat)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("in 2 spans" in result.stderr) == (flat == "on")  # decayed and undecayed
+        states[flat] = checkpoint_state(tmp_path / flat / "checkpoint-3")
+    assert_close(states["on"], states["off"])

@@ -35,7 +35,7 @@ from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import supervisor
-from ldm.runtime.compat import innermost_optimizer, sharding_owners
+from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
 from ldm.runtime.device import check_sharding, resolve_flat_update, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
@@ -208,6 +208,7 @@ class TrainingRun:
         if isinstance(inner, FlatAdamW) and inner.flat is None:
             shards = sharding_owners(optimizer)
             self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
+            route_clear_grad(optimizer, self.gradients.clear)
             if self.objective.ema is not None:
                 self.objective.ema.flatten(self.gradients)
             logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
