@@ -9,10 +9,11 @@ import paddle
 import pytest
 from corpus import write_corpus
 from entry import run_entry, weights
+from host_memory import MIB, peak_added
 
 from ldm.checkpoint.serialization import load_state
 from ldm.models.ema import EMA
-from ldm.train.flat import FlatAdamW
+from ldm.train.flat import FlatAdamW, FreedMemory
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 
 
@@ -237,3 +238,22 @@ def test_the_trainer_path_flat_or_per_tensor_ends_alike(corpus, tmp_path, vocab_
         assert ("in 2 spans" in result.stderr) == (flat == "on")  # decayed and undecayed
         states[flat] = checkpoint_state(tmp_path / flat / "checkpoint-3")
     assert_close(states["on"], states["off"])
+
+
+def test_laying_out_flat_never_holds_the_weights_gradients_moments_or_ema_twice():
+    """64 MiB of weights (and as much gradient, moments and EMA) moved into flat buffers: the peak stays within the
+    memory handed back every `FreedMemory.every` bytes moved (32 MiB) above what was resident, where keeping the
+    moved tensors would add all they weigh."""
+    paddle.seed(0)
+    layers = paddle.nn.LayerList([paddle.nn.Linear(512, 512) for _ in range(64)])
+    (sum(layer(paddle.ones([1, 512])).sum() for layer in layers)).backward()
+    trained = list(layers.parameters())
+    optimizer = FlatAdamW(1e-3, parameters=trained)
+    ema = EMA(layers)
+    size, slack = sum(p.size for p in trained) * 4, FreedMemory().every + 4 * MIB
+    flat, added = peak_added(optimizer.flatten)  # weights and gradients: 2 x 64 MiB moved
+    assert added < slack, added / MIB
+    _, added = peak_added(ema.flatten, flat)
+    assert added < slack, added / MIB
+    _, added = peak_added(optimizer.step)  # the moments (2 x 64 MiB more): Paddle's per tensor, each moved at once
+    assert added < 2 * size + slack, added / MIB

@@ -39,6 +39,34 @@ CHUNK = 1 << 24
 ALIGN_BYTES = 256
 
 
+class FreedMemory:
+    """Hands memory freed while tensors move into a flat buffer back to the system every `every` bytes moved.
+
+    Paddle frees a CPU tensor to the C library's allocator, which keeps small blocks in its heap for reuse (and
+    raises its mmap threshold as large blocks are freed): a flat buffer, one large block, cannot reuse them, so the
+    moved tensors would stay resident beside it and a run's peak would hold them twice. glibc's `malloc_trim`
+    returns the free pages of its heap; elsewhere (another C library, a GPU) this does nothing."""
+
+    def __init__(self, every: int = 1 << 25):
+        self.every, self.moved = every, 0
+        try:
+            import ctypes
+
+            self.trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self.trim = None
+
+    def moved_bytes(self, count: int) -> None:
+        self.moved += count
+        if self.moved >= self.every:
+            self.release()
+
+    def release(self) -> None:
+        self.moved = 0
+        if self.trim is not None:
+            self.trim(0)
+
+
 @dataclasses.dataclass
 class Span:
     """Parameters `params` at [start, end) of their dtype's buffers: one owner (sharding rank), one decay setting."""
@@ -88,16 +116,19 @@ class FlatParameters:
                 last.end, _ = sizes[key], last.params.append(p)
             else:
                 self.spans.append(Span(p.dtype, start, sizes[key], [p], owner.get(p.name, 0), decay(p)))
+        freed = FreedMemory()
         with paddle.no_grad():
             for p in ordered:
                 key = str(p.dtype)
                 if key not in self.weights:  # empty: its pages are touched as each parameter's own are freed
                     self.weights[key] = paddle.empty([sizes[key]], dtype=p.dtype)
-                    self.grads[key] = paddle.zeros([sizes[key]], dtype=p.dtype)
+                    self.grads[key] = paddle.empty([sizes[key]], dtype=p.dtype)
                 _attach(p, self.weights[key], self.offset[id(p)])
-                self._attach_grad(p)
-            for buffer in self.weights.values():
+                self._attach_grad(p, copy=True)
+                freed.moved_bytes(2 * p.size * self.weights[key].element_size())
+            for buffer in (*self.weights.values(), *self.grads.values()):
                 self.zero_gaps(buffer)
+        freed.release()
         self.span_of = {id(p): span for span in self.spans for p in span.params}
         self.reattached = 0  # tensors a caller had replaced, found and re-attached by `ensure_views`
 
@@ -113,10 +144,13 @@ class FlatParameters:
                 buffer._slice(end, start).zero_()
 
     def _attach_grad(self, p, copy: bool = False) -> None:
+        """Make `p`'s gradient its slice of the gradient buffer, holding the gradient it had (`copy`) or zeros."""
         grad = p.grad_ if copy else None
         view = self.grads[str(p.dtype)]._slice(self.offset[id(p)], self.offset[id(p)] + p.size)
         if grad is not None:
             paddle.assign(grad.reshape([-1]), output=view)
+        else:
+            view.zero_()
         view.get_tensor()._set_dims(p.shape)
         p._copy_gradient_from(view)
 
@@ -226,22 +260,26 @@ class FlatAdamW(paddle.optimizer.AdamW):
         self.flat = FlatParameters(parameters, owner, decay)
         return self.flat
 
-    def _create_accumulators(self, block, parameters):
-        new = [p for p in parameters if p.name not in self._already_create_accumulator]
-        super()._create_accumulators(block, parameters)  # Paddle's, with any state loaded before the first step
+    def _add_moments_pows(self, p):
+        """Paddle's moments of `p` (holding any state loaded before the first step), moved at once into the span's
+        flat moments: made empty, their pages are touched as each parameter's own are freed, so that the moments are
+        never held twice."""
+        super()._add_moments_pows(p)
         if self.flat is None:
             return
+        span = self.flat.span_of[id(p)]
+        names = (self._moment1_acc_str, self._moment2_acc_str)
+        self.freed = getattr(self, "freed", None) or FreedMemory()
         with paddle.no_grad():
-            for p in new:
-                span = self.flat.span_of[id(p)]
-                if id(span) not in self.moments:
-                    dtype = self._accumulators[self._moment1_acc_str][p.name].dtype
-                    self.moments[id(span)] = (paddle.zeros([span.end - span.start], dtype=dtype),
-                                              paddle.zeros([span.end - span.start], dtype=dtype))
-                start = self.flat.offset[id(p)] - span.start
-                names = (self._moment1_acc_str, self._moment2_acc_str)
-                for name, flat in zip(names, self.moments[id(span)], strict=True):
-                    _attach(self._accumulators[name][p.name], flat, start)
+            if id(span) not in self.moments:
+                dtype = self._accumulators[names[0]][p.name].dtype
+                self.moments[id(span)] = tuple(paddle.empty([span.end - span.start], dtype=dtype) for _ in names)
+                for flat in self.moments[id(span)]:
+                    self.flat.zero_gaps(flat, span)
+            start = self.flat.offset[id(p)] - span.start
+            for name, flat in zip(names, self.moments[id(span)], strict=True):
+                _attach(self._accumulators[name][p.name], flat, start)
+                self.freed.moved_bytes(p.size * flat.element_size())
 
     def _span_pows(self, span: Span):
         first = span.params[0].name
@@ -338,6 +376,7 @@ class FlatEMA:
             raise RuntimeError("the EMA keeps part of a span of the flat weights (its partition differs from the "
                                "optimizer's)")
         self.buffers: list[paddle.Tensor] = []
+        freed = FreedMemory()
         with paddle.no_grad():
             for span in self.spans:
                 buffer = paddle.empty([span.end - span.start], dtype="float32")
@@ -348,8 +387,10 @@ class FlatEMA:
                     paddle.assign(ema.shadow[name].reshape([-1]), output=view)
                     view.get_tensor()._set_dims(ema.shadow[name].shape)
                     ema.shadow[name] = view
+                    freed.moved_bytes(p.size * 4)
                 flat.zero_gaps(buffer, span)
                 self.buffers.append(buffer)
+        freed.release()
 
     @paddle.no_grad()
     def update(self, decay: float) -> None:
