@@ -75,7 +75,7 @@ class Form:
         import paddle
 
         from ldm.models.ema import EMA
-        from ldm.train.flat import FlatAdamW
+        from ldm.train.flat import FlatAdamW, FlatEMA
 
         self.model, self.flat, self.max_norm = model, flat, max_norm
         # what the backward reached (Paddle's AdamW steps nothing else; the flat form would decay it)
@@ -86,7 +86,7 @@ class Form:
                                                                           weight_decay=0.02)
         self.ema = EMA(model)
         if flat:
-            self.ema.flatten(self.optimizer.flatten())
+            FlatEMA.adopt(self.ema, self.optimizer.flatten())
         self.clipped = False
 
     def refill(self, seed: int) -> None:

@@ -13,7 +13,7 @@ from host_memory import MIB, peak_added
 
 from ldm.checkpoint.serialization import load_state
 from ldm.models.ema import EMA
-from ldm.train.flat import FlatAdamW, FreedMemory
+from ldm.train.flat import FlatAdamW, FlatEMA, FreedMemory
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
 
 
@@ -52,7 +52,7 @@ def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float
         schedule, parameters=trained, weight_decay=0.02, apply_decay_param_fun=decay_fun)
     ema = EMA(model, 0.99)
     if flat:
-        ema.flatten(optimizer.flatten())
+        FlatEMA.adopt(ema, optimizer.flatten())
     for i in range(updates):
         for x in batch(i, accumulation):
             (model(x) ** 2).mean().backward()
@@ -156,7 +156,7 @@ def test_state_dicts_cross_between_the_two_forms(flat_first):
         optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(1e-2, parameters=trained, weight_decay=0.02)
         ema = EMA(model, 0.99)
         if flat:
-            ema.flatten(optimizer.flatten())
+            FlatEMA.adopt(ema, optimizer.flatten())
         model.set_state_dict(weights_state)
         pnames = {n: p.name for n, p in model.named_parameters()}
         state = {}
@@ -253,7 +253,7 @@ def test_laying_out_flat_never_holds_the_weights_gradients_moments_or_ema_twice(
     size, slack = sum(p.size for p in trained) * 4, FreedMemory().every + 4 * MIB
     flat, added = peak_added(optimizer.flatten)  # weights and gradients: 2 x 64 MiB moved
     assert added < slack, added / MIB
-    _, added = peak_added(ema.flatten, flat)
+    _, added = peak_added(FlatEMA.adopt, ema, flat)
     assert added < slack, added / MIB
     _, added = peak_added(optimizer.step)  # the moments (2 x 64 MiB more): Paddle's per tensor, each moved at once
     assert added < 2 * size + slack, added / MIB

@@ -24,14 +24,9 @@ class EMA:
         self.rank = 0
         self._broadcast: Callable[[paddle.Tensor, int], None] | None = None
         self._gathered = False
-        self.flat = None  # `flatten`: the averages as views into flat buffers (`ldm.train.flat.FlatEMA`)
-
-    def flatten(self, flat_parameters, kernel: str = "lerp") -> None:
-        """Keep the averages in flat buffers laid out as the flat weights (`ldm.train.flat.FlatParameters`, after
-        `shard`): `update` becomes one pass over them."""
-        from ldm.train.flat import FlatEMA
-
-        self.flat = FlatEMA(self, flat_parameters, kernel)
+        # the averages as views into flat buffers, and their update in one pass (`ldm.train.flat.FlatEMA`, after
+        # `shard`); None: tensor by tensor
+        self.flat = None
 
     def _put(self, name: str, tensor: paddle.Tensor) -> None:
         """Average `name` := `tensor` (a float32 tensor of its own); in place when flat (its average is a view into

@@ -367,6 +367,12 @@ class FlatEMA:
     small tensors). `kernel="scale_add"`: today's arithmetic, bit for bit, in chunks of `CHUNK` elements (its
     temporary stays small); weights of another dtype than fp32 always take it."""
 
+    @classmethod
+    def adopt(cls, ema, flat: FlatParameters, kernel: str = "lerp") -> None:
+        """Lay `ema`'s averages (`ldm.models.ema.EMA`, sharded already) out as `flat`'s weights: its update becomes
+        this one."""
+        ema.flat = cls(ema, flat, kernel)
+
     def __init__(self, ema, flat: FlatParameters, kernel: str = "lerp"):
         self.ema, self.flat, self.kernel = ema, flat, kernel
         kept = {id(p): name for name, p in ema.parameters.items() if name in ema.shadow}

@@ -31,10 +31,14 @@ class TensorGradients:
         optimizer.clear_grad()
 
     def release(self) -> None:
-        """Free the gradients once the updates are over (`ldm.train.run.release_gradients`)."""
-        from ldm.train.run import release_gradients
-
         release_gradients(self.parameters)
+
+
+def release_gradients(parameters) -> None:
+    """Free the gradients once the updates are over (Paddle keeps them allocated, zeroed, from update to update): the
+    export at the end loads its copy of the model into their memory instead of beside the whole training state."""
+    for parameter in parameters:
+        parameter.clear_gradient(False)
 
 
 @paddle.no_grad()

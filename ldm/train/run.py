@@ -41,7 +41,7 @@ from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
-from ldm.train.flat import FlatAdamW
+from ldm.train.flat import FlatAdamW, FlatEMA
 from ldm.train.gradients import TensorGradients
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
@@ -129,13 +129,6 @@ def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main
         resize_note=" (the Trainer path stretches its schedule over the new max_steps)")
 
 
-def release_gradients(parameters) -> None:
-    """Free the gradients once the updates are over (Paddle keeps them allocated, zeroed, from update to update): the
-    export at the end loads its copy of the model into their memory instead of beside the whole training state."""
-    for parameter in parameters:
-        parameter.clear_gradient(False)
-
-
 class Deferred:
     """An object's `state_dict` and setters, looked up when called: the Trainer makes its optimizer late."""
 
@@ -210,7 +203,7 @@ class TrainingRun:
             self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
             route_clear_grad(optimizer, self.gradients.clear)
             if self.objective.ema is not None:
-                self.objective.ema.flatten(self.gradients)
+                FlatEMA.adopt(self.objective.ema, self.gradients)
             logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
