@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import run_entry, weights
+from entry import launch_report, run_entry, weights
 from host_memory import MIB, peak_added
 
 from ldm.checkpoint.serialization import load_state
@@ -194,12 +194,14 @@ def corpus(tmp_path_factory, vocab_dir):
             "--max_grad_norm", "0.05", "--use_ema", "--report_to", "none", "--progress", "none", "--seed", "3"]
 
 
-def loop_checkpoint(corpus, out, updates: int, flat: str, *extra) -> str:
+def loop_checkpoint(corpus, out, updates: int, flat: str, *extra, launch: bool = False) -> str:
+    """`updates` updates of the loop, on 1 process or 2 (`launch`, logs under `out`'s parent); its last checkpoint."""
     result = run_entry("train_txt2img_laion400m_no_trainer.py",
                        corpus + ["--max_train_steps", str(updates), "--flat_update", flat, "--output_dir", str(out),
-                                 *extra])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert ("flat update: " in result.stderr) == (flat == "on")
+                                 *extra], launch=launch, cwd=out.parent if launch else None)
+    assert result.returncode == 0, launch_report(result, out.parent) if launch else result.stderr[-3000:]
+    if not launch:
+        assert ("flat update: " in result.stderr) == (flat == "on")
     return os.path.join(out, f"checkpoint-{updates}")
 
 
@@ -262,3 +264,13 @@ def test_laying_out_flat_never_holds_the_weights_gradients_moments_or_ema_twice(
     assert added < slack, added / MIB
     _, added = peak_added(optimizer.step)  # the moments (2 x 64 MiB more): Paddle's per tensor, each moved at once
     assert added < 2 * size + slack, added / MIB
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_flat_or_per_tensor_end_alike(corpus, tmp_path):
+    """Under DDP the flat gradients are all-reduced as one buffer: 2 updates on 2 ranks end where the per-tensor
+    form's fused all-reduce does."""
+    states = {flat: checkpoint_state(loop_checkpoint(corpus, tmp_path / flat, 2, flat, launch=True))
+              for flat in ("on", "off")}
+    assert_close(states["on"], states["off"])
