@@ -67,7 +67,7 @@ class FreedMemory:
             self.trim(0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # spans are compared by identity (their parameters are tensors)
 class Span:
     """Parameters `params` at [start, end) of their dtype's buffers: one owner (sharding rank), one decay setting."""
 
@@ -229,7 +229,11 @@ class FlatAdamW(paddle.optimizer.AdamW):
     corrections and the skip on `found_inf` are Paddle's, so the result equals the per-tensor update to float
     rounding. Each parameter's moments are views into the span's flat moments, under the names Paddle gives them:
     the state dict is Paddle's own, per parameter. The bias-correction powers are one pair per span (every
-    parameter of a span steps together); the state dict gives each parameter its span's."""
+    parameter of a span steps together); the state dict gives each parameter its span's.
+
+    One difference from Paddle's per-tensor step: every flat parameter has a gradient (its view, zero until a
+    backward writes it), so a trained parameter no backward ever reaches is decayed here, where Paddle skips it
+    (its gradient stays None). The models freeze what they do not use (LDMBert's `to_logits`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -377,8 +381,8 @@ class FlatEMA:
         self.ema, self.flat, self.kernel = ema, flat, kernel
         kept = {id(p): name for name, p in ema.parameters.items() if name in ema.shadow}
         self.spans = [span for span in flat.spans if all(id(p) in kept for p in span.params)]
-        partial = [span for span in flat.spans if any(id(p) in kept for p in span.params) and span not in self.spans]
-        if partial:
+        whole = {id(span) for span in self.spans}
+        if any(id(span) not in whole and any(id(p) in kept for p in span.params) for span in flat.spans):
             raise RuntimeError("the EMA keeps part of a span of the flat weights (its partition differs from the "
                                "optimizer's)")
         self.buffers: list[paddle.Tensor] = []
