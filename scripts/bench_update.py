@@ -174,6 +174,26 @@ def one_form(args) -> None:
                       "peak_before_update_gib": before, "operators": operator_calls(form)}))
 
 
+def available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
+
+
+def guarded(command: list[str], keep_gib: float) -> str:
+    """`command`'s output; killed, and this script stopped, if the machine's available memory falls below
+    `keep_gib` (a shared machine: the benchmark gives way rather than have the kernel choose what to kill)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    while process.poll() is None:
+        if available_gib() < keep_gib:
+            process.kill()
+            process.wait()
+            sys.exit(f"stopped: the machine had less than {keep_gib} GiB available (run it on an idle machine)")
+        time.sleep(0.2)
+    if process.returncode:
+        sys.exit(f"{command[2:4]} failed with exit code {process.returncode}")
+    return process.stdout.read()
+
+
 def main() -> None:
     from ldm.runtime.cli import ToolParser
 
@@ -184,6 +204,8 @@ def main() -> None:
     parser.add_argument("--max_grad_norm", type=float, default=1e-3, help="small: every update clips")
     parser.add_argument("--memory", action="store_true", help="each form alone in its own process, with its peak "
                                                               "resident memory")
+    parser.add_argument("--keep_available_gib", type=float, default=1.5, help="--memory: stop if the machine's "
+                                                                                  "available memory falls below this")
     parser.add_argument("--form", choices=("per_tensor", "flat"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.form:
@@ -191,10 +213,9 @@ def main() -> None:
     if args.memory:
         results = {}
         for form in ("per_tensor", "flat"):
-            out = subprocess.run([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
-                                  str(args.text_layers), "--rounds",
-                                  str(args.rounds), "--max_grad_norm", str(args.max_grad_norm)],
-                                 check=True, capture_output=True, text=True).stdout
+            out = guarded([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
+                           str(args.text_layers), "--rounds", str(args.rounds), "--max_grad_norm",
+                           str(args.max_grad_norm)], args.keep_available_gib)
             results[form] = json.loads(out.strip().splitlines()[-1])
         print(f"width {args.width}, {args.text_layers} text layers, each form in its own process, medians of "
               f"{args.rounds} updates")
