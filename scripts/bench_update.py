@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--max_grad_norm", type=float, default=1e-3, help="small: every update clips")
     parser.add_argument("--memory", action="store_true", help="each form alone in its own process, with its peak "
                                                               "resident memory")
+    parser.add_argument("--order", nargs=2, choices=("per_tensor", "flat"), default=["per_tensor", "flat"],
+                        help="--memory: which form runs first")
     parser.add_argument("--keep_available_gib", type=float, default=1.5, help="--memory: stop if the machine's "
                                                                                   "available memory falls below this")
     parser.add_argument("--form", choices=("per_tensor", "flat"), help=argparse.SUPPRESS)
@@ -212,7 +214,7 @@ def main() -> None:
         return one_form(args)
     if args.memory:
         results = {}
-        for form in ("per_tensor", "flat"):
+        for form in args.order:
             out = guarded([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
                            str(args.text_layers), "--rounds", str(args.rounds), "--max_grad_norm",
                            str(args.max_grad_norm)], args.keep_available_gib)
@@ -220,7 +222,8 @@ def main() -> None:
         print(f"width {args.width}, {args.text_layers} text layers, each form in its own process, medians of "
               f"{args.rounds} updates")
         base = results["per_tensor"]["times"]
-        for form, r in results.items():
+        for form in ("per_tensor", "flat"):
+            r = results[form]
             show(form, r["times"], None if form == "per_tensor" else base)
             print(f"  {'':11s} peak resident {r['peak_gib']:.2f} GiB (model and gradients: "
                   f"{r['peak_before_update_gib']:.2f}), {r['operators']} operator calls per update")

@@ -44,9 +44,10 @@ def resolve_precision(requested: str, what: str = "training") -> str:
 
 
 def resolve_flat_update(requested: str) -> bool:
-    """`--flat_update`: on, off, or auto: flat on every device. Measured on 2-core CPUs (docs/benchmarks.md, `scripts/
-    bench_update.py`): the flat update takes about half of the per-tensor one's time; on a GPU, where the per-tensor
-    update is bound by its thousands of kernel launches, it is expected to gain more (not measured here)."""
+    """`--flat_update`: on, off, or auto: flat on every device. Measured on a 2-core CPU (docs/benchmarks.md,
+    `scripts/bench_update.py`): 0.42-0.91 of the per-tensor time on a 50 M model, even with it on `ldm-12layer`
+    (0.79 and 1.27, the machine's scatter), the same memory; on a GPU, where the per-tensor update is bound by its
+    thousands of kernel launches, it is expected to gain most (not measured here)."""
     return requested != "off"
 
 
