@@ -1,116 +1,258 @@
-"""Benchmark the optimizer and EMA of an update against the multi-tensor and flat forms Paddle offers.
+"""The update around the step, per tensor (today's: `ldm.train.gradients` clip, Paddle's AdamW, `ldm.models.ema.EMA`)
+against flat (`ldm.train.flat`: one reduction, one `adamw_` per span, one EMA pass over flat buffers).
 
-    .venv/bin/python scripts/bench_update.py [--preset ldm-12layer] [--rounds 5]
+    .venv/bin/python scripts/bench_update.py [--width 64 --text_layers 2] [--rounds 7]     # about 50 M weights
+    .venv/bin/python scripts/bench_update.py --width 320 --text_layers 12 --rounds 3 --memory   # ldm-12layer
 
-Builds the preset's UNet and LDMBert, takes one real backward pass, then times, interleaved, round after round:
-- the optimizer: Paddle's AdamW as the runs make it (one `adamw_` kernel per weight tensor) against Paddle's Adam
-  with `use_multi_tensor=True` (its `merged_adam_` kernel over all tensors at once) and no weight decay: Paddle
-  3.3's AdamW has no multi-tensor path, so this is the most a merged AdamW could save (Adam's decay is L2, not
-  AdamW's decoupled one, so it cannot stand in for it);
-- the EMA: `ldm.models.ema.EMA.update` (scale, cast, multiply, add: four kernels a tensor) against the same average
-  as one `lerp_` a tensor, and against one flat fp32 buffer of every average, updated by one `lerp_` from the
-  weights gathered into one flat tensor (`paddle.concat`) at each update.
-Prints the medians, the ratios to the baseline, and the largest difference of each EMA form from the baseline's.
+The model is the 12-layer preset (`ldm-12layer`: UNet and LDMBert, a 64-token vocabulary, 16 positions) with the
+UNet's channels cut to --width and LDMBert cut to --text_layers (320 and 12: the preset itself); one backward pass
+of batch 1 at 32 px (4 x 4 latents) makes the gradients, which are then refilled with noise before each round (not
+timed). Timed per update, as the loop makes it: the global norm, the clip factor's read and the rescaling
+(--max_grad_norm small enough that it clips), the AdamW step and the gradients' clearing, the EMA. In one process
+(default) both forms run on two copies of the model, interleaved round by round; medians and the ratio flat / per
+tensor are printed last, with Paddle's operator calls per update counted by its profiler. `--memory` runs each form
+alone in a process of its own instead (as a run holds one), and prints its peak resident memory (VmHWM) beside its
+times: the flat buffers must not hold a second copy of anything.
 """
 
+from __future__ import annotations
+
 import argparse
-import gc
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
-import paddle
-from bench_step import build_parts
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from ldm.models.ema import EMA
-from ldm.runtime.cli import ToolParser
+PHASES = ("clip", "optimizer", "ema")
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def build(width: int, text_layers: int, seed: int = 0):
+    """The 12-layer preset's UNet (channels cut to `width`) and LDMBert (`text_layers` layers), seeded, with
+    gradients from one backward."""
+    import paddle
+    from ppdiffusers import UNet2DConditionModel
+
+    from ldm.models.build import load_part, load_text_encoder
+
+    preset = os.path.join(ROOT, "ldm", "models", "presets", "ldm-12layer")
+    with tempfile.TemporaryDirectory() as folder:
+        for part, key, value in (("unet", "block_out_channels", [width, 2 * width, 4 * width, 4 * width]),
+                                 ("bert", "encoder_layers", text_layers)):
+            shutil.copytree(os.path.join(preset, part), os.path.join(folder, part))
+            path = os.path.join(folder, part, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+            config[key] = value
+            with open(path, "w") as f:
+                json.dump(config, f)
+        paddle.seed(seed)
+        unet, _ = load_part(UNet2DConditionModel, os.path.join(folder, "unet"))
+        text_encoder, _ = load_text_encoder(os.path.join(folder, "bert"), vocab_size=64, max_length=16)
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.unet, self.text_encoder = unet, text_encoder
+
+    model = Model()
+    ids = paddle.randint(1, 64, [1, 16])
+    latents = paddle.randn([1, unet.config.in_channels, 4, 4])
+    (unet(latents, paddle.to_tensor([500]), encoder_hidden_states=text_encoder(ids)[0]).sample ** 2).mean().backward()
+    return model
+
+
+class Form:
+    """One form of the update over `model`: per tensor (today's) or flat."""
+
+    def __init__(self, model, flat: bool, max_norm: float):
+        import paddle
+
+        from ldm.models.ema import EMA
+        from ldm.train.flat import FlatAdamW, FlatEMA
+
+        self.model, self.flat, self.max_norm = model, flat, max_norm
+        # what the backward reached (Paddle's AdamW steps nothing else; the flat form would decay it)
+        self.trained = [p for p in model.parameters() if not p.stop_gradient and p.grad is not None]
+        for p in model.parameters():
+            p.stop_gradient = p.stop_gradient or p.grad is None
+        self.optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(1e-6, parameters=self.trained,
+                                                                          weight_decay=0.02)
+        self.ema = EMA(model)
+        if flat:
+            FlatEMA.adopt(self.ema, self.optimizer.flatten())
+        self.clipped = False
+
+    def refill(self, seed: int) -> None:
+        """Noise for gradients, in place (not timed): what a backward pass leaves."""
+        import paddle
+
+        paddle.seed(seed)
+        with paddle.no_grad():
+            if self.flat:
+                for grad in self.optimizer.flat.grads.values():
+                    grad.uniform_(-1e-3, 1e-3)
+            else:
+                for p in self.trained:
+                    p.grad_.uniform_(-1e-3, 1e-3)
+
+    def update(self) -> dict[str, float]:
+        from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+
+        times, start = {}, time.perf_counter()
+        norm = self.optimizer.flat.norm() if self.flat else global_grad_norm(self.trained)
+        factor = float(clip_factor(norm, self.max_norm))  # the vote's read
+        if factor < 1:
+            self.clipped = True
+            self.optimizer.flat.scale(factor) if self.flat else scale_gradients(self.trained, factor)
+        times["clip"], start = time.perf_counter() - start, time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.clear_grad()
+        times["optimizer"], start = time.perf_counter() - start, time.perf_counter()
+        self.ema.update()
+        times["ema"] = time.perf_counter() - start
+        return times
+
+
+def operator_calls(form: Form) -> int | None:
+    """Paddle operators one update runs (its profiler's host events of type Operator), or None if it cannot say."""
+    try:
+        import paddle.profiler as profiler
+
+        form.refill(12345)
+        with profiler.Profiler(targets=[profiler.ProfilerTarget.CPU], on_trace_ready=lambda _: None) as prof:
+            form.update()
+        count = 0
+        stack = list(prof.profiler_result.get_data().values())
+        while stack:
+            node = stack.pop()
+            if node.type == profiler.TracerEventType.Operator:
+                count += 1
+                continue  # an operator's own inner operators are not launches of the update
+            stack.extend(node.children_node)
+        return count
+    except Exception as e:  # noqa: BLE001 - the count is an aid, the times come first
+        print(f"  (the profiler's count failed: {e})")
+        return None
+
+
+def peak_gib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
+
+
+def median_times(rounds: list[dict[str, float]]) -> dict[str, float]:
+    out = {phase: statistics.median(r[phase] for r in rounds) for phase in PHASES}
+    out["total"] = statistics.median(sum(r.values()) for r in rounds)
+    return out
+
+
+def show(name: str, times: dict[str, float], base: dict[str, float] | None = None) -> None:
+    cells = "  ".join(f"{phase} {times[phase] * 1000:8.1f} ms" + (f" (x{times[phase] / base[phase]:.2f})" if base
+                                                                  else "") for phase in (*PHASES, "total"))
+    print(f"  {name:11s} {cells}")
+
+
+def one_form(args) -> None:
+    """--form: one form alone in this process; prints a JSON line."""
+    model = build(args.width, args.text_layers)
+    before = peak_gib()
+    form = Form(model, args.form == "flat", args.max_grad_norm)
+    rounds = []
+    for i in range(args.rounds + 1):  # the first round makes the moments: not counted
+        form.refill(i)
+        times = form.update()
+        if i:
+            rounds.append(times)
+    print(json.dumps({"form": args.form, "times": median_times(rounds), "peak_gib": peak_gib(),
+                      "peak_before_update_gib": before, "operators": operator_calls(form)}))
+
+
+def available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
+
+
+def guarded(command: list[str], keep_gib: float) -> str:
+    """`command`'s output; killed, and this script stopped, if the machine's available memory falls below
+    `keep_gib` (a shared machine: the benchmark gives way rather than have the kernel choose what to kill)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    while process.poll() is None:
+        if available_gib() < keep_gib:
+            process.kill()
+            process.wait()
+            sys.exit(f"stopped: the machine had less than {keep_gib} GiB available (run it on an idle machine)")
+        time.sleep(0.2)
+    if process.returncode:
+        sys.exit(f"{command[2:4]} failed with exit code {process.returncode}")
+    return process.stdout.read()
 
 
 def main() -> None:
+    from ldm.runtime.cli import ToolParser
+
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="ldm-12layer")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=64, help="the UNet's first channels (320: ldm-12layer)")
+    parser.add_argument("--text_layers", type=int, default=2, help="LDMBert's layers (12: ldm-12layer)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--max_grad_norm", type=float, default=1e-3, help="small: every update clips")
+    parser.add_argument("--memory", action="store_true", help="each form alone in its own process, with its peak "
+                                                              "resident memory")
+    parser.add_argument("--order", nargs=2, choices=("per_tensor", "flat"), default=["per_tensor", "flat"],
+                        help="--memory: which form runs first")
+    parser.add_argument("--keep_available_gib", type=float, default=1.5, help="--memory: stop if the machine's "
+                                                                                  "available memory falls below this")
+    parser.add_argument("--form", choices=("per_tensor", "flat"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.form:
+        return one_form(args)
+    if args.memory:
+        results = {}
+        for form in args.order:
+            out = guarded([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
+                           str(args.text_layers), "--rounds", str(args.rounds), "--max_grad_norm",
+                           str(args.max_grad_norm)], args.keep_available_gib)
+            results[form] = json.loads(out.strip().splitlines()[-1])
+        print(f"width {args.width}, {args.text_layers} text layers, each form in its own process, medians of "
+              f"{args.rounds} updates")
+        base = results["per_tensor"]["times"]
+        for form in ("per_tensor", "flat"):
+            r = results[form]
+            show(form, r["times"], None if form == "per_tensor" else base)
+            print(f"  {'':11s} peak resident {r['peak_gib']:.2f} GiB (model and gradients: "
+                  f"{r['peak_before_update_gib']:.2f}), {r['operators']} operator calls per update")
+        print(f"flat / per tensor, clip + optimizer + EMA: {results['flat']['times']['total'] / base['total']:.3f}")
+        return None
 
-    unet, text_encoder = build_parts(args.preset)
-    ids = paddle.randint(1, 64, [1, 16])
-    latents = paddle.randn([1, unet.config.in_channels, 8, 8])
-    (unet(latents, paddle.to_tensor([500]), encoder_hidden_states=text_encoder(ids)[0]).sample ** 2).mean().backward()
-    parameters = [p for layer in (unet, text_encoder) for p in layer.parameters() if p.grad is not None]
-    weights = sum(p.size for p in parameters)
-    print(f"{len(parameters)} weight tensors, {weights / 1e6:.1f}M weights ({args.preset}), median of {args.rounds} "
-          "interleaved rounds")
+    import paddle
 
-    optimizers = {
-        "AdamW (per tensor; the runs')": paddle.optimizer.AdamW(1e-9, parameters=parameters, weight_decay=0.02),
-        "Adam use_multi_tensor, no decay": paddle.optimizer.Adam(1e-9, parameters=parameters,
-                                                                 use_multi_tensor=True),
-    }
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for _ in range(args.rounds + 1):  # the first round makes the moments: not counted
-        for name, optimizer in optimizers.items():
-            times[name].append(timed(optimizer.step))
-    report("optimizer step", {name: t[1:] for name, t in times.items()})
-    del optimizers, optimizer  # their moments: the memory the EMA forms below need
-    gc.collect()
-    for p in parameters:
-        p.clear_gradient(set_to_zero=False)
-
-    class Holder(paddle.nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.parts = paddle.nn.LayerList([unet, text_encoder])
-
-    baseline = EMA(Holder())
-    lerped = EMA(Holder())
-    names = list(baseline.shadow)
-    flat = paddle.concat([baseline.shadow[n].flatten() for n in names])
-    tensors = [baseline.parameters[n] for n in names]
-
-    @paddle.no_grad()
-    def lerp_update() -> None:
-        lerped.num_updates += 1
-        weight = 1.0 - lerped.decay()
-        for name, shadow in lerped.shadow.items():
-            shadow.lerp_(lerped.parameters[name].detach(), weight)
-
-    @paddle.no_grad()
-    def flat_update(state={"n": 0}) -> None:  # noqa: B006 - the benchmark's own counter
-        state["n"] += 1
-        weight = 1.0 - min(0.9999, (1 + state["n"]) / (10 + state["n"]))
-        flat.lerp_(paddle.concat([t.detach().flatten() for t in tensors]), weight)
-
-    forms = {"EMA.update (4 kernels a tensor)": baseline.update, "lerp_ a tensor": lerp_update,
-             "one flat buffer": flat_update}
-    times = {name: [] for name in forms}
-    for _ in range(args.rounds):
-        for p in parameters:  # the weights move between updates, as in training
-            p.set_value(p + 1e-3)
-        for name, update in forms.items():
-            times[name].append(timed(update))
-    report("EMA update", times)
-    by_tensor = flat_diff = 0.0
-    offset = 0
-    for n in names:  # tensor by tensor: a second copy of every average would not fit beside the three
-        exact = baseline.shadow[n].flatten()
-        by_tensor = max(by_tensor, float((lerped.shadow[n].flatten() - exact).abs().max()))
-        flat_diff = max(flat_diff, float((flat[offset:offset + exact.shape[0]] - exact).abs().max()))
-        offset += exact.shape[0]
-    print(f"  largest difference from EMA.update after {args.rounds} updates: lerp_ {by_tensor:.2e}, "
-          f"flat {flat_diff:.2e}")
-
-
-def report(what: str, times: dict[str, list[float]]) -> None:
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    base = next(iter(medians.values()))
-    print(what)
-    for name, median in medians.items():
-        print(f"  {name:34s} {median * 1000:9.1f} ms   x{median / base:.2f}")
+    forms = {"per_tensor": Form(build(args.width, args.text_layers), False, args.max_grad_norm),
+             "flat": Form(build(args.width, args.text_layers), True, args.max_grad_norm)}
+    trained = sum(p.size for p in forms["flat"].trained)
+    print(f"width {args.width}, {args.text_layers} text layers: {len(forms['flat'].trained)} weight tensors, "
+          f"{trained / 1e6:.1f} M trained weights, "
+          f"{args.rounds} interleaved rounds (Paddle {paddle.__version__})")
+    rounds: dict[str, list] = {name: [] for name in forms}
+    for i in range(args.rounds + 1):
+        for name, form in forms.items():
+            form.refill(i)
+            times = form.update()
+            if i:
+                rounds[name].append(times)
+    medians = {name: median_times(r) for name, r in rounds.items()}
+    show("per_tensor", medians["per_tensor"])
+    show("flat", medians["flat"], medians["per_tensor"])
+    calls = {name: operator_calls(form) for name, form in forms.items()}
+    print(f"  operator calls per update: per tensor {calls['per_tensor']}, flat {calls['flat']}; clipped: "
+          f"{all(form.clipped for form in forms.values())}")
+    print(f"flat / per tensor, clip + optimizer + EMA: {medians['flat']['total'] / medians['per_tensor']['total']:.3f}")
+    return None
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_the_gradients_are_freed_once_the_updates_are_over():
     keeps them allocated, zeroed, between updates)."""
     import paddle
 
-    from ldm.train.run import release_gradients
+    from ldm.train.gradients import release_gradients
 
     layer = paddle.nn.Linear(64, 64)
     optimizer = paddle.optimizer.AdamW(parameters=layer.parameters())

@@ -253,6 +253,7 @@ class LoopArguments:
 
 
 PROGRESS = ("auto", "bar", "lines", "none")
+FLAT_UPDATE = ("auto", "on", "off")
 
 
 @dataclass
@@ -320,6 +321,10 @@ class RunArguments:
     phase_timing: bool = arg(False, "log at each logging step the fraction of the time spent in each phase of the "
                                     "updates (data, forward, backward, sync, clip, vote, optimizer, ema, checkpoint, "
                                     "other): train/phase_<name>, rank 0's; waits for the device at each phase")
+    flat_update: str = arg("auto", "on: the trained weights, their gradients, AdamW moments and EMA live in flat "
+                                   "buffers, and the norm, clip, AdamW and EMA run a few kernels over them; off: a "
+                                   "kernel or several per tensor; auto: the faster measured on this device "
+                                   "(docs/benchmarks.md). Checkpoints are the same either way")
     profile_steps: Optional[str] = arg(None, "A-B: Paddle's profiler over updates A to B (each rank's trace for "
                                              "Perfetto or VisualDL, its table of operators and where the updates' "
                                              "time went, in <output_dir>/profile/)")
@@ -327,6 +332,8 @@ class RunArguments:
     def __post_init__(self):
         _check(self.progress in PROGRESS, f"--progress must be one of {', '.join(PROGRESS)}, not {self.progress!r}")
         _check(self.progress_seconds > 0, "--progress_seconds must be > 0")
+        _check(self.flat_update in FLAT_UPDATE, f"--flat_update must be one of {', '.join(FLAT_UPDATE)}, not "
+                                                f"{self.flat_update!r}")
         _check(self.max_nonfinite_updates >= 1, "--max_nonfinite_updates must be at least 1")
         _check(self.peak_tflops is None or self.peak_tflops > 0, "--peak_tflops must be > 0")
         _check(self.profile_steps is None or self.profile_window is not None,

@@ -24,6 +24,17 @@ class EMA:
         self.rank = 0
         self._broadcast: Callable[[paddle.Tensor, int], None] | None = None
         self._gathered = False
+        # the averages as views into flat buffers, and their update in one pass (`ldm.train.flat.FlatEMA`, after
+        # `shard`); None: tensor by tensor
+        self.flat = None
+
+    def _put(self, name: str, tensor: paddle.Tensor) -> None:
+        """Average `name` := `tensor` (a float32 tensor of its own); in place when flat (its average is a view into
+        the flat buffer)."""
+        if self.flat is not None:
+            paddle.assign(tensor.reshape(self.shadow[name].shape), output=self.shadow[name])
+        else:
+            self.shadow[name] = tensor
 
     def shard(self, owner: dict[str, int], rank: int, broadcast: Callable[[paddle.Tensor, int], None]) -> None:
         """Keep only the averages of the weights this rank owns (those whose optimizer state it keeps):
@@ -54,7 +65,8 @@ class EMA:
     def reset_to(self, model: nn.Layer) -> None:
         """Start over from `model`'s weights (a new stage from weights without an EMA of their own)."""
         named = dict(model.named_parameters())
-        self.shadow = {n: named[n].detach().astype("float32").clone() for n in self.shadow}
+        for name in list(self.shadow):
+            self._put(name, named[name].detach().astype("float32").clone())
         self.num_updates = 0
 
     def load_matching(self, state: dict) -> None:
@@ -62,7 +74,7 @@ class EMA:
         self.num_updates = int(state["num_updates"])
         for name in self.shadow:
             if f"shadow.{name}" in state:
-                self.shadow[name] = paddle.to_tensor(state[f"shadow.{name}"], dtype="float32")
+                self._put(name, paddle.to_tensor(state[f"shadow.{name}"], dtype="float32"))
 
     def decay(self) -> float:
         return min(self.max_decay, (1 + self.num_updates) / (10 + self.num_updates))
@@ -71,6 +83,9 @@ class EMA:
     def update(self) -> None:
         self.num_updates += 1
         decay = self.decay()
+        if self.flat is not None:
+            self.flat.update(decay)
+            return
         for name, shadow in self.shadow.items():
             parameter = self.parameters[name]
             shadow.scale_(decay)
@@ -86,7 +101,7 @@ class EMA:
         if missing:
             raise KeyError(f"EMA state lacks {len(missing)} weights, e.g. {missing[:3]}")
         for name in self.shadow:
-            self.shadow[name] = paddle.to_tensor(state[f"shadow.{name}"], dtype="float32")
+            self._put(name, paddle.to_tensor(state[f"shadow.{name}"], dtype="float32"))
 
     @paddle.no_grad()
     def copy_to(self, model: nn.Layer) -> None:

@@ -43,6 +43,14 @@ def resolve_precision(requested: str, what: str = "training") -> str:
     return requested
 
 
+def resolve_flat_update(requested: str) -> bool:
+    """`--flat_update`: on, off, or auto: flat on every device. Measured on a 2-core CPU (docs/benchmarks.md,
+    `scripts/bench_update.py`): 0.42-0.91 of the per-tensor time on a 50 M model, even with it on `ldm-12layer`
+    (0.79 and 1.27, the machine's scatter), the same memory; on a GPU, where the per-tensor update is bound by its
+    thousands of kernel launches, it is expected to gain most (not measured here)."""
+    return requested != "off"
+
+
 def resolve_vae_dtype(requested: str) -> str:
     """`--vae_dtype` where this device supports it, else float32 with a message."""
     if requested == "float32":

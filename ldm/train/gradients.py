@@ -8,6 +8,37 @@ import math
 import paddle
 
 from ldm.runtime.compat import scale_in_place, squared_l2_norm
+from ldm.runtime.distributed import sync_gradients
+
+
+class TensorGradients:
+    """The gradients' side of an update, tensor by tensor: the all-reduce, the global norm, the rescaling and the
+    clearing (`ldm.train.flat.FlatParameters` does the same over flat buffers)."""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+
+    def sync(self, world_size: int) -> None:
+        sync_gradients(self.parameters, world_size)
+
+    def norm(self) -> paddle.Tensor:
+        return global_grad_norm(self.parameters)
+
+    def scale(self, factor: float) -> None:
+        scale_gradients(self.parameters, factor)
+
+    def clear(self, optimizer) -> None:
+        optimizer.clear_grad()
+
+    def release(self) -> None:
+        release_gradients(self.parameters)
+
+
+def release_gradients(parameters) -> None:
+    """Free the gradients once the updates are over (Paddle keeps them allocated, zeroed, from update to update): the
+    export at the end loads its copy of the model into their memory instead of beside the whole training state."""
+    for parameter in parameters:
+        parameter.clear_gradient(False)
 
 
 @paddle.no_grad()

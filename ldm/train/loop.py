@@ -19,8 +19,8 @@ import paddle
 
 from ldm.config import args
 from ldm.runtime.compat import shard_optimizer
-from ldm.runtime.distributed import sync_gradients
-from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+from ldm.train.flat import FlatAdamW
+from ldm.train.gradients import clip_factor
 from ldm.train.objective import TextToImage
 from ldm.train.optim import lr_schedule
 from ldm.train.run import TrainingRun, loop_plan
@@ -59,8 +59,9 @@ def run(loop: args.LoopArguments, data: args.DataArguments, build_objective, *, 
     groups = tuple(resolved if group is loop else group for group in groups or (loop, data, run_args))
     training.build(lambda: build_objective(training.dist, training.resume, resolved), data, groups)
     lr = lr_schedule(loop.lr_scheduler, loop.learning_rate, loop.lr_warmup_steps, loop.max_train_steps)
-    optimizer = paddle.optimizer.AdamW(lr, parameters=training.trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
-                                       epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
+    adamw = FlatAdamW if training.flat_update else paddle.optimizer.AdamW  # laid out flat by `training.adopt`
+    optimizer = adamw(lr, parameters=training.trained, beta1=loop.adam_beta1, beta2=loop.adam_beta2,
+                      epsilon=loop.adam_epsilon, weight_decay=loop.adam_weight_decay)
     if training.shards > 1:
         optimizer = shard_optimizer(optimizer, training.shards)
     training.adopt(optimizer)
@@ -76,7 +77,7 @@ def run(loop: args.LoopArguments, data: args.DataArguments, build_objective, *, 
 def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max_norm: float):
     """The updates from where the run starts to its last (or a stop), then `training.end`; returns the iterator of
     batches (the export may go on drawing from it)."""
-    model, trained, dist, window = training.objective.model, training.trained, training.dist, training.window
+    model, gradients, dist, window = training.objective.model, training.gradients, training.dist, training.window
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
     model.train()
@@ -92,23 +93,23 @@ def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max
             scaler.scale(loss / accumulation).backward()
             window.add_micro_step(loss, extra, 1 / accumulation)
             lap("backward")
-        sync_gradients(trained, dist.world_size)
+        gradients.sync(dist.world_size)
         lap("sync")
         scaler.unscale_(optimizer)
-        grad_norm, update_loss = global_grad_norm(trained), window.update_loss()
+        grad_norm, update_loss = gradients.norm(), window.update_loss()
         lap("clip")
         # the update's one host read: the non-finite verdict, the stop and save votes and the clip factor, agreed
         # by every rank; a norm within the maximum has a factor of exactly 1: no rescaling pass
         skip = training.agree(update_loss, grad_norm, clip_factor(grad_norm, max_norm))
         lap("vote")
         if training.guard.clip_factor < 1 and not skip:
-            scale_gradients(trained, training.guard.clip_factor)
+            gradients.scale(training.guard.clip_factor)
             lap("clip")
         training.guard.hand_to(optimizer, skip, scaler)
         scaler.step(optimizer)
         scaler.update()
         skipped = training.guard.was_skipped(optimizer)  # ours, or an fp16 overflow
-        optimizer.clear_grad()
+        gradients.clear(optimizer)
         lap("optimizer")
         step += 1
         training.updated(step, skipped, loss=update_loss, grad_norm=grad_norm)

@@ -35,12 +35,14 @@ from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import supervisor
-from ldm.runtime.compat import sharding_owners
-from ldm.runtime.device import check_sharding, resolve_precision
+from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
+from ldm.runtime.device import check_sharding, resolve_flat_update, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
+from ldm.train.flat import FlatAdamW, FlatEMA
+from ldm.train.gradients import TensorGradients
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
@@ -127,13 +129,6 @@ def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main
         resize_note=" (the Trainer path stretches its schedule over the new max_steps)")
 
 
-def release_gradients(parameters) -> None:
-    """Free the gradients once the updates are over (Paddle keeps them allocated, zeroed, from update to update): the
-    export at the end loads its copy of the model into their memory instead of beside the whole training state."""
-    for parameter in parameters:
-        parameter.clear_gradient(False)
-
-
 class Deferred:
     """An object's `state_dict` and setters, looked up when called: the Trainer makes its optimizer late."""
 
@@ -175,7 +170,8 @@ class TrainingRun:
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.objective = self.record = self.data = self.trained = None  # `build`
+        self.flat_update = resolve_flat_update(self.run_args.flat_update)  # the driver makes a `FlatAdamW` if so
+        self.objective = self.record = self.data = self.trained = self.gradients = None  # `build`
         self.optimizer, self.parts = None, {}  # `adopt`, `keep`
         # `started`:
         self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
@@ -193,11 +189,22 @@ class TrainingRun:
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision)
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
+        self.gradients = TensorGradients(self.trained)
 
     def adopt(self, optimizer) -> None:
-        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition."""
+        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition. A
+        `FlatAdamW` lays the weights out flat here, each rank's share together (`ldm.train.flat`), and the EMA and
+        the gradients' norm, clip and all-reduce follow (`gradients`)."""
         self.optimizer = optimizer
         shard_ema(self.objective.ema, self.objective.model, optimizer)
+        inner = innermost_optimizer(optimizer)
+        if isinstance(inner, FlatAdamW) and inner.flat is None:
+            shards = sharding_owners(optimizer)
+            self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
+            route_clear_grad(optimizer, self.gradients.clear)
+            if self.objective.ema is not None:
+                FlatEMA.adopt(self.objective.ema, self.gradients)
+            logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
@@ -337,7 +344,7 @@ class TrainingRun:
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
-            release_gradients(self.trained)
+            self.gradients.release()
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 

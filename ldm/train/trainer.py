@@ -24,7 +24,7 @@ from ldm.config import args
 from ldm.config.record import hyperparameters
 from ldm.runtime.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
 from ldm.runtime.tracking import MetricsFile, Tracker, keep_wandb_run, tracker_name
-from ldm.train.gradients import global_grad_norm
+from ldm.train.flat import FlatAdamW
 from ldm.train.objective import TextToImage
 from ldm.train.run import TrainingRun, trainer_plan
 
@@ -51,7 +51,7 @@ class LDMCallback(TrainerCallback):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
         t, lap = self.trainer, self.run.phases.lap
         lap("sync")  # from the last micro-step's backward: the gradients' all-reduce
-        norm = global_grad_norm(self.run.trained)  # PaddleNLP clips (with --max_grad_norm) in its step
+        norm = self.run.gradients.norm()  # PaddleNLP clips (with --max_grad_norm) in its step
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
         lap("clip")
         # the update's one host read: the non-finite verdict and the stop and save votes, agreed by every rank
@@ -88,6 +88,12 @@ class LDMTrainer(Trainer):
         if self.do_grad_scaling:
             run.keep(scaler=lambda: self.scaler)
         self.add_callback(LDMCallback(self))
+
+    def create_optimizer(self, lr_scheduler=None):
+        optimizer = super().create_optimizer(lr_scheduler)
+        if self.run.flat_update and type(optimizer) is paddle.optimizer.AdamW:
+            self.optimizer = optimizer = FlatAdamW.of(optimizer)  # laid out flat by `run.adopt`
+        return optimizer
 
     def get_train_dataloader(self):
         return self.run.batches

@@ -1,0 +1,276 @@
+"""The flat update (`ldm.train.flat`): the same results as the per-tensor update, parameters that stay views into
+the flat buffers through everything that writes them, and Paddle's per-parameter state dict."""
+
+import os
+import shutil
+
+import numpy as np
+import paddle
+import pytest
+from corpus import write_corpus
+from entry import launch_report, run_entry, weights
+from host_memory import MIB, peak_added
+
+from ldm.checkpoint.serialization import load_state
+from ldm.models.ema import EMA
+from ldm.train.flat import FlatAdamW, FlatEMA, FreedMemory
+from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+
+
+class Tiny(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.conv = paddle.nn.Conv2D(3, 8, 3, padding=1)
+        self.norm = paddle.nn.GroupNorm(4, 8)
+        self.linear = paddle.nn.Linear(8, 5)
+        self.frozen = paddle.nn.Linear(5, 5)
+        self.frozen.weight.stop_gradient = self.frozen.bias.stop_gradient = True
+
+    def forward(self, x):
+        h = paddle.nn.functional.silu(self.norm(self.conv(x))).mean([2, 3])
+        return self.frozen(self.linear(h))
+
+
+def build(seed=0):
+    paddle.seed(seed)
+    model = Tiny()
+    trained = [p for p in model.parameters() if not p.stop_gradient]
+    return model, trained
+
+
+def batch(i, accumulation=1):
+    rng = np.random.default_rng(i)
+    return [paddle.to_tensor(rng.normal(size=(2, 3, 6, 6)).astype("float32") * (1 + 3 * (i % 3)))
+            for _ in range(accumulation)]
+
+
+def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float = 1.0, skip=(), decay_fun=None):
+    """`updates` updates (clip, AdamW, EMA) as the loop makes them, per tensor or flat; returns the model and EMA."""
+    model, trained = build()
+    schedule = paddle.optimizer.lr.LambdaDecay(1e-2, lambda step: min(1.0, (step + 1) / 5))  # a warm-up, as runs have
+    optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(
+        schedule, parameters=trained, weight_decay=0.02, apply_decay_param_fun=decay_fun)
+    ema = EMA(model, 0.99)
+    if flat:
+        FlatEMA.adopt(ema, optimizer.flatten())
+    for i in range(updates):
+        for x in batch(i, accumulation):
+            (model(x) ** 2).mean().backward()
+        norm = optimizer.flat.norm() if flat else global_grad_norm(trained)
+        factor = float(clip_factor(norm, max_norm))
+        if factor < 1:
+            optimizer.flat.scale(factor) if flat else scale_gradients(trained, factor)
+        # the guard's verdict is a Python bool; an fp16 scaler's a tensor (GradScaler is off on a CPU: set as it does)
+        found_inf = i in skip if i % 2 else paddle.to_tensor(i in skip)
+        optimizer._set_auxiliary_var("found_inf", found_inf)
+        before = model_weights(model) if i in skip else None
+        optimizer.step()
+        if before is not None:  # skipped whole
+            assert all(np.array_equal(w, before[n]) for n, w in model_weights(model).items())
+        optimizer.clear_grad()
+        if i not in skip:
+            ema.update()
+            schedule.step()
+    return model, ema, optimizer
+
+
+def assert_close(a: dict, b: dict, rtol=1e-6, atol=1e-9):
+    """Every tensor within `rtol` of its largest value (and `atol`: a bias a few updates from zero)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = np.asarray(a[name]), np.asarray(b[name])
+        assert np.abs(x - y).max() <= rtol * np.abs(y).max() + atol, name
+
+
+def model_weights(model):
+    return {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def shadows(ema):
+    return {n: t.numpy() for n, t in ema.shadow.items()}
+
+
+def test_flat_update_equals_the_per_tensor_update_over_20_updates():
+    per_tensor, ema_a, opt_a = run(False, skip=(7, 12))
+    flat, ema_b, opt_b = run(True, skip=(7, 12))
+    assert_close(model_weights(flat), model_weights(per_tensor))
+    assert_close(shadows(ema_b), shadows(ema_a))
+    # Paddle's names, per parameter, with their shapes: checkpoints unchanged on disk
+    assert_close(by_structured_name(opt_b, flat), by_structured_name(opt_a, per_tensor))
+
+
+def by_structured_name(optimizer, model) -> dict:
+    """The optimizer's state keyed by the model's names instead of Paddle's counters (two models in one process)."""
+    names = {p.name: n for n, p in model.named_parameters()}
+    state = {}
+    for key, value in optimizer.state_dict().items():
+        if key != "LR_Scheduler":
+            pname = max((p for p in names if key.startswith(p + "_")), key=len)
+            state[names[pname] + key[len(pname):]] = value.numpy()
+    return state
+
+
+def test_decay_excluded_parameters_form_their_own_span():
+    rule = lambda name: name.endswith(".w_0") and "norm" not in name  # noqa: E731 - PaddleNLP's: no bias, no norm
+    per_tensor, _, _ = run(False, 6, decay_fun=rule)
+    flat, _, optimizer = run(True, 6, decay_fun=rule)
+    assert_close(model_weights(flat), model_weights(per_tensor))
+    assert sorted(span.decay for span in optimizer.flat.spans) == [False, True]
+
+
+def test_parameters_stay_views_through_loads_swaps_and_gradient_accumulation():
+    model, ema, optimizer = run(True, 3)
+    flat = optimizer.flat
+    assert not flat.broken_views()
+    assert all(p._is_shared_buffer_with(flat.weights["paddle.float32"]) for p in flat.parameters)
+    # writes through every path a run uses
+    model.set_state_dict({n: np.full(p.shape, 0.5, "float32") for n, p in model.named_parameters()})
+    assert float(flat.weights["paddle.float32"].max()) == 0.5  # (the alignment gaps: zero)
+    with ema.swapped(model):
+        assert not flat.broken_views()
+    optimizer.set_state_dict(optimizer.state_dict())
+    ema.load_state_dict({k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in ema.state_dict().items()})
+    assert not flat.broken_views()
+    assert all(t._is_shared_buffer_with(ema.flat.buffers[0]) for t in ema.shadow.values())
+    # an in-place edit of the flat buffer is an edit of the parameter, and back
+    flat.weights["paddle.float32"].scale_(2.0)
+    assert float(model.conv.weight.min()) == 1.0
+    # accumulation writes into the flat gradient buffer
+    for x in batch(0, 2):
+        (model(x) ** 2).mean().backward()
+    total = float((flat.grads["paddle.float32"] ** 2).sum())
+    assert total > 0 and abs(total - sum(float((p.grad ** 2).sum()) for p in flat.parameters)) < 1e-5 * total
+    # Paddle's clear_gradient detaches a gradient: the next step finds it and copies it back in
+    model.linear.weight.clear_gradient(False)
+    (model(batch(1)[0]) ** 2).mean().backward()
+    assert flat.broken_views()
+    optimizer.step()
+    assert not flat.broken_views() and flat.reattached > 0
+
+
+@pytest.mark.parametrize("flat_first", [True, False])
+def test_state_dicts_cross_between_the_two_forms(flat_first):
+    """A checkpoint of either form resumes in the other: the same keys, shapes and values, and the same updates."""
+    source, source_ema, source_opt = run(flat_first, 5)
+    weights_state = {n: p.numpy() for n, p in source.named_parameters()}
+    opt_state = by_structured_name(source_opt, source)
+    ema_state = {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in source_ema.state_dict().items()}
+
+    def resumed(flat):
+        model, trained = build(seed=1)
+        optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(1e-2, parameters=trained, weight_decay=0.02)
+        ema = EMA(model, 0.99)
+        if flat:
+            FlatEMA.adopt(ema, optimizer.flatten())
+        model.set_state_dict(weights_state)
+        pnames = {n: p.name for n, p in model.named_parameters()}
+        state = {}
+        for key, value in opt_state.items():  # Paddle's names of this process's parameters
+            name = max((n for n in pnames if key.startswith(n + "_")), key=len)
+            state[pnames[name] + key[len(name):]] = paddle.to_tensor(value)
+        optimizer.set_state_dict(state)
+        ema.load_state_dict(ema_state)
+        for i in range(5, 9):
+            (model(batch(i)[0]) ** 2).mean().backward()
+            optimizer.step()
+            optimizer.clear_grad()
+            ema.update()
+        if flat:
+            assert not optimizer.flat.broken_views()
+        return model_weights(model), shadows(ema)
+
+    a, b = resumed(not flat_first), resumed(flat_first)
+    assert_close(a[0], b[0])
+    assert_close(a[1], b[1])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, vocab_dir):
+    folder = tmp_path_factory.mktemp("flat_corpus")
+    listing = write_corpus(str(folder), num_records=24, records_per_shard=8, kinds=("jpeg",))
+    return ["--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+            "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32", "--train_batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--save_steps", "2", "--num_workers", "0", "--learning_rate", "1e-3",
+            "--max_grad_norm", "0.05", "--use_ema", "--report_to", "none", "--progress", "none", "--seed", "3"]
+
+
+def loop_checkpoint(corpus, out, updates: int, flat: str, *extra, launch: bool = False) -> str:
+    """`updates` updates of the loop, on 1 process or 2 (`launch`, logs under `out`'s parent); its last checkpoint."""
+    result = run_entry("train_txt2img_laion400m_no_trainer.py",
+                       corpus + ["--max_train_steps", str(updates), "--flat_update", flat, "--output_dir", str(out),
+                                 *extra], launch=launch, cwd=out.parent if launch else None)
+    assert result.returncode == 0, launch_report(result, out.parent) if launch else result.stderr[-3000:]
+    if not launch:
+        assert ("flat update: " in result.stderr) == (flat == "on")
+    return os.path.join(out, f"checkpoint-{updates}")
+
+
+def checkpoint_state(checkpoint) -> dict:
+    found, _ = weights(checkpoint)
+    for part in ("ema", "optimizer"):
+        found.update({f"{part}/{k}": v for k, v in load_state(str(checkpoint), part).items()
+                      if isinstance(v, np.ndarray)})
+    return found
+
+
+@pytest.mark.slow
+def test_the_loop_flat_or_per_tensor_ends_alike_and_resumes_across_the_change(corpus, tmp_path):
+    """The entry point with --flat_update on and off: the same weights, EMA and AdamW state (Paddle's names and
+    shapes) after 4 clipped updates, and a checkpoint of either form resumed by the other ends the same."""
+    flat = loop_checkpoint(corpus, tmp_path / "flat", 4, "on")
+    per_tensor = loop_checkpoint(corpus, tmp_path / "per_tensor", 4, "off")
+    expected = checkpoint_state(per_tensor)
+    assert_close(checkpoint_state(flat), expected)
+    for source, form in ((flat, "off"), (per_tensor, "on")):
+        out = tmp_path / f"resumed-{form}"
+        shutil.copytree(os.path.dirname(source), out, ignore=shutil.ignore_patterns("checkpoint-4", "pipeline"))
+        resumed = loop_checkpoint(corpus, out, 4, form, "--resume_from_checkpoint", "latest")
+        assert_close(checkpoint_state(resumed), expected)
+
+
+@pytest.mark.slow
+def test_the_trainer_path_flat_or_per_tensor_ends_alike(corpus, tmp_path, vocab_dir):
+    """PaddleNLP's Trainer makes its own AdamW (biases and norms undecayed, its global-norm clip): flat, it ends
+    3 updates where the per-tensor one does."""
+    common = corpus[corpus.index("--file_list"):corpus.index("--model_max_length")] + [
+        "--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--model_max_length", "16",
+        "--resolution", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+        "--max_steps", "3", "--save_steps", "3", "--learning_rate", "1e-3", "--weight_decay", "0.02",
+        "--max_grad_norm", "0.05", "--use_ema", "--seed", "3", "--report_to", "none"]
+    states = {}
+    for flat in ("on", "off"):
+        result = run_entry("train_txt2img_laion400m_trainer.py",
+                           common + ["--flat_update", flat, "--output_dir", str(tmp_path / flat)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("in 2 spans" in result.stderr) == (flat == "on")  # decayed and undecayed
+        states[flat] = checkpoint_state(tmp_path / flat / "checkpoint-3")
+    assert_close(states["on"], states["off"])
+
+
+def test_laying_out_flat_never_holds_the_weights_gradients_moments_or_ema_twice():
+    """64 MiB of weights (and as much gradient, moments and EMA) moved into flat buffers: the peak stays within the
+    memory handed back every `FreedMemory.every` bytes moved (32 MiB) above what was resident, where keeping the
+    moved tensors would add all they weigh."""
+    paddle.seed(0)
+    layers = paddle.nn.LayerList([paddle.nn.Linear(512, 512) for _ in range(64)])
+    (sum(layer(paddle.ones([1, 512])).sum() for layer in layers)).backward()
+    trained = list(layers.parameters())
+    optimizer = FlatAdamW(1e-3, parameters=trained)
+    ema = EMA(layers)
+    size, slack = sum(p.size for p in trained) * 4, FreedMemory().every + 4 * MIB
+    flat, added = peak_added(optimizer.flatten)  # weights and gradients: 2 x 64 MiB moved
+    assert added < slack, added / MIB
+    _, added = peak_added(FlatEMA.adopt, ema, flat)
+    assert added < slack, added / MIB
+    _, added = peak_added(optimizer.step)  # the moments (2 x 64 MiB more): Paddle's per tensor, each moved at once
+    assert added < 2 * size + slack, added / MIB
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_flat_or_per_tensor_end_alike(corpus, tmp_path):
+    """Under DDP the flat gradients are all-reduced as one buffer: 2 updates on 2 ranks end where the per-tensor
+    form's fused all-reduce does."""
+    states = {flat: checkpoint_state(loop_checkpoint(corpus, tmp_path / flat, 2, flat, launch=True))
+              for flat in ("on", "off")}
+    assert_close(states["on"], states["off"])
