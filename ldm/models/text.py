@@ -16,9 +16,11 @@ with its identity (`text_encoder_identity`), which every checkpoint records and 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,17 +157,21 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
 
 
 def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None, own_copy: bool = False):
-    """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model. CLIP's: vocab.json and
-    merges.txt, or, when transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE
-    vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the folder that
-    lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a training
-    run's checkpoint it resumed from may be rotated away meanwhile)."""
+    """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model, or, when transformers 5
+    (or a recent pipeline) wrote it, tokenizer.json alone: its Unigram model is written out as the spiece.model it
+    was converted from first. CLIP's: vocab.json and merges.txt, or tokenizer.json alone (which PaddleNLP does not
+    read): its BPE vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the
+    folder that lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a
+    training run's checkpoint it resumed from may be rotated away meanwhile)."""
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     if own_copy and os.path.isdir(folder):
         folder = process_copy(folder)
     if family.name == "t5":
         if not os.path.isfile(os.path.join(folder, "spiece.model")):
-            raise TextEncoderError(f"{folder}: no spiece.model, the SentencePiece tokenizer of this T5 encoder")
+            if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+                raise TextEncoderError(f"{folder}: no spiece.model (nor tokenizer.json), the SentencePiece tokenizer "
+                                       "of this T5 encoder")
+            folder = spiece_files(folder)
         return family.tokenizer_class().from_pretrained(folder, **kwargs)
     files = [os.path.join(folder, name) for name in ("vocab.json", "merges.txt")]
     if not all(os.path.isfile(f) for f in files):
@@ -214,6 +220,83 @@ def bpe_files(folder: str) -> str:
     with open(os.path.join(copy, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "".join(m + "\n" for m in merges))
     return copy
+
+
+EXTRA_ID = re.compile(r"<extra_id_\d+>")
+
+
+def spiece_files(folder: str) -> str:
+    """A folder holding transformers' `tokenizer.json` of a T5 tokenizer (a SentencePiece Unigram model) as the
+    spiece.model it describes, with the folder's configs: a temporary copy, removed when the process ends. The
+    reverse of transformers' `T5Converter`: the pieces and scores of its `model.vocab` (less the `<extra_id_N>` it
+    appends, which the tokenizer adds back from `extra_ids`), the special tokens as control pieces, the normalizer's
+    precompiled character map, the pre-tokenizer's dummy prefix."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from paddlenlp.transformers import sentencepiece_model_pb2 as pb  # the generated module protobuf 3 reads
+
+    source = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(source, encoding="utf-8") as f:
+            spec = json.load(f)
+        model = spec["model"]
+        if model.get("type") != "Unigram":
+            raise ValueError(f"a {model.get('type')} model, not T5's Unigram")
+        vocab = [(str(piece), float(score)) for piece, score in model["vocab"]]
+        special = {t["content"] for t in spec.get("added_tokens") or () if t.get("special")}
+        unk_id = int(model.get("unk_id", 2))
+        charsmap = "".join(n.get("precompiled_charsmap") or "" for n in _parts(spec.get("normalizer")))
+        prefix = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") == "Metaspace"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TextEncoderError(f"{source}: not a T5 SentencePiece tokenizer ({e}); provide its spiece.model") from None
+    extra = 0
+    while extra < len(vocab) and EXTRA_ID.fullmatch(vocab[len(vocab) - 1 - extra][0]):
+        extra += 1
+    proto = pb.ModelProto()
+    byte_fallback = bool(model.get("byte_fallback"))
+    for i, (piece, score) in enumerate(vocab[:len(vocab) - extra]):
+        kind = (pb.ModelProto.SentencePiece.UNKNOWN if i == unk_id else pb.ModelProto.SentencePiece.CONTROL
+                if piece in special else pb.ModelProto.SentencePiece.BYTE if byte_fallback and re.fullmatch(
+                    r"<0x[0-9A-F]{2}>", piece) else pb.ModelProto.SentencePiece.NORMAL)
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    ids = {piece: i for i, (piece, _) in enumerate(vocab)}
+    trainer = proto.trainer_spec
+    trainer.model_type, trainer.vocab_size, trainer.byte_fallback = pb.TrainerSpec.UNIGRAM, len(proto.pieces), \
+        byte_fallback
+    trainer.unk_id, trainer.bos_id = unk_id, -1
+    trainer.eos_id, trainer.pad_id = ids.get("</s>", -1), ids.get("<pad>", -1)
+    normalizer = proto.normalizer_spec
+    normalizer.name = "nmt_nfkc" if charsmap else "identity"
+    normalizer.precompiled_charsmap = base64.b64decode(charsmap)
+    normalizer.add_dummy_prefix = not prefix or prefix[0].get("add_prefix_space", True) is not False and prefix[
+        0].get("prepend_scheme", "always") != "never"
+    copy = tempfile.mkdtemp(prefix="ldm-spiece-")
+    atexit.register(shutil.rmtree, copy, True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), copy)
+    with open(os.path.join(copy, "spiece.model"), "wb") as f:
+        f.write(proto.SerializeToString())
+    config_file = os.path.join(copy, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    # the extra ids the vocabulary ends with, which transformers 5's config no longer names
+    config.update(extra_ids=extra, additional_special_tokens=[f"<extra_id_{i}>" for i in range(extra)])
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return copy
+
+
+def _parts(component) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer and, for a `Sequence`, its members."""
+    if not isinstance(component, dict):
+        return []
+    members = component.get("normalizers") or component.get("pretokenizers")
+    return [component] + [m for m in members or () if isinstance(m, dict)]
 
 
 # -- a small CLIP tokenizer, for tests and offline presets -----------------------------------------------------------
