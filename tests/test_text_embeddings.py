@@ -161,6 +161,26 @@ def test_t5_states_are_stored_compact_and_train_as_encoding_on_the_fly(t5_model,
     np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)
 
 
+def test_encode_and_training_read_one_caption_length_from_the_model(t5_model, tmp_path):
+    """Unset, --model_max_length is the model's (its tokenizer's saved length) in `encode --text_embeddings` and in
+    training alike: the run takes the cache it made, whatever the tokenizer says."""
+    import shutil
+
+    from ldm.config.args import DataArguments, ModelArguments, SamplingArguments
+    from ldm.prepare.encode import CaptionStates
+    from ldm.train.objective import TextToImage
+
+    folder = tmp_path / "t5-40"
+    shutil.copytree(t5_model, folder)
+    config = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 40}))
+    encoded = CaptionStates(str(folder), "float32")
+    run = TextToImage(ModelArguments(model_name_or_path=str(folder)), DataArguments(), SamplingArguments(),
+                      recompute=False, seed=0)
+    assert encoded.meta["length"] == run.data.model_max_length == run.tokenizer.model_max_length == 40
+    assert encoded.meta["encoder"] == run.cached_text
+
+
 def test_a_file_list_mixing_cached_and_plain_latent_shards_is_refused_at_start(model, encoded, tmp_path):
     """Before any batch: a loader slot batches one kind, and met the other only when it reached such a shard (in the
     second pass, with 6 workers and a shard each). Every shard's first record is read at start."""

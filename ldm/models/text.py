@@ -114,6 +114,24 @@ def prompt_length(text_encoder, tokenizer) -> int:
     return min(positions, saved) if positions else saved
 
 
+# LDMBert's positions, and the length of a tokenizer saved without one (a library's huge default: `NO_LENGTH`)
+DEFAULT_CAPTION_LENGTH = 77
+NO_LENGTH = 10**6
+
+
+def caption_length(asked: int | None, tokenizer, positions: int | None) -> int:
+    """The caption length a frozen encoder's states are made at, the same in training and in `encode
+    --text_embeddings`: `asked` (--model_max_length), else the model's own: its tokenizer's saved `model_max_length`
+    (Stable Diffusion's 77, PixArt-alpha's 120), at most the encoder's `positions` (CLIP's; T5's are relative)."""
+    if asked is not None:
+        if positions is not None and asked > positions:
+            raise TextEncoderError(f"--model_max_length {asked}: this text encoder reads at most {positions} tokens")
+        return asked
+    saved = int(tokenizer.model_max_length)
+    lengths = [n for n in (saved if saved < NO_LENGTH else None, positions) if n]
+    return min(lengths) if lengths else DEFAULT_CAPTION_LENGTH
+
+
 def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_source: str) -> None:
     """Every token id the tokenizer makes has a row in the encoder's embedding: a larger tokenizer fails deep in
     Paddle ("expected >= 0 and < N") at the first caption that uses a token past the end, or at the empty caption's

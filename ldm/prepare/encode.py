@@ -240,14 +240,19 @@ class CaptionStates:
     """The frozen text encoder of `encode --text_embeddings`: captions in, each one's float32 states [L, D] out (an
     encoder that masks its padding: its real tokens only, [n, D])."""
 
-    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False, max_length: int = 77):
+    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False,
+                 max_length: int | None = None):
         from ldm.data.latents import text_fingerprint
         from ldm.data.tokenize import CaptionTokenizer
         from ldm.models.build import load_caption_encoder
-        from ldm.models.text import text_encoder_identity
+        from ldm.models.text import TextEncoderError, caption_length, text_encoder_identity
 
         family, self.encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
-        length = min(tokenizer.model_max_length, max_length)
+        try:  # as the training run makes them (`ldm.train.setup.with_caption_length`)
+            length = caption_length(max_length, tokenizer,
+                                    getattr(self.encoder.config, "max_position_embeddings", None))
+        except TextEncoderError as e:
+            raise EncodeError(f"{model_name_or_path}: {e}") from None
         self.tokenize = CaptionTokenizer(tokenizer, length)
         self.identity = text_encoder_identity(self.encoder, family, length)
         width = self.encoder.config.hidden_size
