@@ -78,3 +78,38 @@ def test_a_t5_tokenizer_json_that_is_not_sentencepiece_is_refused_in_one_line(tm
     with pytest.raises(TextEncoderError) as e:
         load_text_tokenizer(T5, str(tmp_path))
     assert "\n" not in str(e.value) and "a BPE model" in str(e.value) and "spiece.model" in str(e.value)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["architectures", "weights-only"])
+def test_a_clip_text_model_with_projection_gives_its_states_and_its_projected_pooled_vector(tmp_path, named):
+    """SDXL's and SD3's CLIP encoders (`CLIPTextModelWithProjection`), known by their config's architectures or by
+    `text_projection.weight` in their weights: the states are the last hidden ones, as CLIPTextModel's on the same
+    weights; the pooled vector is the EOS token's state projected."""
+    import paddle
+    from interop_models import fill_seeded
+    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ldm.models.build import PRESETS_DIR, load_frozen_text_encoder, read_config
+    from ldm.models.text import CLIP, encode_prompt, pooled_prompt
+    from ldm.models.torch_layout import save_torch_layout
+
+    config = {**read_config(PRESETS_DIR / "sd-tiny" / "text_encoder"), "projection_dim": 24}
+    config.pop("architectures")
+    model = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+    fill_seeded(model, 5)
+    folder = tmp_path / "text_encoder"
+    folder.mkdir()
+    save_torch_layout(model, str(folder), "model.safetensors")
+    named_config = {**config, "architectures": ["CLIPTextModelWithProjection"]} if named else config
+    (folder / "config.json").write_text(json.dumps(named_config))
+    loaded, pretrained = load_frozen_text_encoder(CLIP, str(folder))
+    assert type(loaded).__name__ == "CLIPTextModelWithProjection" and pretrained
+    plain = CLIPTextModel(CLIPTextConfig(**config))
+    plain.set_state_dict({k: v for k, v in model.state_dict().items() if k.startswith("text_model.")})
+    ids = paddle.to_tensor([[599, 5, 6, 7, 600, 600]])
+    states, mask = encode_prompt(loaded, ids)
+    assert mask is None and states.shape == [1, 6, 32]
+    np.testing.assert_allclose(states.numpy(), plain(ids)[0].numpy(), rtol=1e-6)
+    pooled = pooled_prompt(loaded, ids)
+    np.testing.assert_allclose(pooled.numpy(), (plain(ids)[1] @ model.text_projection.weight).numpy(), rtol=1e-5)
+    assert pooled_prompt(plain, ids) is None

@@ -166,7 +166,7 @@ def _load_for_inference(path: str, use_ema: bool):
         raise CheckpointError(f"{path} has no unet/ nor transformer/: not a text-to-image model")
     unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.folder))
     family, text_folder = text_encoder_of(path)
-    text_encoder = load_pretrained(family.model_class(), text_folder)
+    text_encoder = load_pretrained(family.model_class(text_folder), text_folder)
     check_recorded_text_encoder(path, family, text_encoder, text_folder)
     tokenizer_folder = os.path.join(path, "tokenizer")
     tokenizer = load_tokenizer_of(family, tokenizer_folder)

@@ -162,6 +162,10 @@ def text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler):
     if pair == (UNET, LDMBERT):
         return ppdiffusers.LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                                   scheduler=scheduler)
+    if pair == (UNET, CLIP) and hasattr(text_encoder, "text_projection"):
+        raise PipelineError("StableDiffusionPipeline gives its UNet the text encoder's first output, which a "
+                            "CLIPTextModelWithProjection makes its pooled projection, not its states: such a model is "
+                            "not exported as a pipeline. Sample from the checkpoint with python -m ldm.generate")
     if pair == (UNET, CLIP):
         return ppdiffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,

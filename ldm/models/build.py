@@ -290,7 +290,7 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 
 def load_frozen_text_encoder(family: TextFamily, folder: str):
     """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone."""
-    model_class = family.model_class()
+    model_class = family.model_class(folder)
     if has_weights(folder):
         return load_pretrained(model_class, folder), True
     config = read_config(folder)

@@ -40,15 +40,20 @@ class TextFamily:
     model_types: tuple[str, ...]  # a config's `model_type` values of this family
     masked: bool = False  # its padding is masked (the UNet's cross-attention gets the mask)
 
-    def model_class(self):
+    def model_class(self, folder: str | None = None):
+        """The class of the family's encoder in `folder`: CLIP's with its projection (SDXL's and SD3's
+        `CLIPTextModelWithProjection`) when its config's `architectures` or its weights (`text_projection.weight`)
+        say so."""
         if self.name == "ldmbert":
             from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
             return LDMBertModel
         # ppdiffusers' own copies: transformers' weight names, as its pipelines use them
-        from ppdiffusers.transformers import CLIPTextModel, T5EncoderModel
+        from ppdiffusers.transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
-        return CLIPTextModel if self.name == "clip" else T5EncoderModel
+        if self.name == "t5":
+            return T5EncoderModel
+        return CLIPTextModelWithProjection if folder and has_projection(folder) else CLIPTextModel
 
     def tokenizer_class(self):
         from paddlenlp.transformers import BertTokenizer
@@ -84,6 +89,32 @@ def text_family(source: str) -> TextFamily:
                            "preset, a folder of configs or a pipeline folder")
 
 
+PROJECTION = "CLIPTextModelWithProjection"
+
+
+def has_projection(folder: str) -> bool:
+    """A CLIP text encoder folder holds a projection of its pooled output: its config names the class, or its
+    (safetensors) weights hold `text_projection.weight`."""
+    import glob
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            if PROJECTION in (json.load(f).get("architectures") or ()):
+                return True
+    except (OSError, ValueError, AttributeError):
+        return False  # its loader says what is wrong with it
+    from safetensors import safe_open
+
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        try:
+            with safe_open(path, "np") as f:
+                if any(key.endswith("text_projection.weight") for key in f.keys()):  # noqa: SIM118 - no __iter__
+                    return True
+        except Exception:  # noqa: BLE001 - safetensors raises its own types; the loader says why
+            continue
+    return False
+
+
 def family_of(text_encoder) -> TextFamily:
     """The family of a text encoder model (by its class)."""
     name = type(text_encoder).__name__
@@ -96,11 +127,21 @@ def is_masked(text_encoder) -> bool:
 
 def encode_prompt(text_encoder, input_ids):
     """(states, mask) of token ids: the mask (1 for a real token, EOS included) where the family masks its padding
-    (T5's), else None."""
+    (T5's), else None. The states are the last hidden ones: a CLIP with a projection puts its pooled vector first."""
+    if hasattr(text_encoder, "text_projection"):
+        return text_encoder(input_ids, return_dict=True).last_hidden_state, None
     if not is_masked(text_encoder):
         return text_encoder(input_ids)[0], None
     mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
     return text_encoder(input_ids, attention_mask=mask)[0], mask
+
+
+def pooled_prompt(text_encoder, input_ids):
+    """The pooled vector of token ids (SDXL's and SD3's `pooled_prompt_embeds`): a CLIP's projection of its EOS
+    token's state; None for an encoder without a projection."""
+    if not hasattr(text_encoder, "text_projection"):
+        return None
+    return text_encoder(input_ids, return_dict=True).text_embeds
 
 
 def prompt_length(text_encoder, tokenizer) -> int:
