@@ -191,6 +191,7 @@ class TrainingRun:
         (a collective); `data`: the data arguments its batches are started with."""
         self.objective = objective()
         self.data = self.objective.data or data
+        groups = tuple(self.data if group is data else group for group in groups)  # recorded as resolved
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision)
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
