@@ -11,7 +11,14 @@ from corpus import write_corpus
 from entry import run_entry, run_python
 from interop_models import tiny_sd_pipeline
 
-from ldm.data.latents import LatentMeta, LatentMismatch, LatentTransform, parse_latent_record, text_fingerprint
+from ldm.data.latents import (
+    LatentMeta,
+    LatentMismatch,
+    LatentTransform,
+    latent_line,
+    parse_latent_record,
+    text_fingerprint,
+)
 from ldm.data.shard import iter_lines
 
 RESOLUTION = 32
@@ -226,3 +233,55 @@ def test_a_corrupt_text_column_is_counted_as_bad_text_state(encoded):
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                            "data-formats.md")) as f:
         assert "`bad_text_state`" in f.read()
+
+
+def several_encoders_record(rng):
+    """A latent record holding the states of three encoders as SD3 has them (two CLIPs with pooled vectors, a T5
+    stored compact), and what it was made from."""
+    parts = [{"part": "text_encoder", "encoder": "a" * 16, "dtype": "float32", "shape": [7, 8], "pooled": [6]},
+             {"part": "text_encoder_2", "encoder": "b" * 16, "dtype": "float32", "shape": [7, 12], "pooled": [10]},
+             {"part": "text_encoder_3", "encoder": "c" * 16, "dtype": "float32", "shape": [16, 12], "length": 16}]
+    arrays = [(rng.normal(size=[7, 8]), rng.normal(size=[6])), (rng.normal(size=[7, 12]), rng.normal(size=[10])),
+              (rng.normal(size=[5, 12]), None)]
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text={"encoders": parts})
+    line = latent_line("a red circle", "k", rng.normal(size=[1, 8, 2, 2]), meta, text=arrays)
+    return parse_latent_record(line.rstrip(b"\n"))[1], arrays  # as shards yield lines
+
+
+def test_cached_states_of_several_encoders_are_each_read_back_with_their_pooled_vectors():
+    payload, arrays = several_encoders_record(np.random.default_rng(0))
+    assert "text_encoder_2 bbbbbbbbbbbbbbbb, float32 7x12 and pooled 10" in payload[1].describe()
+    read = LatentTransform(cached_text=("a" * 16, "b" * 16, "c" * 16)).encoder_states(payload)
+    assert [real for _, real, _ in read] == [7, 7, 5]
+    for (states, _, pooled), (expected, expected_pooled) in zip(read, arrays, strict=True):
+        np.testing.assert_array_equal(states[:len(expected)], expected.astype(np.float32))
+        assert pooled is None if expected_pooled is None else np.array_equal(pooled, expected_pooled.astype("f4"))
+    assert read[2][0].shape == (16, 12) and not read[2][0][5:].any()  # the compact T5 padded back, with zeros
+
+
+def test_several_encoders_states_of_another_encoder_or_another_set_are_refused_in_one_line():
+    payload, _ = several_encoders_record(np.random.default_rng(1))
+    meta = payload[1]
+    for cached, expected in (
+            (("a" * 16, "d" * 16, "c" * 16), "whose text_encoder_2 states are of encoder bbbbbbbbbbbbbbbb, and this "
+                                             "run's is dddddddddddddddd"),
+            ("a" * 16, "the text states of 3 encoder(s) (text_encoder aaaaaaaaaaaaaaaa, text_encoder_2 "),
+            ("", "and this run trains its text encoder")):
+        with pytest.raises(LatentMismatch) as e:
+            LatentTransform(cached_text=cached).check(meta)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_single_encoders_record_keeps_its_format_and_reads_as_one_of_several():
+    rng = np.random.default_rng(2)
+    states = rng.normal(size=[7, 8]).astype(np.float32)
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text={"encoder": "a" * 16, "dtype": "float32",
+                                                                   "shape": [7, 8]})
+    line = latent_line("a", "k", rng.normal(size=[1, 8, 2, 2]), meta, text=states)
+    assert b'"text":{"encoder":"aaaaaaaaaaaaaaaa","dtype":"float32","shape":[7,8]}' in line
+    payload = parse_latent_record(line.rstrip(b"\n"))[1]
+    transform = LatentTransform(cached_text="a" * 16)
+    transform.check(payload[1])
+    (read, real, pooled), = transform.encoder_states(payload)
+    np.testing.assert_array_equal(read, transform.text_states(payload)[0])
+    assert real == 7 and pooled is None
