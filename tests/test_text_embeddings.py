@@ -285,3 +285,41 @@ def test_a_single_encoders_record_keeps_its_format_and_reads_as_one_of_several()
     (read, real, pooled), = transform.encoder_states(payload)
     np.testing.assert_array_equal(read, transform.text_states(payload)[0])
     assert real == 7 and pooled is None
+
+
+def test_encode_stores_each_encoders_states_and_pooled_vector_with_its_identity(t5_model):
+    """Two encoders as SD3 pairs them (a CLIP with a projection, a T5 stored compact): each one's states and pooled
+    vector as the encoder computes them, under each one's part and fingerprint."""
+    import paddle
+    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from ldm.models.build import PRESETS_DIR, load_caption_encoder, read_config
+    from ldm.models.text import CLIP, T5, encode_prompt, load_text_tokenizer
+    from ldm.prepare.encode import CaptionStates, EncoderStates, storable_text
+
+    config = {**read_config(PRESETS_DIR / "sd-tiny" / "text_encoder"), "projection_dim": 24}
+    config.pop("architectures")
+    clip = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+    clip.eval()
+    clip_tokenizer = load_text_tokenizer(CLIP, str(PRESETS_DIR / "sd-tiny" / "tokenizer"))
+    _, t5, t5_tokenizer = load_caption_encoder(t5_model)
+    captions = CaptionStates.of([EncoderStates("text_encoder", CLIP, clip, clip_tokenizer, "float32", None, "clip"),
+                                 EncoderStates("text_encoder_3", T5, t5, t5_tokenizer, "float32", 16, "t5")])
+    first, second = captions.meta["encoders"]
+    assert (first["part"], first["pooled"], second["part"], second["length"]) == ("text_encoder", [24],
+                                                                                  "text_encoder_3", 16)
+    assert "pooled" not in second
+    text = captions(["a red circle", "the blue square"])[0]
+    assert storable_text(text, captions.meta)
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text=captions.meta)
+    line = latent_line("a red circle", "k", np.zeros([1, 8, 2, 2]), meta, text=text)
+    fingerprints = tuple(text_fingerprint(part.identity) for part in captions.parts)
+    (clip_states, _, pooled), (t5_states, t5_real, t5_pooled) = LatentTransform(
+        cached_text=fingerprints).encoder_states(parse_latent_record(line.rstrip(b"\n"))[1])
+    out = clip(paddle.to_tensor(captions.parts[0].tokenize("a red circle")[None]), return_dict=True)
+    np.testing.assert_allclose(clip_states, out.last_hidden_state[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pooled, out.text_embeds[0].numpy(), rtol=1e-5, atol=1e-6)
+    states, mask = encode_prompt(t5, paddle.to_tensor(captions.parts[1].tokenize("a red circle")[None]))
+    real = int(mask.sum())
+    assert t5_real == real < 16 and t5_pooled is None and t5_states.shape == (16, 32)
+    np.testing.assert_allclose(t5_states[:real], states[0, :real].numpy(), rtol=1e-5, atol=1e-6)

@@ -136,6 +136,14 @@ def encode_prompt(text_encoder, input_ids):
     return text_encoder(input_ids, attention_mask=mask)[0], mask
 
 
+def encode_prompt_pooled(text_encoder, input_ids):
+    """(states, mask, pooled vector or None) of token ids, in one forward (`encode_prompt`, `pooled_prompt`)."""
+    if hasattr(text_encoder, "text_projection"):
+        out = text_encoder(input_ids, return_dict=True)
+        return out.last_hidden_state, None, out.text_embeds
+    return (*encode_prompt(text_encoder, input_ids), None)
+
+
 def pooled_prompt(text_encoder, input_ids):
     """The pooled vector of token ids (SDXL's and SD3's `pooled_prompt_embeds`): a CLIP's projection of its EOS
     token's state; None for an encoder without a projection."""
