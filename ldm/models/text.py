@@ -290,6 +290,7 @@ def bpe_files(folder: str) -> str:
 
 
 EXTRA_ID = re.compile(r"<extra_id_\d+>")
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 
 def spiece_files(folder: str) -> str:
@@ -323,10 +324,16 @@ def spiece_files(folder: str) -> str:
         extra += 1
     proto = pb.ModelProto()
     byte_fallback = bool(model.get("byte_fallback"))
+    piece_type = pb.ModelProto.SentencePiece
     for i, (piece, score) in enumerate(vocab[:len(vocab) - extra]):
-        kind = (pb.ModelProto.SentencePiece.UNKNOWN if i == unk_id else pb.ModelProto.SentencePiece.CONTROL
-                if piece in special else pb.ModelProto.SentencePiece.BYTE if byte_fallback and re.fullmatch(
-                    r"<0x[0-9A-F]{2}>", piece) else pb.ModelProto.SentencePiece.NORMAL)
+        if i == unk_id:
+            kind = piece_type.UNKNOWN
+        elif piece in special:
+            kind = piece_type.CONTROL
+        elif byte_fallback and BYTE_PIECE.fullmatch(piece):
+            kind = piece_type.BYTE
+        else:
+            kind = piece_type.NORMAL
         proto.pieces.add(piece=piece, score=score, type=kind)
     ids = {piece: i for i, (piece, _) in enumerate(vocab)}
     trainer = proto.trainer_spec
@@ -337,8 +344,9 @@ def spiece_files(folder: str) -> str:
     normalizer = proto.normalizer_spec
     normalizer.name = "nmt_nfkc" if charsmap else "identity"
     normalizer.precompiled_charsmap = base64.b64decode(charsmap)
-    normalizer.add_dummy_prefix = not prefix or prefix[0].get("add_prefix_space", True) is not False and prefix[
-        0].get("prepend_scheme", "always") != "never"
+    metaspace = prefix[0] if prefix else {}  # transformers' older `add_prefix_space`, its newer `prepend_scheme`
+    normalizer.add_dummy_prefix = (metaspace.get("add_prefix_space", True) is not False
+                                   and metaspace.get("prepend_scheme", "always") != "never")
     copy = tempfile.mkdtemp(prefix="ldm-spiece-")
     atexit.register(shutil.rmtree, copy, True)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
