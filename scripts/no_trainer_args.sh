@@ -17,9 +17,10 @@ ARGS=(
     --pretrained_model_name_or_path "${MODEL:-ldm-32layer}"
     --file_list "${FILE_LIST:-./data/filelist/train.filelist.list}"
     --num_inference_steps "${NUM_INFERENCE_STEPS:-200}"
-    --model_max_length "${MODEL_MAX_LENGTH:-77}"
     --tokenizer_name "${TOKENIZER_NAME:-bert-base-uncased}"
 )
 source scripts/common_args.sh
+# MODEL_MAX_LENGTH only when set: unset, the model's own caption length (77 for LDMBert and CLIP)
+if [[ -n "${MODEL_MAX_LENGTH:-}" ]]; then ARGS+=(--model_max_length "$MODEL_MAX_LENGTH"); fi
 # SEED only when set: unset, a run starts with the recipe's 23 and a resume keeps its checkpoint's seed
 if [[ -n "${SEED:-}" ]]; then ARGS+=(--seed "$SEED"); fi

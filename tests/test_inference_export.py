@@ -95,3 +95,35 @@ def test_the_ema_is_applied_one_tensor_at_a_time(tmp_path):
     for name, parameter in unet.named_parameters():
         np.testing.assert_array_equal(parameter.numpy(), shadow[f"shadow.unet.{name}"])
     assert not apply_ema(str(tmp_path / "none"), unet, c.text_encoder)  # no EMA: the weights as they are
+
+
+@pytest.mark.parametrize("preset", ["ldm-tiny", "sd-tiny", "pixart-tiny", "pixart-tiny-flow"])
+def test_the_model_cards_loading_section_is_written_for_the_pipeline_class_exported(tmp_path, preset):
+    """How diffusers and ppdiffusers load the folder, and what each does with the caption length, for its class: an
+    LDM's LDMBert needs 77 tokens and ldm-laion; a Stable Diffusion pipeline pads to its tokenizer's length and
+    ppdiffusers reads ldm-laion's export; PixArt's takes `max_sequence_length` and loads in ppdiffusers directly."""
+    from ldm.inference.model_card import model_card
+    from ldm.models.noise import scheduler_config
+    from ldm.models.text import prompt_length
+
+    if preset.startswith("pixart"):
+        flow = "flow_matching" if "flow" in preset else None
+        c, tokenizer = build_components("pixart-tiny", prediction_type=flow), None
+    else:
+        c, tokenizer = tiny_parts(tmp_path, preset)
+    tokens = 120 if tokenizer is None else prompt_length(c.text_encoder, tokenizer)
+    card = model_card(c.source, c.unet, c.text_encoder, c.vae, scheduler_config(c.noise_scheduler), False,
+                      tokens=tokens)
+    loading = card.split("## Loading")[1]
+    pipeline = {"ldm-tiny": "LDMTextToImagePipeline", "sd-tiny": "StableDiffusionPipeline",
+                "pixart-tiny": "PixArtAlphaPipeline", "pixart-tiny-flow": "PixArtAlphaPipeline"}[preset]
+    assert f'{pipeline}.from_pretrained("THIS_FOLDER")' in loading
+    assert ("LDMBert" in loading) == (preset == "ldm-tiny")
+    assert ("gives the text encoder 77 tokens" in loading) == (preset == "ldm-tiny")
+    if preset == "sd-tiny":
+        assert f"`model_max_length` ({tokens} tokens)" in loading and "StableDiffusionPipeline.from_pretrained` loads" \
+            in loading
+    if preset.startswith("pixart"):
+        assert "max_sequence_length=120, use_resolution_binning=False, clean_caption=False" in loading
+        assert 'PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)' in loading
+    assert ("cannot step its FlowMatchEulerDiscreteScheduler" in loading) == ("flow" in preset)

@@ -11,7 +11,14 @@ from corpus import write_corpus
 from entry import run_entry, run_python
 from interop_models import tiny_sd_pipeline
 
-from ldm.data.latents import LatentMeta, LatentMismatch, LatentTransform, parse_latent_record, text_fingerprint
+from ldm.data.latents import (
+    LatentMeta,
+    LatentMismatch,
+    LatentTransform,
+    latent_line,
+    parse_latent_record,
+    text_fingerprint,
+)
 from ldm.data.shard import iter_lines
 
 RESOLUTION = 32
@@ -161,6 +168,26 @@ def test_t5_states_are_stored_compact_and_train_as_encoding_on_the_fly(t5_model,
     np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)
 
 
+def test_encode_and_training_read_one_caption_length_from_the_model(t5_model, tmp_path):
+    """Unset, --model_max_length is the model's (its tokenizer's saved length) in `encode --text_embeddings` and in
+    training alike: the run takes the cache it made, whatever the tokenizer says."""
+    import shutil
+
+    from ldm.config.args import DataArguments, ModelArguments, SamplingArguments
+    from ldm.prepare.encode import CaptionStates
+    from ldm.train.objective import TextToImage
+
+    folder = tmp_path / "t5-40"
+    shutil.copytree(t5_model, folder)
+    config = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 40}))
+    encoded = CaptionStates(str(folder), "float32")
+    run = TextToImage(ModelArguments(model_name_or_path=str(folder)), DataArguments(), SamplingArguments(),
+                      recompute=False, seed=0)
+    assert encoded.meta["length"] == run.data.model_max_length == run.tokenizer.model_max_length == 40
+    assert encoded.meta["encoder"] == run.cached_text
+
+
 def test_a_file_list_mixing_cached_and_plain_latent_shards_is_refused_at_start(model, encoded, tmp_path):
     """Before any batch: a loader slot batches one kind, and met the other only when it reached such a shard (in the
     second pass, with 6 workers and a shard each). Every shard's first record is read at start."""
@@ -206,3 +233,93 @@ def test_a_corrupt_text_column_is_counted_as_bad_text_state(encoded):
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                            "data-formats.md")) as f:
         assert "`bad_text_state`" in f.read()
+
+
+def several_encoders_record(rng):
+    """A latent record holding the states of three encoders as SD3 has them (two CLIPs with pooled vectors, a T5
+    stored compact), and what it was made from."""
+    parts = [{"part": "text_encoder", "encoder": "a" * 16, "dtype": "float32", "shape": [7, 8], "pooled": [6]},
+             {"part": "text_encoder_2", "encoder": "b" * 16, "dtype": "float32", "shape": [7, 12], "pooled": [10]},
+             {"part": "text_encoder_3", "encoder": "c" * 16, "dtype": "float32", "shape": [16, 12], "length": 16}]
+    arrays = [(rng.normal(size=[7, 8]), rng.normal(size=[6])), (rng.normal(size=[7, 12]), rng.normal(size=[10])),
+              (rng.normal(size=[5, 12]), None)]
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text={"encoders": parts})
+    line = latent_line("a red circle", "k", rng.normal(size=[1, 8, 2, 2]), meta, text=arrays)
+    return parse_latent_record(line.rstrip(b"\n"))[1], arrays  # as shards yield lines
+
+
+def test_cached_states_of_several_encoders_are_each_read_back_with_their_pooled_vectors():
+    payload, arrays = several_encoders_record(np.random.default_rng(0))
+    assert "text_encoder_2 bbbbbbbbbbbbbbbb, float32 7x12 and pooled 10" in payload[1].describe()
+    read = LatentTransform(cached_text=("a" * 16, "b" * 16, "c" * 16)).encoder_states(payload)
+    assert [real for _, real, _ in read] == [7, 7, 5]
+    for (states, _, pooled), (expected, expected_pooled) in zip(read, arrays, strict=True):
+        np.testing.assert_array_equal(states[:len(expected)], expected.astype(np.float32))
+        assert pooled is None if expected_pooled is None else np.array_equal(pooled, expected_pooled.astype("f4"))
+    assert read[2][0].shape == (16, 12) and not read[2][0][5:].any()  # the compact T5 padded back, with zeros
+
+
+def test_several_encoders_states_of_another_encoder_or_another_set_are_refused_in_one_line():
+    payload, _ = several_encoders_record(np.random.default_rng(1))
+    meta = payload[1]
+    for cached, expected in (
+            (("a" * 16, "d" * 16, "c" * 16), "whose text_encoder_2 states are of encoder bbbbbbbbbbbbbbbb, and this "
+                                             "run's is dddddddddddddddd"),
+            ("a" * 16, "the text states of 3 encoder(s) (text_encoder aaaaaaaaaaaaaaaa, text_encoder_2 "),
+            ("", "and this run trains its text encoder")):
+        with pytest.raises(LatentMismatch) as e:
+            LatentTransform(cached_text=cached).check(meta)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_single_encoders_record_keeps_its_format_and_reads_as_one_of_several():
+    rng = np.random.default_rng(2)
+    states = rng.normal(size=[7, 8]).astype(np.float32)
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text={"encoder": "a" * 16, "dtype": "float32",
+                                                                   "shape": [7, 8]})
+    line = latent_line("a", "k", rng.normal(size=[1, 8, 2, 2]), meta, text=states)
+    assert b'"text":{"encoder":"aaaaaaaaaaaaaaaa","dtype":"float32","shape":[7,8]}' in line
+    payload = parse_latent_record(line.rstrip(b"\n"))[1]
+    transform = LatentTransform(cached_text="a" * 16)
+    transform.check(payload[1])
+    (read, real, pooled), = transform.encoder_states(payload)
+    np.testing.assert_array_equal(read, transform.text_states(payload)[0])
+    assert real == 7 and pooled is None
+
+
+def test_encode_stores_each_encoders_states_and_pooled_vector_with_its_identity(t5_model):
+    """Two encoders as SD3 pairs them (a CLIP with a projection, a T5 stored compact): each one's states and pooled
+    vector as the encoder computes them, under each one's part and fingerprint."""
+    import paddle
+    from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from ldm.models.build import PRESETS_DIR, load_caption_encoder, read_config
+    from ldm.models.text import CLIP, T5, encode_prompt, load_text_tokenizer
+    from ldm.prepare.encode import CaptionStates, EncoderStates, storable_text
+
+    config = {**read_config(PRESETS_DIR / "sd-tiny" / "text_encoder"), "projection_dim": 24}
+    config.pop("architectures")
+    clip = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+    clip.eval()
+    clip_tokenizer = load_text_tokenizer(CLIP, str(PRESETS_DIR / "sd-tiny" / "tokenizer"))
+    _, t5, t5_tokenizer = load_caption_encoder(t5_model)
+    captions = CaptionStates.of([EncoderStates("text_encoder", CLIP, clip, clip_tokenizer, "float32", None, "clip"),
+                                 EncoderStates("text_encoder_3", T5, t5, t5_tokenizer, "float32", 16, "t5")])
+    first, second = captions.meta["encoders"]
+    assert (first["part"], first["pooled"], second["part"], second["length"]) == ("text_encoder", [24],
+                                                                                  "text_encoder_3", 16)
+    assert "pooled" not in second
+    text = captions(["a red circle", "the blue square"])[0]
+    assert storable_text(text, captions.meta)
+    meta = LatentMeta("v" * 16, "float32", (1, 8, 2, 2), 16, text=captions.meta)
+    line = latent_line("a red circle", "k", np.zeros([1, 8, 2, 2]), meta, text=text)
+    fingerprints = tuple(text_fingerprint(part.identity) for part in captions.parts)
+    (clip_states, _, pooled), (t5_states, t5_real, t5_pooled) = LatentTransform(
+        cached_text=fingerprints).encoder_states(parse_latent_record(line.rstrip(b"\n"))[1])
+    out = clip(paddle.to_tensor(captions.parts[0].tokenize("a red circle")[None]), return_dict=True)
+    np.testing.assert_allclose(clip_states, out.last_hidden_state[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pooled, out.text_embeds[0].numpy(), rtol=1e-5, atol=1e-6)
+    states, mask = encode_prompt(t5, paddle.to_tensor(captions.parts[1].tokenize("a red circle")[None]))
+    real = int(mask.sum())
+    assert t5_real == real < 16 and t5_pooled is None and t5_states.shape == (16, 32)
+    np.testing.assert_allclose(t5_states[:real], states[0, :real].numpy(), rtol=1e-5, atol=1e-6)

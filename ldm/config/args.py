@@ -115,7 +115,9 @@ class DataArguments:
     file_list: str = arg("./data/filelist/train.filelist.list", "list of filelists (one filelist [weight] per line)")
     tokenizer_name: str = arg("bert-base-uncased",
                               "BERT WordPiece tokenizer: a name (online) or a folder with vocab.txt")
-    model_max_length: int = arg(77, "caption length in tokens (padded/truncated)")
+    model_max_length: Optional[int] = arg(None, "caption length in tokens (padded/truncated); default: the model's, "
+                                                "its tokenizer's saved length within its text encoder's positions "
+                                                "(CLIP 77, PixArt's T5 120; LDMBert 77), as encode uses it")
     resolution: int = arg(256, "training image size")
     center_crop: bool = arg(False, "center crop instead of random crop")
     aspect_buckets: str = arg("none", "aspect-ratio buckets: none (square crops), auto (area about --resolution "
@@ -137,7 +139,7 @@ class DataArguments:
                                          "pass over the new shards starts")
 
     def __post_init__(self):
-        _check(self.model_max_length >= 2, "--model_max_length must be at least 2")
+        _check(self.model_max_length is None or self.model_max_length >= 2, "--model_max_length must be at least 2")
         _check(self.resolution >= 8 and self.resolution % 8 == 0, "--resolution must be a multiple of 8")
         _check(0 <= self.caption_dropout_prob <= 1, "--caption_dropout_prob must be in [0, 1]")
         _check(self.shuffle_buffer >= 1, "--shuffle_buffer must be at least 1")

@@ -22,6 +22,11 @@ A latent shard is a gzip text shard like an image shard, one record per line:
   the caption's real tokens only, with `"length"`, the padded length training restores (zeros, masked). Training
   takes them instead of encoding the caption; a dropped caption gets the empty caption's states, which the run
   computes once with the same encoder (its identity is the fingerprint's).
+- texts of several encoders (Stable Diffusion 3's two CLIPs and T5): the meta's `"text": {"encoders": [...]}` holds
+  one entry per encoder, in the model's order, each as above with the `"part"` it is (`text_encoder_2`) and, when the
+  encoder gives one, `"pooled": [width]`, its pooled vector's shape; the `text:` column holds each encoder's states
+  then its pooled vector, in that order, one after the other. A run takes them only from the same encoders in the
+  same order (each one's fingerprint).
 
 The `latent:` prefix (":" is not a base64 character) tells the two kinds apart from the content. This
 module reads and writes the format; it imports neither Paddle nor PaddleNLP.
@@ -92,7 +97,8 @@ class LatentMeta:
     shape: tuple[int, ...]  # copies, 2 * latent channels, height, width
     resolution: int
     bucket: tuple[int, int] | None = None  # (height, width) of the crop, encoded in aspect-ratio buckets
-    text: dict | None = None  # the cached text states': {"encoder": fingerprint, "dtype": ..., "shape": [L, D]}
+    text: dict | None = None  # the cached text states': {"encoder": fingerprint, "dtype": ..., "shape": [L, D]}, or
+    # several encoders': {"encoders": [{"part": ..., "encoder": ..., "dtype": ..., "shape": ..., "pooled": [P]}, ...]}
 
     @property
     def copies(self) -> int:
@@ -114,9 +120,7 @@ class LatentMeta:
             raise ValueError(f"unknown latent format {meta.get('format')!r} / dtype {meta.get('dtype')!r}")
         bucket = tuple(int(n) for n in meta["bucket"]) if meta.get("bucket") else None
         text = meta.get("text")
-        if text is not None and not (isinstance(text, dict) and text.get("dtype") in DTYPES and isinstance(
-                text.get("encoder"), str) and isinstance(text.get("shape"), list) and len(text["shape"]) == 2
-                and all(isinstance(n, int) for n in text["shape"])):
+        if text is not None and not (isinstance(text, dict) and valid_text(text)):
             raise ValueError(f"unknown text states {text!r}")
         return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]),
                    bucket, text)
@@ -127,25 +131,66 @@ class LatentMeta:
         size = f"{self.resolution}px"
         if self.bucket:
             size += f" buckets (this one {self.bucket[0]}x{self.bucket[1]})"
-        text = (f"; text states of encoder {self.text['encoder']}, {self.text['dtype']} "
-                f"{'x'.join(map(str, self.text['shape']))}" if self.text else "")
+        text = "; text states of " + ", ".join(
+            f"{p.get('part', 'encoder')} {p['encoder']}, {p['dtype']} {'x'.join(map(str, p['shape']))}"
+            + (f" and pooled {p['pooled'][0]}" if p.get("pooled") else "") for p in text_parts(self.text)) \
+            if self.text else ""
         return f"autoencoder {self.vae}, {size}, {self.dtype} moments {shape}{mirrored}{text}"
 
 
+def valid_text_part(part) -> bool:
+    shape, pooled = part.get("shape"), part.get("pooled")
+    return (part.get("dtype") in DTYPES and isinstance(part.get("encoder"), str) and isinstance(shape, list)
+            and len(shape) == 2 and all(isinstance(n, int) for n in shape)
+            and (pooled is None or (isinstance(pooled, list) and len(pooled) == 1 and isinstance(pooled[0], int))))
+
+
+def valid_text(text: dict) -> bool:
+    if "encoders" not in text:
+        return valid_text_part(text)
+    parts = text["encoders"]
+    return isinstance(parts, list) and bool(parts) and all(
+        isinstance(p, dict) and isinstance(p.get("part"), str) and valid_text_part(p) for p in parts)
+
+
+def text_parts(text: dict | None) -> list[dict]:
+    """Each encoder's entry of a meta's `text`: the one of a single encoder's form, or the several's in order."""
+    if text is None:
+        return []
+    return list(text["encoders"]) if "encoders" in text else [text]
+
+
+def text_key(text: dict | None) -> tuple[str, ...]:
+    """The fingerprints of the encoders whose states a record holds, in order."""
+    return tuple(part["encoder"] for part in text_parts(text))
+
+
 def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, source: dict | None = None,
-                text: np.ndarray | None = None) -> bytes:
+                text: np.ndarray | list | None = None) -> bytes:
     """A latent record; `source`: the metadata of the record it was encoded from, kept in the meta as `metadata`
-    (what `--metadata_filter` reads on latent records); `text`: the caption's text states (`meta.text` says how)."""
+    (what `--metadata_filter` reads on latent records); `text`: the caption's text states (`meta.text` says how):
+    an array for one encoder, or a list of (states, pooled vector or None) for several, in the meta's order."""
     caption = " ".join(caption.split())  # tabs and newlines would break the line format
     payload = PREFIX + pybase64.b64encode(to_bytes(moments, meta.dtype))
-    if text is not None and list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
-        meta = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)})
+    text_bytes = b""
+    if text is not None and "encoders" in meta.text:
+        parts = []
+        for part, (states, pooled) in zip(meta.text["encoders"], text, strict=True):
+            parts.append({**part, "shape": list(states.shape)})  # a compact record: its own number of tokens
+            text_bytes += to_bytes(states, part["dtype"])
+            if part.get("pooled"):
+                text_bytes += to_bytes(pooled, part["dtype"])
+        meta = dataclasses.replace(meta, text={**meta.text, "encoders": parts})
+    elif text is not None:
+        if list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
+            meta = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)})
+        text_bytes = to_bytes(text, meta.text["dtype"])
     info = meta.to_json()
     if source:
         info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
     fields = [caption.encode("utf-8"), key.encode("utf-8"), payload, info]
     if text is not None:
-        fields.append(TEXT_PREFIX + pybase64.b64encode(to_bytes(text, meta.text["dtype"])))
+        fields.append(TEXT_PREFIX + pybase64.b64encode(text_bytes))
     return b"\t".join(fields) + b"\n"
 
 
@@ -207,14 +252,33 @@ class LatentTransform:
             raise LatentMismatch("latents without mirror images (encoded without --random_flip); this run asks for "
                                  "--random_flip: encode with --random_flip or train without it")
         if meta.text is not None and self.cached_text is not None:
-            self.check_text(meta.text["encoder"])
+            self.check_text(meta.text)
 
-    def check_text(self, encoder: str) -> None:
+    def check_text(self, text: dict) -> None:
+        """The record's text states are the run's frozen encoders' (`cached_text`: one fingerprint, or a tuple of
+        them in the model's order)."""
+        found = text_key(text)
+        encoder = found[0] if len(found) == 1 else ", ".join(
+            f"{p['part']} {p['encoder']}" for p in text_parts(text))
         if not self.cached_text:
             raise LatentMismatch(f"latents with the text states of frozen encoder {encoder}, and this run trains its "
                                  "text encoder: train on a corpus encoded without --text_embeddings, or keep the "
                                  "encoder frozen")
-        if encoder != self.cached_text:
+        expected = (self.cached_text,) if isinstance(self.cached_text, str) else tuple(self.cached_text)
+        if len(found) > 1 or len(expected) > 1:
+            if found == expected:
+                return
+            if len(found) != len(expected):
+                raise LatentMismatch(f"latents with the text states of {len(found)} encoder(s) ({encoder}), and this "
+                                     f"run has {len(expected)} frozen text encoder(s) ({', '.join(expected)}): "
+                                     "encode with this run's --model_name_or_path, or train the model the corpus "
+                                     "was encoded for")
+            at = next(i for i, (a, b) in enumerate(zip(found, expected, strict=True)) if a != b)
+            raise LatentMismatch(f"latents whose {text_parts(text)[at]['part']} states are of encoder {found[at]}, "
+                                 f"and this run's is {expected[at]} (the fingerprint covers its weights and the "
+                                 "caption length): encode with this run's --model_name_or_path and "
+                                 "--model_max_length, or train with the ones the corpus was encoded with")
+        if found != expected:
             raise LatentMismatch(f"latents with the text states of encoder {encoder}, and this run's frozen text "
                                  f"encoder is {self.cached_text} (the fingerprint covers its weights and the caption "
                                  "length, --model_max_length): the UNet must learn the states it is exported with. "
@@ -242,6 +306,38 @@ class LatentTransform:
             raise SkipRecord("bad_latent", str(e)) from None
         copy = 1 if self.random_flip and rng.random() < 0.5 else 0
         return moments[copy]
+
+    def encoder_states(self, payload: tuple[bytes, LatentMeta, bytes | None]
+                       ) -> list[tuple[np.ndarray, int, np.ndarray | None]] | None:
+        """Each encoder's cached states (padded as `text_states` pads them), real tokens and pooled vector (None
+        where the encoder gives none), in the meta's order, when the run takes them; None: it encodes the caption
+        itself. A record of one encoder gives one entry."""
+        _, meta, text = payload
+        if text is None or not self.cached_text:
+            return None
+        try:
+            data = decode_base64(text)
+        except SkipRecord as e:
+            raise SkipRecord("bad_text_state", f"text states: {e.detail}") from None
+        out, offset = [], 0
+        for part in text_parts(meta.text):
+            size = 4 if part["dtype"] == "float32" else 2
+            shapes = [list(part["shape"])] + ([list(part["pooled"])] if part.get("pooled") else [])
+            arrays = []
+            for shape in shapes:
+                end = offset + size * int(np.prod(shape))
+                try:
+                    arrays.append(from_bytes(data[offset:end], part["dtype"], shape))
+                except ValueError as e:
+                    raise SkipRecord("bad_text_state", f"text states: {e}") from None
+                offset = end
+            states, real, length = arrays[0], len(arrays[0]), int(part.get("length", len(arrays[0])))
+            if real < length:
+                states = np.concatenate([states, np.zeros([length - real, states.shape[1]], np.float32)])
+            out.append((states, real, arrays[1] if len(arrays) > 1 else None))
+        if offset != len(data):
+            raise SkipRecord("bad_text_state", f"text states: {len(data)} bytes, the meta describes {offset}")
+        return out
 
     def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]) -> tuple[np.ndarray, int] | None:
         """The record's cached text states (float32 [tokens, width], a compact record's padded with zeros to its

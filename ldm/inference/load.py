@@ -23,7 +23,7 @@ from ldm.checkpoint.format import (
 )
 from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.serialization import has_state, state_arrays
-from ldm.models.backbone import backbone_family_of
+from ldm.models.backbone import backbone_family_of, unsupported_config
 from ldm.models.build import check_model_index, read_config, vae_folder
 from ldm.models.text import (
     FAMILIES,
@@ -164,9 +164,15 @@ def _load_for_inference(path: str, use_ema: bool):
     backbone = backbone_family_of(path)
     if backbone is None:
         raise CheckpointError(f"{path} has no unet/ nor transformer/: not a text-to-image model")
+    try:
+        why = unsupported_config(read_config(os.path.join(path, backbone.folder)))
+    except (OSError, ValueError):
+        why = None  # its loader says what is wrong with it
+    if why:
+        raise CheckpointError(f"{path}: {why}")
     unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.folder))
     family, text_folder = text_encoder_of(path)
-    text_encoder = load_pretrained(family.model_class(), text_folder)
+    text_encoder = load_pretrained(family.model_class(text_folder), text_folder)
     check_recorded_text_encoder(path, family, text_encoder, text_folder)
     tokenizer_folder = os.path.join(path, "tokenizer")
     tokenizer = load_tokenizer_of(family, tokenizer_folder)

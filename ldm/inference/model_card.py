@@ -122,14 +122,50 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
         "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
         "## Evaluation", "", *score_lines, "",
-        "## Loading", "", "diffusers (PyTorch; its pipeline gives the text encoder 77 tokens, which this one reads: "
-        "ldm-laion refuses to export a model of fewer for diffusers):", "", "```python",
-        f"from diffusers import {pipeline_class}", "",
-        f'pipeline = {pipeline_class}.from_pretrained("THIS_FOLDER")',
-        'image = pipeline("a red circle on a blue background", num_inference_steps=50).images[0]', "```", "",
-        "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout (ppdiffusers' own "
-        "`from_pretrained(..., from_diffusers=True)` fails for the LDMBert text encoder in 0.29):", "",
-        "```bash", 'python -m ldm.generate --model THIS_FOLDER --prompt "a red circle on a blue background"',
-        "python -m ldm.export --checkpoint THIS_FOLDER --output PADDLE_FOLDER   # ppdiffusers' own layout", "```", "",
+        "## Loading", "", *loading_lines(pipeline_class, tokens, is_flow(scheduler_config)),
     ]
     return "\n".join(lines)
+
+
+PROMPT = '"a red circle on a blue background"'
+LDM_GENERATE = ["```bash", f"python -m ldm.generate --model THIS_FOLDER --prompt {PROMPT}",
+                "python -m ldm.export --checkpoint THIS_FOLDER --output PADDLE_FOLDER   # ppdiffusers' own layout",
+                "```", ""]
+
+
+def loading_lines(pipeline_class: str, tokens: int | None, flow: bool) -> list[str]:
+    """How the exported folder loads, in diffusers and in ppdiffusers, for its pipeline class: what each library's
+    pipeline does with the caption length, and what it cannot read."""
+    def diffusers(call: str) -> list[str]:
+        return ["```python", f"from diffusers import {pipeline_class}", "",
+                f'pipeline = {pipeline_class}.from_pretrained("THIS_FOLDER")', f"image = pipeline({call}).images[0]",
+                "```", ""]
+
+    flow_note = (["ppdiffusers' pipelines cannot step its FlowMatchEulerDiscreteScheduler (they read "
+                  "`scheduler.init_noise_sigma`): in PaddlePaddle, sample it with `python -m ldm.generate`.", ""]
+                 if flow else [])
+    if pipeline_class == "LDMTextToImagePipeline":
+        return ["diffusers (PyTorch; its pipeline gives the text encoder 77 tokens, which this one reads: ldm-laion "
+                "refuses to export a model of fewer for diffusers):", "",
+                *diffusers(f"{PROMPT}, num_inference_steps=50"),
+                "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout (ppdiffusers' own "
+                "`from_pretrained(..., from_diffusers=True)` fails for the LDMBert text encoder in 0.29):", "",
+                *LDM_GENERATE]
+    length = f"{tokens} tokens" if tokens else "its tokenizer's `model_max_length`"
+    if pipeline_class == "PixArtAlphaPipeline":
+        call = (f"{PROMPT}, num_inference_steps=20, {f'max_sequence_length={tokens}, ' if tokens else ''}"
+                "use_resolution_binning=False, clean_caption=False")
+        return ["diffusers (PyTorch). The pipeline pads prompts to `max_sequence_length` (120 unless given): this "
+                f"model was trained on {length} (the T5's padding is masked, so the length only bounds a prompt); "
+                "`use_resolution_binning=False` samples at sizes other than its bins, `clean_caption=False` needs no "
+                "`bs4` or `ftfy`:", "", *diffusers(call),
+                "ppdiffusers (PaddlePaddle) reads this layout (its pipeline pads prompts to 120 tokens, whatever the "
+                "model; call it without `max_sequence_length`):", "", "```python",
+                "from ppdiffusers import PixArtAlphaPipeline", "",
+                'pipeline = PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)', "```", "",
+                "ldm-laion samples and converts it too:", "", *LDM_GENERATE, *flow_note]
+    return [f"diffusers (PyTorch). The pipeline pads prompts to the tokenizer's `model_max_length` ({length}), the "
+            "caption length this model was trained with; it loads without a safety checker:", "",
+            *diffusers(f"{PROMPT}, num_inference_steps=50"),
+            "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout and writes ppdiffusers' own, which "
+            "ppdiffusers' `StableDiffusionPipeline.from_pretrained` loads:", "", *LDM_GENERATE, *flow_note]

@@ -58,9 +58,21 @@ def family_of(backbone) -> BackboneFamily:
 
 def unsupported(backbone) -> str | None:
     """Why this framework cannot condition a backbone as it was trained, or None."""
+    if unsupported_config(dict(backbone.config)):
+        return unsupported_config(dict(backbone.config))
     if getattr(backbone, "use_additional_conditions", False):
         return ("its transformer takes resolution and aspect-ratio conditions (PixArt-α's 1024 px models, "
                 "sample_size 128), which this framework does not give it; the 512 px PixArt-α (sample_size 64) trains")
+    return None
+
+
+def unsupported_config(config: dict) -> str | None:
+    """Why this framework cannot condition the backbone a config describes (read before its weights), or None."""
+    added = config.get("addition_embed_type")
+    if added:
+        sdxl = " (Stable Diffusion XL's pooled text and image sizes)" if added == "text_time" else ""
+        return (f"its UNet takes added conditions, addition_embed_type {added!r}{sdxl}, which this framework does not "
+                "give it: it trains Stable Diffusion 1.x and 2.x UNets")
     return None
 
 
@@ -162,6 +174,10 @@ def text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler):
     if pair == (UNET, LDMBERT):
         return ppdiffusers.LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                                   scheduler=scheduler)
+    if pair == (UNET, CLIP) and hasattr(text_encoder, "text_projection"):
+        raise PipelineError("StableDiffusionPipeline gives its UNet the text encoder's first output, which a "
+                            "CLIPTextModelWithProjection makes its pooled projection, not its states: such a model is "
+                            "not exported as a pipeline. Sample from the checkpoint with python -m ldm.generate")
     if pair == (UNET, CLIP):
         return ppdiffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,

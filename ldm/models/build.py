@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,11 +67,20 @@ PIPELINE_PARTS = {
 }
 # parts of a text-to-image pipeline that text-to-image sampling does not use
 UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
+# The pipeline classes this framework trains, samples and exports (`model_index.json`'s `_class_name`, the same in
+# diffusers and ppdiffusers), with the parts each holds; any other class (Stable Diffusion XL's or 3's, DeepFloyd
+# IF's, an image-to-image pipeline) is refused by name, rather than read as one of these without its other parts.
+PIPELINE_CLASSES = {
+    "LDMTextToImagePipeline": ("vqvae", "bert", "tokenizer", "unet", "scheduler"),
+    "StableDiffusionPipeline": ("vae", "text_encoder", "tokenizer", "unet", "scheduler"),
+    "PixArtAlphaPipeline": ("vae", "text_encoder", "tokenizer", "transformer", "scheduler"),
+}
 
 
 def check_model_index(folder: str) -> None:
-    """Refuse a pipeline folder whose `model_index.json` names a part of a class this framework does not read, or a
-    part it would leave out (Stable Diffusion XL's `text_encoder_2`): it would be read as another model, silently.
+    """Refuse a pipeline folder of a class this framework does not read (`PIPELINE_CLASSES`: Stable Diffusion XL's,
+    named), or whose `model_index.json` names a part of a class it does not read, or a part it would leave out (a
+    `text_encoder_2`): it would be read as another model, silently.
     The scheduler may be of any class: its noise schedule is trained with, and it samples (`sampling_scheduler`)."""
     path = os.path.join(folder, "model_index.json")
     try:
@@ -78,13 +88,17 @@ def check_model_index(folder: str) -> None:
     except (OSError, ValueError) as e:
         raise ModelSourceError(f"{path}: not a readable model index ({e})") from None
     kind = index.get("_class_name", "a pipeline")
+    if "_class_name" in index and kind not in PIPELINE_CLASSES:
+        raise ModelSourceError(f"{path}: a {kind} folder, which this framework does not train, sample or export "
+                               f"(it reads {', '.join(PIPELINE_CLASSES)} folders)")
+    check_unread_parts(folder)
     for part, value in index.items():
         if part.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
             continue  # settings (requires_safety_checker), and parts the pipeline does not have ([null, null])
         library, name = value
         if part in UNUSED_PARTS or (part == "scheduler" and str(name).endswith("Scheduler")):
             continue
-        if part not in PIPELINE_PARTS or part == "scheduler":
+        if part not in PIPELINE_CLASSES.get(kind, PIPELINE_PARTS) or part == "scheduler":
             raise ModelSourceError(f"{path}: its {part} ({library} {name}) is a part this framework does not read, so "
                                    f"it would sample other images than {kind} does; use a Stable Diffusion or LDM "
                                    "text-to-image pipeline folder")
@@ -92,6 +106,23 @@ def check_model_index(folder: str) -> None:
             raise ModelSourceError(f"{path}: its {part} is a {library} {name}, which this framework does not read "
                                    f"(its {part} is a {' or '.join(PIPELINE_PARTS[part])}); use a Stable Diffusion or "
                                    "LDM text-to-image pipeline folder")
+
+
+EXTRA_TEXT_PART = re.compile(r"(text_encoder|tokenizer)_\d+")
+
+
+def check_unread_parts(folder: str) -> None:
+    """Refuse a model folder holding a second text encoder (or tokenizer: `text_encoder_2/`, Stable Diffusion XL's
+    and 3's), with or without a model index naming it: trained or exported without it, the model would silently be
+    another one."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if EXTRA_TEXT_PART.fullmatch(n))
+    except OSError:
+        return  # its loader says what is wrong with it
+    if names:
+        raise ModelSourceError(f"{folder}: its {', '.join(names)} {'are parts' if len(names) > 1 else 'is a part'} "
+                               "this framework does not read (a second text encoder, as Stable Diffusion XL's and "
+                               "3's), so it would train and sample another model than this folder's")
 
 
 def resolve_source(name_or_path: str) -> str:
@@ -290,7 +321,7 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 
 def load_frozen_text_encoder(family: TextFamily, folder: str):
     """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone."""
-    model_class = family.model_class()
+    model_class = family.model_class(folder)
     if has_weights(folder):
         return load_pretrained(model_class, folder), True
     config = read_config(folder)
@@ -402,7 +433,7 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import init_backbone, unsupported
+    from ldm.models.backbone import init_backbone, unsupported, unsupported_config
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -410,6 +441,7 @@ def build_components(
     source = resolve_source(model_name_or_path)
     if os.path.isfile(os.path.join(source, "model_index.json")):
         check_model_index(source)
+    check_unread_parts(source)
     backbone = backbone_family_of(source)
     if backbone is None:
         raise ModelSourceError(f"{model_name_or_path}: no unet/config.json nor transformer/config.json (expected a "
@@ -420,6 +452,12 @@ def build_components(
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
+    try:
+        why = unsupported_config(read_config(os.path.join(source, backbone.folder)))
+    except (OSError, ValueError):
+        why = None  # its loader says what is wrong with it
+    if why:
+        raise ModelSourceError(f"{model_name_or_path}: {why}")
     unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
     if unsupported(unet):
         raise ModelSourceError(f"{model_name_or_path}: {unsupported(unet)}")

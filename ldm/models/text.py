@@ -16,9 +16,11 @@ with its identity (`text_encoder_identity`), which every checkpoint records and 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,15 +40,20 @@ class TextFamily:
     model_types: tuple[str, ...]  # a config's `model_type` values of this family
     masked: bool = False  # its padding is masked (the UNet's cross-attention gets the mask)
 
-    def model_class(self):
+    def model_class(self, folder: str | None = None):
+        """The class of the family's encoder in `folder`: CLIP's with its projection (SDXL's and SD3's
+        `CLIPTextModelWithProjection`) when its config's `architectures` or its weights (`text_projection.weight`)
+        say so."""
         if self.name == "ldmbert":
             from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
             return LDMBertModel
         # ppdiffusers' own copies: transformers' weight names, as its pipelines use them
-        from ppdiffusers.transformers import CLIPTextModel, T5EncoderModel
+        from ppdiffusers.transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
-        return CLIPTextModel if self.name == "clip" else T5EncoderModel
+        if self.name == "t5":
+            return T5EncoderModel
+        return CLIPTextModelWithProjection if folder and has_projection(folder) else CLIPTextModel
 
     def tokenizer_class(self):
         from paddlenlp.transformers import BertTokenizer
@@ -82,6 +89,32 @@ def text_family(source: str) -> TextFamily:
                            "preset, a folder of configs or a pipeline folder")
 
 
+PROJECTION = "CLIPTextModelWithProjection"
+
+
+def has_projection(folder: str) -> bool:
+    """A CLIP text encoder folder holds a projection of its pooled output: its config names the class, or its
+    (safetensors) weights hold `text_projection.weight`."""
+    import glob
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            if PROJECTION in (json.load(f).get("architectures") or ()):
+                return True
+    except (OSError, ValueError, AttributeError):
+        return False  # its loader says what is wrong with it
+    from safetensors import safe_open
+
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        try:
+            with safe_open(path, "np") as f:
+                if any(key.endswith("text_projection.weight") for key in f.keys()):  # noqa: SIM118 - no __iter__
+                    return True
+        except Exception:  # noqa: BLE001 - safetensors raises its own types; the loader says why
+            continue
+    return False
+
+
 def family_of(text_encoder) -> TextFamily:
     """The family of a text encoder model (by its class)."""
     name = type(text_encoder).__name__
@@ -94,11 +127,29 @@ def is_masked(text_encoder) -> bool:
 
 def encode_prompt(text_encoder, input_ids):
     """(states, mask) of token ids: the mask (1 for a real token, EOS included) where the family masks its padding
-    (T5's), else None."""
+    (T5's), else None. The states are the last hidden ones: a CLIP with a projection puts its pooled vector first."""
+    if hasattr(text_encoder, "text_projection"):
+        return text_encoder(input_ids, return_dict=True).last_hidden_state, None
     if not is_masked(text_encoder):
         return text_encoder(input_ids)[0], None
     mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
     return text_encoder(input_ids, attention_mask=mask)[0], mask
+
+
+def encode_prompt_pooled(text_encoder, input_ids):
+    """(states, mask, pooled vector or None) of token ids, in one forward (`encode_prompt`, `pooled_prompt`)."""
+    if hasattr(text_encoder, "text_projection"):
+        out = text_encoder(input_ids, return_dict=True)
+        return out.last_hidden_state, None, out.text_embeds
+    return (*encode_prompt(text_encoder, input_ids), None)
+
+
+def pooled_prompt(text_encoder, input_ids):
+    """The pooled vector of token ids (SDXL's and SD3's `pooled_prompt_embeds`): a CLIP's projection of its EOS
+    token's state; None for an encoder without a projection."""
+    if not hasattr(text_encoder, "text_projection"):
+        return None
+    return text_encoder(input_ids, return_dict=True).text_embeds
 
 
 def prompt_length(text_encoder, tokenizer) -> int:
@@ -110,6 +161,24 @@ def prompt_length(text_encoder, tokenizer) -> int:
     positions = getattr(text_encoder.config, "max_position_embeddings", None)
     saved = int(tokenizer.model_max_length)
     return min(positions, saved) if positions else saved
+
+
+# LDMBert's positions, and the length of a tokenizer saved without one (a library's huge default: `NO_LENGTH`)
+DEFAULT_CAPTION_LENGTH = 77
+NO_LENGTH = 10**6
+
+
+def caption_length(asked: int | None, tokenizer, positions: int | None) -> int:
+    """The caption length a frozen encoder's states are made at, the same in training and in `encode
+    --text_embeddings`: `asked` (--model_max_length), else the model's own: its tokenizer's saved `model_max_length`
+    (Stable Diffusion's 77, PixArt-alpha's 120), at most the encoder's `positions` (CLIP's; T5's are relative)."""
+    if asked is not None:
+        if positions is not None and asked > positions:
+            raise TextEncoderError(f"--model_max_length {asked}: this text encoder reads at most {positions} tokens")
+        return asked
+    saved = int(tokenizer.model_max_length)
+    lengths = [n for n in (saved if saved < NO_LENGTH else None, positions) if n]
+    return min(lengths) if lengths else DEFAULT_CAPTION_LENGTH
 
 
 def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_source: str) -> None:
@@ -155,17 +224,21 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
 
 
 def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None, own_copy: bool = False):
-    """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model. CLIP's: vocab.json and
-    merges.txt, or, when transformers 5 wrote it, tokenizer.json alone (which PaddleNLP does not read): its BPE
-    vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the folder that
-    lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a training
-    run's checkpoint it resumed from may be rotated away meanwhile)."""
+    """The tokenizer of a pretrained encoder: its `tokenizer/` folder. T5's: spiece.model, or, when transformers 5
+    (or a recent pipeline) wrote it, tokenizer.json alone: its Unigram model is written out as the spiece.model it
+    was converted from first. CLIP's: vocab.json and merges.txt, or tokenizer.json alone (which PaddleNLP does not
+    read): its BPE vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the
+    folder that lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a
+    training run's checkpoint it resumed from may be rotated away meanwhile)."""
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     if own_copy and os.path.isdir(folder):
         folder = process_copy(folder)
     if family.name == "t5":
         if not os.path.isfile(os.path.join(folder, "spiece.model")):
-            raise TextEncoderError(f"{folder}: no spiece.model, the SentencePiece tokenizer of this T5 encoder")
+            if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+                raise TextEncoderError(f"{folder}: no spiece.model (nor tokenizer.json), the SentencePiece tokenizer "
+                                       "of this T5 encoder")
+            folder = spiece_files(folder)
         return family.tokenizer_class().from_pretrained(folder, **kwargs)
     files = [os.path.join(folder, name) for name in ("vocab.json", "merges.txt")]
     if not all(os.path.isfile(f) for f in files):
@@ -214,6 +287,91 @@ def bpe_files(folder: str) -> str:
     with open(os.path.join(copy, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "".join(m + "\n" for m in merges))
     return copy
+
+
+EXTRA_ID = re.compile(r"<extra_id_\d+>")
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def spiece_files(folder: str) -> str:
+    """A folder holding transformers' `tokenizer.json` of a T5 tokenizer (a SentencePiece Unigram model) as the
+    spiece.model it describes, with the folder's configs: a temporary copy, removed when the process ends. The
+    reverse of transformers' `T5Converter`: the pieces and scores of its `model.vocab` (less the `<extra_id_N>` it
+    appends, which the tokenizer adds back from `extra_ids`), the special tokens as control pieces, the normalizer's
+    precompiled character map, the pre-tokenizer's dummy prefix."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from paddlenlp.transformers import sentencepiece_model_pb2 as pb  # the generated module protobuf 3 reads
+
+    source = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(source, encoding="utf-8") as f:
+            spec = json.load(f)
+        model = spec["model"]
+        if model.get("type") != "Unigram":
+            raise ValueError(f"a {model.get('type')} model, not T5's Unigram")
+        vocab = [(str(piece), float(score)) for piece, score in model["vocab"]]
+        special = {t["content"] for t in spec.get("added_tokens") or () if t.get("special")}
+        unk_id = int(model.get("unk_id", 2))
+        charsmap = "".join(n.get("precompiled_charsmap") or "" for n in _parts(spec.get("normalizer")))
+        prefix = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("type") == "Metaspace"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TextEncoderError(f"{source}: not a T5 SentencePiece tokenizer ({e}); provide its spiece.model") from None
+    extra = 0
+    while extra < len(vocab) and EXTRA_ID.fullmatch(vocab[len(vocab) - 1 - extra][0]):
+        extra += 1
+    proto = pb.ModelProto()
+    byte_fallback = bool(model.get("byte_fallback"))
+    piece_type = pb.ModelProto.SentencePiece
+    for i, (piece, score) in enumerate(vocab[:len(vocab) - extra]):
+        if i == unk_id:
+            kind = piece_type.UNKNOWN
+        elif piece in special:
+            kind = piece_type.CONTROL
+        elif byte_fallback and BYTE_PIECE.fullmatch(piece):
+            kind = piece_type.BYTE
+        else:
+            kind = piece_type.NORMAL
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    ids = {piece: i for i, (piece, _) in enumerate(vocab)}
+    trainer = proto.trainer_spec
+    trainer.model_type, trainer.vocab_size, trainer.byte_fallback = pb.TrainerSpec.UNIGRAM, len(proto.pieces), \
+        byte_fallback
+    trainer.unk_id, trainer.bos_id = unk_id, -1
+    trainer.eos_id, trainer.pad_id = ids.get("</s>", -1), ids.get("<pad>", -1)
+    normalizer = proto.normalizer_spec
+    normalizer.name = "nmt_nfkc" if charsmap else "identity"
+    normalizer.precompiled_charsmap = base64.b64decode(charsmap)
+    metaspace = prefix[0] if prefix else {}  # transformers' older `add_prefix_space`, its newer `prepend_scheme`
+    normalizer.add_dummy_prefix = (metaspace.get("add_prefix_space", True) is not False
+                                   and metaspace.get("prepend_scheme", "always") != "never")
+    copy = tempfile.mkdtemp(prefix="ldm-spiece-")
+    atexit.register(shutil.rmtree, copy, True)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), copy)
+    with open(os.path.join(copy, "spiece.model"), "wb") as f:
+        f.write(proto.SerializeToString())
+    config_file = os.path.join(copy, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    # the extra ids the vocabulary ends with, which transformers 5's config no longer names
+    config.update(extra_ids=extra, additional_special_tokens=[f"<extra_id_{i}>" for i in range(extra)])
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return copy
+
+
+def _parts(component) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer and, for a `Sequence`, its members."""
+    if not isinstance(component, dict):
+        return []
+    members = component.get("normalizers") or component.get("pretokenizers")
+    return [component] + [m for m in members or () if isinstance(m, dict)]
 
 
 # -- a small CLIP tokenizer, for tests and offline presets -----------------------------------------------------------

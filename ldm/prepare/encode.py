@@ -189,7 +189,7 @@ class ShardWriters:
         finite = storable(moments, meta.dtype)
         self.skipped.setdefault(index, Counter())["non_finite_latent"] += int((~finite).sum())
         if texts is not None:
-            text_ok = np.array([storable(text[None], meta.text["dtype"])[0] for text in texts], bool)
+            text_ok = np.array([storable_text(text, meta.text) for text in texts], bool)
             self.skipped[index]["non_finite_text"] += int((finite & ~text_ok).sum())
             finite &= text_ok
         texts = [None] * len(records) if texts is None else texts
@@ -236,36 +236,86 @@ def storable(arrays: np.ndarray, dtype: str) -> np.ndarray:
     return finite
 
 
-class CaptionStates:
-    """The frozen text encoder of `encode --text_embeddings`: captions in, each one's float32 states [L, D] out (an
-    encoder that masks its padding: its real tokens only, [n, D])."""
+class EncoderStates:
+    """One frozen text encoder of `encode --text_embeddings` (its `part` of the model: `text_encoder`, ...): captions
+    in, each one's float32 states [L, D] out (an encoder that masks its padding: its real tokens only, [n, D]) with
+    its pooled vector (a CLIP with a projection's) or None; `entry`, what a record's meta says of them."""
 
-    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False, max_length: int = 77):
+    def __init__(self, part: str, family, encoder, tokenizer, dtype: str, max_length: int | None, source: str):
         from ldm.data.latents import text_fingerprint
         from ldm.data.tokenize import CaptionTokenizer
-        from ldm.models.build import load_caption_encoder
-        from ldm.models.text import text_encoder_identity
+        from ldm.models.text import TextEncoderError, caption_length, text_encoder_identity
 
-        family, self.encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
-        length = min(tokenizer.model_max_length, max_length)
+        self.encoder = encoder
+        try:  # as the training run makes them (`ldm.train.setup.with_caption_length`)
+            length = caption_length(max_length, tokenizer, getattr(encoder.config, "max_position_embeddings", None))
+        except TextEncoderError as e:
+            raise EncodeError(f"{source}: {e}") from None
         self.tokenize = CaptionTokenizer(tokenizer, length)
-        self.identity = text_encoder_identity(self.encoder, family, length)
-        width = self.encoder.config.hidden_size
-        self.meta = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [length, width]}
+        self.identity = text_encoder_identity(encoder, family, length)
+        width = getattr(encoder.config, "hidden_size", None) or encoder.config.d_model
+        self.entry = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [length, width]}
         if family.masked:
-            self.meta["length"] = length
+            self.entry["length"] = length
+        if hasattr(encoder, "text_projection"):
+            self.entry["pooled"] = [int(encoder.config.projection_dim)]
+        self.part = part
 
     @paddle.no_grad()
-    def __call__(self, captions: list[str]) -> list[np.ndarray]:
-        from ldm.models.text import encode_prompt
+    def __call__(self, captions: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        from ldm.models.text import encode_prompt_pooled
 
         # the caption as the latent record stores it (its whitespace folded), as training would tokenize it
-        ids = np.stack([self.tokenize(" ".join(caption.split())) for caption in captions])
-        states, mask = encode_prompt(self.encoder, paddle.to_tensor(ids))
+        ids = paddle.to_tensor(np.stack([self.tokenize(" ".join(caption.split())) for caption in captions]))
+        states, mask, pooled = encode_prompt_pooled(self.encoder, ids)
         states = states.astype("float32").numpy()
-        if mask is None:
-            return list(states)
-        return [s[:n] for s, n in zip(states, mask.sum(axis=1).numpy(), strict=True)]
+        pooled = [None] * len(states) if pooled is None else list(pooled.astype("float32").numpy())
+        if mask is not None:
+            states = [s[:n] for s, n in zip(states, mask.sum(axis=1).numpy(), strict=True)]
+        return list(zip(states, pooled, strict=True))
+
+
+def storable_text(text, spec: dict) -> bool:
+    """Are a caption's text states (one encoder's array, or several's [(states, pooled), ...]) finite as stored?"""
+    if "encoders" not in spec:
+        return bool(storable(text[None], spec["dtype"])[0])
+    return all(bool(storable(array[None], part["dtype"])[0]) for part, arrays in zip(spec["encoders"], text,
+                                                                                     strict=True)
+               for array in arrays if array is not None)
+
+
+class CaptionStates:
+    """The frozen text encoders of `encode --text_embeddings`, in the model's order (today one: a model of several
+    is refused at its loading): each caption's stored text states, and the meta's `text` saying how
+    (`ldm.data.latents`: one encoder's form, or several's with each one's part, fingerprint and pooled vector)."""
+
+    def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False,
+                 max_length: int | None = None):
+        from ldm.models.build import load_caption_encoder
+
+        family, encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
+        self.compose([EncoderStates(family.folder, family, encoder, tokenizer, dtype, max_length, model_name_or_path)])
+
+    @classmethod
+    def of(cls, parts: list[EncoderStates]) -> CaptionStates:
+        """The encoders given, in order (a model of several: SD3's)."""
+        captions = cls.__new__(cls)
+        captions.compose(parts)
+        return captions
+
+    def compose(self, parts: list[EncoderStates]) -> None:
+        self.parts, self.identity = parts, parts[0].identity
+        if len(self.parts) == 1:
+            self.meta = {k: v for k, v in self.parts[0].entry.items() if k != "pooled"}
+        else:
+            self.meta = {"encoders": [{"part": p.part, **p.entry} for p in self.parts]}
+
+    def __call__(self, captions: list[str]) -> list:
+        """Each caption's states (one encoder: an array; several: [(states, pooled or None), ...] in order)."""
+        per_encoder = [part(captions) for part in self.parts]
+        if len(self.parts) == 1:
+            return [states for states, _ in per_encoder[0]]
+        return [list(caption) for caption in zip(*per_encoder, strict=True)]
 
 
 def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Bucket, ...] | None = None) -> dict:

@@ -564,8 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text_embeddings", action="store_true",
                    help="also store each caption's states from the frozen text encoder of --model_name_or_path (a "
                         "Stable Diffusion model's CLIP): training then runs no text encoder")
-    p.add_argument("--model_max_length", type=int, default=77,
-                   help="caption length in tokens, as training takes it (at most the tokenizer's)")
+    p.add_argument("--model_max_length", type=int, default=None,
+                   help="caption length in tokens, as training takes it (default: the model's, its tokenizer's saved "
+                        "length within its text encoder's positions, as training's default)")
     p.add_argument("--text_dtype", choices=LATENT_DTYPES, default="float16",
                    help="stored precision of the text states (float32 for runs that must equal encoding on the fly)")
     p.add_argument("--allow_untrained_text_encoder", action="store_true",

@@ -50,6 +50,7 @@ class Objective:
 
     model: paddle.nn.Layer
     tokenizer = None  # batches carry `input_ids` when set
+    data: DataArguments | None = None  # the data arguments as it resolved them (the caption length); None: as given
     ema: EMA | None = None
     latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
     buckets: tuple[tuple[int, int], ...] | None = None  # its --aspect_buckets, for its model's size step; None: squares
@@ -123,9 +124,10 @@ class TextToImage(Objective):
                  resume: Resume | None = None):
         """`resume`: the checkpoint this run continues; without --vae_name_or_path it continues with the autoencoder
         that checkpoint was trained with (its run's `vqvae/`), not the model source's."""
-        self.data, self.sampling, self.validation = data, sampling, validation or ValidationArguments()
+        self.sampling, self.validation = sampling, validation or ValidationArguments()
         self.text = setup.text_source(model_args, resume)
         self.tokenizer = setup.build_tokenizer(data, self.text)
+        self.data = data = setup.with_caption_length(data, self.text, self.tokenizer, model_args.model_name_or_path)
         vae = model_args.vae_name_or_path or (resume.autoencoder_folder if resume else None)
         if vae and not model_args.vae_name_or_path:
             logger.info("resuming %s with the autoencoder it was trained with, %s", resume.path, vae)

@@ -185,7 +185,9 @@ class TrainingRun:
     def build(self, objective, data, groups):
         """The objective (`objective()`, built on every rank alike) and the run's record of the argument `groups`
         (a collective); `data`: the data arguments its batches are started with."""
-        self.objective, self.data = objective(), data
+        self.objective = objective()
+        self.data = self.objective.data or data
+        groups = tuple(self.data if group is data else group for group in groups)  # recorded as resolved
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision)
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import paddle
 
@@ -21,14 +21,17 @@ from ldm.models.build import (
     check_autoencoder_source,
     check_autoencoder_trained,
     has_weights,
+    read_config,
     resolve_source,
 )
 from ldm.models.diffusion import LatentDiffusion
 from ldm.models.noise import FlowSettings, is_flow, scheduler_config
 from ldm.models.text import (
+    DEFAULT_CAPTION_LENGTH,
     LDMBERT,
     TextEncoderError,
     TextFamily,
+    caption_length,
     check_vocabulary,
     load_text_tokenizer,
     text_family,
@@ -123,12 +126,32 @@ def legacy_frozen(resume, family: TextFamily) -> bool:
 def build_tokenizer(data: DataArguments, text: TextSource | None = None):
     """The captions' tokenizer: `--tokenizer_name` for LDMBert, the model's own for a pretrained encoder."""
     if text is None or text.family is LDMBERT:
-        return load_tokenizer(data.tokenizer_name, data.model_max_length)
+        return load_tokenizer(data.tokenizer_name, data.model_max_length or DEFAULT_CAPTION_LENGTH)
     try:
         return load_text_tokenizer(text.family, text.tokenizer, data.model_max_length, own_copy=True)
     except TextEncoderError as e:
         raise ModelSourceError(f"{e}: pass a Stable Diffusion folder as --model_name_or_path (or as "
                                "--init_from_checkpoint with an architecture preset)") from None
+
+
+def with_caption_length(data: DataArguments, text: TextSource, tokenizer, model_name_or_path: str) -> DataArguments:
+    """The data arguments with the caption length resolved (`ldm.models.text.caption_length`, as `encode
+    --text_embeddings` resolves it): --model_max_length, else the model's (LDMBert's 77), set on the tokenizer too,
+    which carries it to the saved tokenizer and the export."""
+    if text.family is LDMBERT:
+        length = data.model_max_length or DEFAULT_CAPTION_LENGTH
+    else:
+        folder = text.encoder or os.path.join(resolve_source(model_name_or_path), text.family.folder)
+        try:
+            positions = read_config(folder).get("max_position_embeddings")
+        except (OSError, ValueError) as e:
+            raise ModelSourceError(f"{folder}: cannot read its config.json ({e})") from None
+        try:
+            length = caption_length(data.model_max_length, tokenizer, positions)
+        except TextEncoderError as e:
+            raise ModelSourceError(f"{model_name_or_path}: {e}") from None
+    tokenizer.model_max_length = length
+    return replace(data, model_max_length=length)
 
 
 def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, recompute: bool, seed: int,
@@ -179,7 +202,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
     except TextEncoderError as e:
         raise ModelSourceError(str(e)) from None
     positions = getattr(components.text_encoder.config, "max_position_embeddings", None)
-    if positions is not None and data.model_max_length > positions:
+    if positions is not None and data.model_max_length and data.model_max_length > positions:
         raise ModelSourceError(f"--model_max_length {data.model_max_length}: the {components.family.name} text encoder "
                                f"of {components.text_source} reads at most {positions} tokens")
     return model, components
