@@ -27,6 +27,9 @@ from ldm.runtime.tracking import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet and LDMBert
+# the same autoencoder and LDMBert with a small PixArt-style diffusion transformer (a token per latent pixel),
+# trained by flow matching (its scheduler folder says so)
+OBJECTIVES = {PRESET: "epsilon", "dit-demo": "flow_matching"}  # each preset's own (its scheduler folder's)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class Settings:
     ldm_lr: float = 2e-3
     processes: int = 0  # training processes (paddle.distributed.launch); 0: default_processes()
     seed: int = 0  # of both training stages (the corpus is the same for every seed)
+    model: str = PRESET  # the preset of both training stages (its autoencoder's configuration, its backbone)
+    prediction_type: str = ""  # the LDM's objective; "": the preset's (epsilon for ldm-demo, flow for dit-demo)
     num_workers: int = 0  # 32 px PNGs decode faster in the training process than through a worker
     caption_dropout_prob: float = 0.1
     # 3, not 7.5: squares are what the LDM draws last; at 7.5 they come out rounded and read as circles (seed 0:
@@ -78,6 +83,7 @@ class Demo:
         self.out, self.settings = os.path.abspath(output_dir), settings
         self.times: dict[str, float] = {}
         self.stage_index, self.stage_count = 0, 7
+        self.sampled = self.path("pipeline")  # what the samples and the evaluation read
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.out, *parts)
@@ -129,9 +135,9 @@ class Demo:
 
     def autoencoder(self) -> None:
         s = self.settings
-        self.run("autoencoder", f"AutoencoderKL (x4, from the {PRESET} preset) on the corpus, "
+        self.run("autoencoder", f"AutoencoderKL (x4, from the {s.model} preset) on the corpus, "
                  f"{self.batches(s.autoencoder_steps, s.autoencoder_batch, s.processes)}",
-                 [*self.trainer("train_autoencoder.py", "autoencoder", s.processes), "--model_name_or_path", PRESET,
+                 [*self.trainer("train_autoencoder.py", "autoencoder", s.processes), "--model_name_or_path", s.model,
                   "--adam_weight_decay", "0", "--scale_batches", "8",  # 64 images on 2 processes, as on 1
                   *self.data_flags(s.autoencoder_batch // s.processes, s.autoencoder_steps, s.autoencoder_lr,
                                    self.path("autoencoder"), self.path("corpus", "shapes.filelist.list"))])
@@ -153,13 +159,17 @@ class Demo:
 
     def ldm(self) -> None:
         s = self.settings
-        self.run("ldm", f"the {PRESET} LDM through train_txt2img_laion400m_no_trainer.py, "
+        objective = s.prediction_type or OBJECTIVES[s.model]
+        # min-SNR weighting (gamma 5) for epsilon and v; flow matching keeps its plain (unweighted) loss
+        weighting = ["--snr_gamma", "5"] if objective != "flow_matching" else []
+        self.run("ldm", f"the {s.model} LDM through train_txt2img_laion400m_no_trainer.py, "
                  f"{self.batches(s.ldm_steps, s.ldm_batch, s.processes)}, caption dropout {s.caption_dropout_prob}",
                  [*self.trainer("train_txt2img_laion400m_no_trainer.py", "ldm", s.processes),
-                  "--model_name_or_path", PRESET, "--vae_name_or_path", self.path("autoencoder", "vqvae"),
+                  "--model_name_or_path", s.model, "--prediction_type", objective,
+                  "--vae_name_or_path", self.path("autoencoder", "vqvae"),
                   "--tokenizer_name", self.path("corpus", "tokenizer"), "--model_max_length", "16",
                   "--caption_dropout_prob", str(s.caption_dropout_prob), "--adam_weight_decay", "0.01",
-                  "--snr_gamma", "5",
+                  *weighting,
                   *self.data_flags(s.ldm_batch // s.processes, s.ldm_steps, s.ldm_lr, self.path("ldm"),
                                    self.path("latents", "latents.filelist.list"))])
         loss = last_scalar(self.path("ldm", "visualdl"), "train/loss")
@@ -169,8 +179,18 @@ class Demo:
         from ldm.checkpoint.run_folder import latest_checkpoint
 
         checkpoint = latest_checkpoint(self.path("ldm"))
+        if self.settings.model != PRESET:
+            # a diffusion transformer with LDMBert has no pipeline class in ppdiffusers or diffusers: the samples
+            # and the evaluation read the checkpoint, as python -m ldm.generate does
+            self.sampled = checkpoint
+            self.stage_index += 1
+            self.times["export"] = 0.0
+            self.summary("export", f"none: {self.settings.model} (a transformer with LDMBert) has no pipeline class; "
+                         f"sampling from {shown(checkpoint)}")
+            return
         self.run("export", "the last checkpoint as an LDMTextToImagePipeline",
                  [sys.executable, "-m", "ldm.export", "--checkpoint", checkpoint, "--output", self.path("pipeline")])
+        self.sampled = self.path("pipeline")
         self.summary("export", f"{shown(self.path('pipeline'))} (loads with LDMTextToImagePipeline.from_pretrained)")
 
     def samples(self) -> None:
@@ -181,7 +201,7 @@ class Demo:
         folder = self.path("samples")
         shutil.rmtree(folder, ignore_errors=True)
         self.run("samples", f"{len(SAMPLE_PROMPTS)} prompts x {s.sample_seeds} seeds, guidance {s.guidance_scale}",
-                 [sys.executable, "-m", "ldm.generate", "--model", self.path("pipeline"), "--prompts_file", prompts,
+                 [sys.executable, "-m", "ldm.generate", "--model", self.sampled, "--prompts_file", prompts,
                   "--num_images_per_prompt", str(s.sample_seeds), "--guidance_scale", str(s.guidance_scale),
                   "--num_inference_steps", str(s.num_inference_steps), "--output_dir", folder])
         shutil.copyfile(os.path.join(folder, "grid.png"), self.path("samples.png"))
@@ -195,7 +215,7 @@ class Demo:
             "evaluate", f"the shapes classifier on {s.eval_images_per_prompt} images for each of "
             f"{len(eval_prompts())} prompts "
             "(every colour, background and shape), on autoencoder reconstructions and on corpus images",
-            [sys.executable, "-m", "apps.eval", "shapes", "--model", self.path("pipeline"),
+            [sys.executable, "-m", "apps.eval", "shapes", "--model", self.sampled,
              "--num_images_per_prompt", str(s.eval_images_per_prompt), "--guidance_scale", str(s.guidance_scale),
              "--num_inference_steps", str(s.num_inference_steps), "--reference_images", str(s.reference_images),
              "--reconstructions", self.path("reconstructions.png"), "--json"], capture=True))
@@ -262,13 +282,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="training processes (default: 2 on a CPU with 2+ cores, 1 on a GPU); the batch "
                              "sizes are global: it changes the speed, not the recipe")
     parser.add_argument("--seed", type=int, default=0, help="seed of the autoencoder and LDM training runs")
+    parser.add_argument("--model", choices=tuple(OBJECTIVES), default=PRESET,
+                        help="the LDM: a small UNet (default) or a small diffusion transformer (dit-demo)")
+    parser.add_argument("--prediction_type", choices=("epsilon", "v_prediction", "flow_matching"), default="",
+                        help="the LDM's objective (default: the model's: epsilon for ldm-demo, flow matching for "
+                             "dit-demo)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     if args.processes < 0 or args.processes and (settings.ldm_batch % args.processes
                                                   or settings.autoencoder_batch % args.processes):
         parser.error(f"--processes {args.processes}: must divide the batch sizes {settings.autoencoder_batch} "
                      f"(autoencoder) and {settings.ldm_batch} (LDM)")
-    demo = Demo(args.output_dir, replace(settings, processes=args.processes, seed=args.seed))
+    demo = Demo(args.output_dir, replace(settings, processes=args.processes, seed=args.seed, model=args.model,
+                                        prediction_type=args.prediction_type))
     os.makedirs(demo.out, exist_ok=True)
     start = time.perf_counter()
     try:
@@ -284,13 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     plot_losses(demo.path("loss.png"), {
         "autoencoder (L1 reconstruction)": (demo.path("autoencoder", "visualdl"), "train/reconstruction_l1"),
-        "LDM (noise-prediction MSE)": (demo.path("ldm", "visualdl"), "train/loss"),
+        "LDM (training loss)": (demo.path("ldm", "visualdl"), "train/loss"),
     })
     total = round(time.perf_counter() - start, 1)
     report = {"quick": args.quick, "settings": asdict(demo.settings), "stage_seconds": demo.times,
               "total_seconds": total, **evaluation,
               "files": {name: demo.path(name) for name in ("pipeline", "samples.png", "reconstructions.png",
-                                                           "loss.png", "report.json")}}
+                                                           "loss.png", "report.json")
+                        if name != "pipeline" or demo.sampled == demo.path("pipeline")}}
     with open(demo.path("report.json"), "w") as f:
         json.dump(report, f, indent=2)
     generated, recon = evaluation["generated"], evaluation["autoencoder"]["reconstructions"]

@@ -67,3 +67,24 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     pipeline = LDMTextToImagePipeline.from_pretrained(str(out / "pipeline"))
     assert pipeline.unet.config.sample_size == 8 and pipeline.vqvae.config.scaling_factor == \
         report["autoencoder"]["scaling_factor"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_transformer_demo_trains_flow_matching_and_samples_from_its_checkpoint(tmp_path):
+    """`--model dit-demo`: the same stages with a diffusion transformer and LDMBert, which no pipeline class holds:
+    flow matching (its preset's objective) without the UNet's min-SNR weighting, sampled and scored from the
+    checkpoint. One process: the two-process stages are the UNet demo's test."""
+    out = tmp_path / "demo"
+    command = ["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--model", "dit-demo", "--processes", "1",
+               "--output_dir", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ldm_command = next(line for line in result.stdout.splitlines() if "$ python train_txt2img_laion400m" in line)
+    assert "--model_name_or_path dit-demo --prediction_type flow_matching" in ldm_command
+    assert "--snr_gamma" not in ldm_command
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["model"] == "dit-demo" and report["generated"]["images"] == 24
+    assert not (out / "pipeline").exists() and "sampling from" in result.stdout
+    run = json.loads((out / "ldm" / "run.json").read_text())
+    assert run["model"]["prediction_type"] == "flow_matching", run["model"]
