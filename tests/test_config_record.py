@@ -4,6 +4,7 @@ test_train_trainer.py."""
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,10 +101,13 @@ def test_a_resume_logs_each_change_and_refuses_those_a_run_cannot_make(tmp_path,
     assert compare_resume(str(tmp_path / "missing"), None, resumed, allow_change=False, log=False) == []
 
 
-def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog):
-    import time
-
+def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog, monkeypatch):
+    from ldm.train import progress as progress_module
     from ldm.train.progress import Progress, resolve_mode
+
+    # the progress's own clock, moved by the test: a busy machine cannot put a line's seconds between two updates
+    clock = [1000.0]
+    monkeypatch.setattr(progress_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Stream:
         def __init__(self, tty):
@@ -117,9 +121,11 @@ def test_progress_lines_come_at_logging_steps_and_every_few_seconds(caplog):
     with caplog.at_level(logging.INFO, logger="ldm.train"):
         progress = Progress("lines", total=100, initial=10, label="train", enabled=True, seconds=0.2)
         progress.update(11)
+        clock[0] += 0.05
         progress.update(12, logging_step=True)
-        time.sleep(0.25)
+        clock[0] += 0.25
         progress.update(13)
+        clock[0] += 0.1
         progress.update(14)
         silent = Progress("lines", total=100, initial=0, label="train", enabled=False)
         silent.update(1, logging_step=True)
