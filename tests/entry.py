@@ -329,3 +329,14 @@ def modes_not_as_umask_says(folder) -> list[str]:
             if mode & ~0o111 != want & ~mask & ~0o111:  # an executable bit is the writer's choice
                 wrong.append(f"{os.path.relpath(path, folder)} {oct(mode)}")
     return wrong
+
+
+def said(capsys, main, argv: list[str]) -> str:
+    """The one line a command's `main` ended on with exit status 2 (returned, or its parser's exit)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err and "Traceback" not in "\n".join(err), err
+    return err[-1]

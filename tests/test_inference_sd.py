@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT
-from entry import run_entry
+from entry import run_entry, said
 from interop_models import tiny_sd_pipeline
 from test_inference_interop import RELATIVE, relative
 
@@ -234,15 +234,6 @@ def test_an_export_stands_alone_and_names_the_diffusers_release_of_its_layout(ex
         assert "special_tokens_map_file" not in tokenizer and "name_or_path" not in tokenizer, exported_folder
 
 
-def said(capsys, main, argv: list[str]) -> str:
-    """The one line a command's `main` ended on with exit status 2 (returned, or its parser's exit)."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err and "Traceback" not in "\n".join(err), err
-    return err[-1]
 
 
 def flip_exponent_bit(weights) -> None:

@@ -6,18 +6,9 @@ import json
 import shutil
 
 import pytest
+from entry import said
 
 from ldm.models.build import PRESETS_DIR
-
-
-def said(capsys, main, argv: list[str]) -> str:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err and "Traceback" not in "\n".join(err), err
-    return err[-1]
 
 
 def sdxl_folder(tmp_path, index: bool = True, second_encoder: bool = True):

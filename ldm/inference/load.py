@@ -23,8 +23,8 @@ from ldm.checkpoint.format import (
 )
 from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.serialization import has_state, state_arrays
-from ldm.models.backbone import backbone_family_of, unsupported_config
-from ldm.models.build import check_model_index, read_config, vae_folder
+from ldm.models.backbone import backbone_family_of
+from ldm.models.build import check_model_index, read_config, unsupported_folder, vae_folder
 from ldm.models.text import (
     FAMILIES,
     LDMBERT,
@@ -164,11 +164,7 @@ def _load_for_inference(path: str, use_ema: bool):
     backbone = backbone_family_of(path)
     if backbone is None:
         raise CheckpointError(f"{path} has no unet/ nor transformer/: not a text-to-image model")
-    try:
-        why = unsupported_config(read_config(os.path.join(path, backbone.folder)))
-    except (OSError, ValueError):
-        why = None  # its loader says what is wrong with it
-    if why:
+    if why := unsupported_folder(os.path.join(path, backbone.folder)):
         raise CheckpointError(f"{path}: {why}")
     unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.folder))
     family, text_folder = text_encoder_of(path)

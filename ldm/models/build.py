@@ -53,6 +53,17 @@ def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
         return json.load(f)
 
 
+def unsupported_folder(folder: str) -> str | None:
+    """Why the backbone whose config is in `folder` cannot be trained here (`unsupported_config`), read before its
+    weights; None also when the config cannot be read: its loader then says what is wrong with it."""
+    from ldm.models.backbone import unsupported_config
+
+    try:
+        return unsupported_config(read_config(folder))
+    except (OSError, ValueError):
+        return None
+
+
 # The classes a pipeline folder's parts are read as (`model_index.json` names them; any library's spelling): a part
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
@@ -433,7 +444,7 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import init_backbone, unsupported, unsupported_config
+    from ldm.models.backbone import init_backbone, unsupported
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -452,11 +463,7 @@ def build_components(
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
-    try:
-        why = unsupported_config(read_config(os.path.join(source, backbone.folder)))
-    except (OSError, ValueError):
-        why = None  # its loader says what is wrong with it
-    if why:
+    if why := unsupported_folder(os.path.join(source, backbone.folder)):
         raise ModelSourceError(f"{model_name_or_path}: {why}")
     unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
     if unsupported(unet):
