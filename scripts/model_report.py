@@ -4,7 +4,8 @@ them on the CPU; `ldm.models.flops` counts the FLOPs as a run does at its start)
     .venv/bin/python scripts/model_report.py [--resolution 256] [--text_length 77] [preset ...]
 
 The FLOPs are of forward and backward of the backbone (UNet or DiT) and of a trained text encoder (LDMBert; a frozen
-CLIP's or T5's forward only, left out too on cached text embeddings; T5 counted from copies of 1 and 2 layers), and
+CLIP's or T5's forward only, or SD3's three, left out too on cached text embeddings; T5 counted from copies of 1 and 2
+layers), and
 the forward of the autoencoder's encoder (left out on latent shards), at `--resolution` (default: each preset's
 own) for one sample.
 """
@@ -18,11 +19,23 @@ import tempfile
 import time
 
 from ldm.models.backbone import family_of as backbone_of
-from ldm.models.build import PRESETS, build_components, model_resolution, read_config, resolve_source
+from ldm.models.build import (
+    PRESETS,
+    build_components,
+    load_frozen_text_encoder,
+    model_resolution,
+    read_config,
+    resolve_source,
+)
 from ldm.models.diffusion import LatentDiffusion
 from ldm.models.flops import forward_flops, ldm_training_flops
 from ldm.models.text import text_family
 from ldm.runtime.device import use_fast_cpu_kernels
+
+
+def t5_part(source: str) -> str:
+    """The folder of a model's T5 encoder: its `text_encoder/`, or SD3's third, `text_encoder_3/`."""
+    return "text_encoder_3" if os.path.isdir(os.path.join(source, "text_encoder_3")) else "text_encoder"
 
 
 def few_layers(preset: str, layers: int, folder: str) -> str:
@@ -30,9 +43,10 @@ def few_layers(preset: str, layers: int, folder: str) -> str:
     float32) does not fit beside the rest on a small host, and its layers after the first are alike."""
     source = resolve_source(preset)
     shutil.copytree(source, folder, dirs_exist_ok=True)
-    config = read_config(os.path.join(folder, "text_encoder"))
+    part = t5_part(folder)
+    config = read_config(os.path.join(folder, part))
     config["num_layers"] = layers
-    with open(os.path.join(folder, "text_encoder", "config.json"), "w") as f:
+    with open(os.path.join(folder, part, "config.json"), "w") as f:
         json.dump(config, f)
     return folder
 
@@ -44,12 +58,13 @@ def t5_scaled(preset: str, text_length: int, temp: str) -> tuple[int, int]:
 
     counted = []
     for layers in (1, 2):
-        encoder = build_components(few_layers(preset, layers, os.path.join(temp, str(layers))),
-                                   model_max_length=text_length).text_encoder
-        ids = paddle.ones([1, text_length], dtype="int64")
+        folder = few_layers(preset, layers, os.path.join(temp, str(layers)))
+        family = text_family(folder)  # the text encoder alone: the backbone may be billions of parameters too
+        encoder, _ = load_frozen_text_encoder(family, os.path.join(folder, family.folder))
+        ids = paddle.ones([1, text_length * getattr(encoder, "id_groups", 1)], dtype="int64")
         flops = sum(forward_flops(encoder, lambda encoder=encoder, ids=ids: encoder(ids)).values())
         counted.append((sum(int(p.numel()) for p in encoder.parameters()), flops))
-    total = read_config(os.path.join(resolve_source(preset), "text_encoder"))["num_layers"]
+    total = read_config(os.path.join(resolve_source(preset), t5_part(resolve_source(preset))))["num_layers"]
     (p1, f1), (p2, f2) = counted
     return p1 + (total - 1) * (p2 - p1), f1 + (total - 1) * (f2 - f1)
 
@@ -65,7 +80,7 @@ def main() -> None:
     for preset in args.presets:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as temp:
-            t5 = text_family(resolve_source(preset)).name == "t5"
+            t5 = text_family(resolve_source(preset)).name in ("t5", "sd3")
             source = few_layers(preset, 1, os.path.join(temp, "1")) if t5 else preset
             components = build_components(source, vocab_size=30522, model_max_length=args.text_length)
             scaled = t5_scaled(preset, args.text_length, temp) if t5 else None

@@ -25,7 +25,7 @@ import paddle
 import paddle.nn.functional as F
 
 from ldm.models.backbone import predict
-from ldm.models.text import encode_prompt
+from ldm.models.text import encode_prompt_pooled
 
 logger = logging.getLogger("ldm.train")
 
@@ -79,7 +79,7 @@ class HeldOut:
 
     @paddle.no_grad()
     def _encode(self, model) -> list[np.ndarray]:
-        from ldm.models.autoencoder import posterior
+        from ldm.models.autoencoder import posterior, scaled_latents
 
         latents: list[np.ndarray | None] = [None] * len(self.records)
         for chunk in self.chunks:
@@ -90,7 +90,8 @@ class HeldOut:
             else:
                 pixels = paddle.to_tensor(np.stack([r["pixel_values"] for r in records]))
                 mean = posterior(model.vae, pixels, model.vae_dtype).mean.astype("float32")
-            for position, latent in zip(chunk, (mean * model.scaling_factor).numpy(), strict=True):
+            scaled = scaled_latents(model.vae, mean, model.scaling_factor).numpy()
+            for position, latent in zip(chunk, scaled, strict=True):
                 latents[position] = latent
         return latents
 
@@ -121,12 +122,12 @@ class HeldOut:
             np.random.default_rng([NOISE_SEED, i]).standard_normal(latents.shape[1:]).astype("float32")
             for i in indices]))
         ids = paddle.to_tensor(np.stack([self.records[p]["input_ids"] for p in chunk]))
-        states, mask = encode_prompt(model.text_encoder, ids)
+        states, mask, pooled = encode_prompt_pooled(model.text_encoder, ids)
         sums = []
         for t in self.timesteps:
             timesteps = paddle.full([len(indices)], t, dtype="int64" if model.flow is None else "float32")
             noisy, target = model.noised(latents, noise, timesteps)
-            prediction = predict(model.unet, noisy, timesteps, states, mask).astype("float32")
+            prediction = predict(model.unet, noisy, timesteps, states, mask, pooled).astype("float32")
             loss = F.mse_loss(prediction, target.astype("float32"), reduction="none").mean(axis=[1, 2, 3])
             sums.append(float(loss.astype("float64").sum()))
         return np.array(sums)

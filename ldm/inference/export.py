@@ -17,7 +17,7 @@ from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import sampling_scheduler
 from ldm.models.backbone import PipelineError, text_to_image_pipeline
-from ldm.models.text import LDMBERT, family_of, prompt_length
+from ldm.models.text import LDMBERT, family_of, prompt_length, text_parts
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -88,11 +88,13 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
             # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
             pipeline.save_pretrained(folder, to_diffusers=True)
             # but leaves the text encoder in Paddle's layout: rewritten in PyTorch's for transformers
-            _write_torch_text_encoder(text_encoder, os.path.join(folder, family_of(text_encoder).folder))
+            for part, _, encoder in text_parts(text_encoder):
+                _write_torch_text_encoder(encoder, os.path.join(folder, part))
             _write_diffusers_version(folder)
         else:
             write_pipeline(pipeline, folder)
-        _write_standalone_tokenizer(os.path.join(folder, "tokenizer"), prompt_length(text_encoder, tokenizer))
+        for _, part, _ in text_parts(text_encoder):
+            _write_standalone_tokenizer(os.path.join(folder, part), prompt_length(text_encoder, tokenizer))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)

@@ -100,6 +100,13 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         text_line = (f"- CLIP text encoder: {_parameters(text_encoder)}, "
                      f"{b.num_hidden_layers} layers of width {b.hidden_size}, {b.num_attention_heads} heads, "
                      f"vocabulary {b.vocab_size}, {b.max_position_embeddings} positions, prompts of {length} tokens")
+    elif family.name == "sd3":
+        clip_l, clip_g, t5 = (e.config for e in text_encoder.encoders)
+        text_line = (f"- Stable Diffusion 3's text encoders (frozen): {_parameters(text_encoder)}; CLIP-L "
+                     f"{clip_l.num_hidden_layers} layers of width {clip_l.hidden_size} and CLIP-G "
+                     f"{clip_g.num_hidden_layers} layers of width {clip_g.hidden_size}, both with projections (pooled "
+                     f"{b.projection_dim}), T5 {t5.num_layers} layers of width {t5.d_model}; prompts of {tokens} "
+                     "tokens for each")
     else:
         text_line = (f"- T5 text encoder (frozen): {_parameters(text_encoder)}, {b.num_layers} layers of width "
                      f"{b.d_model}, {b.num_heads} heads, vocabulary {b.vocab_size}, prompts of {tokens} tokens, "
@@ -164,6 +171,16 @@ def loading_lines(pipeline_class: str, tokens: int | None, flow: bool) -> list[s
                 "from ppdiffusers import PixArtAlphaPipeline", "",
                 'pipeline = PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)', "```", "",
                 "ldm-laion samples and converts it too:", "", *LDM_GENERATE, *flow_note]
+    if pipeline_class == "StableDiffusion3Pipeline":
+        call = f"{PROMPT}, num_inference_steps=28{f', max_sequence_length={tokens}' if tokens else ''}"
+        return ["diffusers (PyTorch). The pipeline pads the CLIP prompts to the tokenizers' `model_max_length` "
+                f"and T5's to `max_sequence_length` (256 unless given): this model was trained on {length} for each "
+                "(T5's padding is not masked in SD3, so pass its length):", "", *diffusers(call),
+                "ppdiffusers (PaddlePaddle) reads this layout (its pipeline pads every prompt to the first "
+                "tokenizer's `model_max_length`, as trained):", "", "```python",
+                "from ppdiffusers import StableDiffusion3Pipeline", "",
+                'pipeline = StableDiffusion3Pipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)', "```", "",
+                "ldm-laion samples and converts it too:", "", *LDM_GENERATE]
     return [f"diffusers (PyTorch). The pipeline pads prompts to the tokenizer's `model_max_length` ({length}), the "
             "caption length this model was trained with; it loads without a safety checker:", "",
             *diffusers(f"{PROMPT}, num_inference_steps=50"),

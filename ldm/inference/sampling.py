@@ -14,9 +14,9 @@ import paddle
 from PIL import Image
 from ppdiffusers import DDIMScheduler
 
-from ldm.models.autoencoder import to_uint8
+from ldm.models.autoencoder import to_uint8, unscaled_latents
 from ldm.models.backbone import predict
-from ldm.models.text import encode_prompt
+from ldm.models.text import encode_prompt_pooled
 
 
 def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
@@ -88,21 +88,20 @@ def generate(
     try:
         rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
-        scaling_factor = vae.config.scaling_factor
         uncond_ids = paddle.to_tensor(tokenize(negative_prompt))[None]
         images = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])
             ids = paddle.to_tensor(np.stack([tokenize(p) for p in chunk]))
-            cond, mask = encode_prompt(text_encoder, ids)
+            context, mask, pooled = encode_prompt_pooled(text_encoder, ids)
             guided = guidance_scale != 1.0
             if guided:
-                uncond, uncond_mask = encode_prompt(text_encoder, uncond_ids)
-                context = paddle.concat([uncond.expand([len(chunk), -1, -1]), cond])
+                uncond, uncond_mask, uncond_pooled = encode_prompt_pooled(text_encoder, uncond_ids)
+                context = paddle.concat([uncond.expand([len(chunk), -1, -1]), context])
                 if mask is not None:
                     mask = paddle.concat([uncond_mask.expand([len(chunk), -1]), mask])
-            else:
-                context = cond
+                if pooled is not None:
+                    pooled = paddle.concat([uncond_pooled.expand([len(chunk), -1]), pooled])
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
             latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
@@ -111,12 +110,12 @@ def generate(
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 if hasattr(scheduler, "scale_model_input"):
                     model_input = scheduler.scale_model_input(model_input, t)
-                prediction = predict(unet, model_input, t, context, mask)
+                prediction = predict(unet, model_input, t, context, mask, pooled)
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)
                 latents = scheduler.step(prediction, t, latents).prev_sample
-            images.append(to_uint8(vae.decode(latents.astype("float32") / scaling_factor).sample))
+            images.append(to_uint8(vae.decode(unscaled_latents(vae, latents.astype("float32"))).sample))
         return np.concatenate(images)
     finally:
         paddle.set_rng_state(random_state)

@@ -37,6 +37,26 @@ def latent_moments(vae: nn.Layer, pixel_values: paddle.Tensor) -> np.ndarray:
     return np.array([float(latents.sum()), float((latents * latents).sum()), latents.size], dtype=np.float64)
 
 
+def shift_factor(vae) -> float:
+    """The latents' shift (Stable Diffusion 3's 16-channel autoencoder: 0.0609), 0 for an autoencoder without one: a
+    model is trained on (latents - shift) * scaling factor, and sampled images are decoded from latents / scaling
+    factor + shift, as diffusers' SD3 training and pipeline do."""
+    return float(vae.config.get("shift_factor") or 0.0)
+
+
+def scaled_latents(vae, latents: paddle.Tensor, factor: float) -> paddle.Tensor:
+    """Posterior samples (or means) -> what the diffusion model is trained on."""
+    shift = shift_factor(vae)
+    return (latents - shift) * factor if shift else latents * factor
+
+
+def unscaled_latents(vae, latents: paddle.Tensor) -> paddle.Tensor:
+    """A diffusion model's latents -> what the autoencoder decodes."""
+    latents = latents / float(vae.config.scaling_factor)
+    shift = shift_factor(vae)
+    return latents + shift if shift else latents
+
+
 def scaling_factor(moments: np.ndarray) -> float:
     """1 / standard deviation of the latents, so that scaled latents have unit variance."""
     total, squares, count = moments

@@ -9,7 +9,10 @@
   position embedding is 2-D sin-cos over the patch grid of `sample_size`; ppdiffusers' `PatchEmbed`
   recomputes it for another grid (an aspect-ratio bucket), its positions scaled to the trained grid's span, so a DiT
   takes any latent shape that is a multiple of its patch. `sample_size` sets that span, so it is not changed to
-  follow `--resolution` (`follow_resolution`).
+  follow `--resolution` (`follow_resolution`);
+- `sd3`: ppdiffusers' `SD3Transformer2DModel` (Stable Diffusion 3's MMDiT: text and image tokens in joint attention,
+  conditioned on the pooled text vector as well). Its position embedding is a crop of a `pos_embed_max_size` grid,
+  centred, for any patch grid up to it: a bucket takes its own crop.
 
 Everything outside `ldm/models` asks the backbone through these functions, never which family it is.
 """
@@ -34,21 +37,36 @@ class BackboneFamily:
     def model_class(self):
         import ppdiffusers
 
-        from ldm.runtime.compat import buildable_caption_projection
+        from ldm.runtime.compat import buildable_caption_projection, joint_attention_everywhere
 
         buildable_caption_projection()
+        joint_attention_everywhere()
         return getattr(ppdiffusers, self.class_name)
 
 
 UNET = BackboneFamily("unet", "unet", "UNet2DConditionModel")
 PIXART = BackboneFamily("pixart", "transformer", "Transformer2DModel")
-FAMILIES = (UNET, PIXART)
+SD3 = BackboneFamily("sd3", "transformer", "SD3Transformer2DModel")
+FAMILIES = (UNET, PIXART, SD3)
 
 
 def backbone_family_of(source: str) -> BackboneFamily | None:
-    """The family of the backbone a model folder holds (its `unet/` or `transformer/`, read or not: an unreadable one
-    is said to be so by its loader); None: neither."""
-    return next((f for f in FAMILIES if os.path.lexists(os.path.join(source, f.folder))), None)
+    """The family of the backbone a model folder holds (its `unet/`, or its `transformer/` told by its config's
+    `_class_name`; read or not: an unreadable one is said to be so by its loader); None: neither."""
+    found = [f for f in FAMILIES if os.path.lexists(os.path.join(source, f.folder))]
+    if len(found) > 1:
+        return next((f for f in found if f.class_name == config_class_name(os.path.join(source, f.folder))), found[0])
+    return found[0] if found else None
+
+
+def config_class_name(folder: str) -> str | None:
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def family_of(backbone) -> BackboneFamily:
@@ -77,21 +95,26 @@ def unsupported_config(config: dict) -> str | None:
 
 
 def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,
-            mask: paddle.Tensor | None) -> paddle.Tensor:
+            mask: paddle.Tensor | None, pooled: paddle.Tensor | None = None) -> paddle.Tensor:
     """The backbone's prediction (of `sample`'s channels) for latents at `timesteps` (a scalar or one per sample),
-    conditioned on text `states` (their `mask`: None, or 1 for a real token)."""
-    return predict_with_variance(backbone, sample, timesteps, states, mask)[0]
+    conditioned on text `states` (their `mask`: None, or 1 for a real token) and, for a backbone that reads one
+    (`reads_pooled`), the pooled text vector."""
+    return predict_with_variance(backbone, sample, timesteps, states, mask, pooled)[0]
 
 
-def predict_with_variance(backbone, sample, timesteps, states, mask):
+def predict_with_variance(backbone, sample, timesteps, states, mask, pooled=None):
     """(prediction, the learned variance's values in [-1, 1] or None: a backbone with twice the latents' channels)."""
-    if family_of(backbone) is UNET:
+    family = family_of(backbone)
+    if family is UNET:
         out = backbone(sample, timesteps, encoder_hidden_states=states, encoder_attention_mask=mask).sample
     else:
         if timesteps.ndim == 0:
             timesteps = timesteps.expand([sample.shape[0]])
-        out = backbone(sample, encoder_hidden_states=states, timestep=timesteps, encoder_attention_mask=mask,
-                       added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+        if family is SD3:
+            out = backbone(sample, encoder_hidden_states=states, pooled_projections=pooled, timestep=timesteps).sample
+        else:
+            out = backbone(sample, encoder_hidden_states=states, timestep=timesteps, encoder_attention_mask=mask,
+                           added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
     channels = sample.shape[1]
     if out.shape[1] == 2 * channels:  # learned sigma: the second half is no prediction of the latents
         return out[:, :channels], out[:, channels:]
@@ -107,7 +130,14 @@ def size_step(config) -> int:
 
 def context_width(config) -> int:
     """The width of the text states the backbone reads."""
-    return int(getattr(config, "caption_channels", None) or config.cross_attention_dim)
+    return int(getattr(config, "joint_attention_dim", None) or getattr(config, "caption_channels", None)
+               or config.cross_attention_dim)
+
+
+def reads_pooled(config) -> int | None:
+    """The width of the pooled text vector the backbone reads (SD3's `pooled_projections`), or None."""
+    width = getattr(config, "pooled_projection_dim", None)
+    return int(width) if width else None
 
 
 def follow_resolution(backbone, latent: int) -> None:
@@ -133,8 +163,12 @@ def init_backbone(backbone) -> None:
 
     from ldm.models.init import init_ldm_weights, zero_
 
-    if family_of(backbone) is UNET:
+    family = family_of(backbone)
+    if family is UNET:
         init_ldm_weights(backbone, None)
+        return
+    if family is SD3:
+        init_mmdit(backbone)
         return
     for layer in backbone.sublayers():
         if isinstance(layer, paddle.nn.Linear):
@@ -156,6 +190,35 @@ def init_backbone(backbone) -> None:
     zero_(backbone.proj_out)
 
 
+def init_mmdit(backbone) -> None:
+    """An MMDiT from scratch as DiT initialises its blocks (SD3's code ships none): Xavier-uniform linear layers and
+    patch projection (biases 0), N(0, 0.02) for the timestep and pooled-text MLPs, zero for every adaLN modulation (each
+    block starts as the identity) and the final projection."""
+    from paddle.nn.initializer import Constant, Normal, XavierUniform
+
+    from ldm.models.init import zero_
+
+    for layer in backbone.sublayers():
+        if isinstance(layer, paddle.nn.Linear):
+            XavierUniform()(layer.weight)
+            if layer.bias is not None:
+                Constant(0.0)(layer.bias)
+    proj = backbone.pos_embed.proj
+    fan_in, fan_out = proj.weight.shape[1] * proj.weight.shape[2] * proj.weight.shape[3], proj.weight.shape[0]
+    bound = (6.0 / (fan_in + fan_out)) ** 0.5
+    proj.weight.set_value(paddle.uniform(proj.weight.shape, min=-bound, max=bound))
+    Constant(0.0)(proj.bias)
+    embedder = backbone.time_text_embed
+    for layer in (embedder.timestep_embedder.linear_1, embedder.timestep_embedder.linear_2,
+                  embedder.text_embedder.linear_1, embedder.text_embedder.linear_2):
+        Normal(0.0, 0.02)(layer.weight)
+    for block in backbone.transformer_blocks:
+        for norm in (block.norm1, block.norm1_context):
+            zero_(norm.linear)
+    zero_(backbone.norm_out.linear)
+    zero_(backbone.proj_out)
+
+
 class PipelineError(ValueError):
     """A model no text-to-image pipeline class of ppdiffusers or diffusers samples as it was trained."""
 
@@ -163,14 +226,20 @@ class PipelineError(ValueError):
 def text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler):
     """The ppdiffusers pipeline of a backbone and a text encoder: `LDMTextToImagePipeline` (a UNet, LDMBert),
     `StableDiffusionPipeline` (a UNet, CLIP; no safety checker, as a pretraining framework's own samples need none),
-    `PixArtAlphaPipeline` (a DiT, T5: it gives the transformer the encoder's mask). A UNet with T5 has none: neither
-    library's UNet pipelines pass the mask."""
+    `PixArtAlphaPipeline` (a DiT, T5: it gives the transformer the encoder's mask), `StableDiffusion3Pipeline` (an
+    MMDiT, SD3's three encoders). A UNet with T5 has none: neither library's UNet pipelines pass the mask."""
     import ppdiffusers
 
-    from ldm.models.text import CLIP, LDMBERT, T5
+    from ldm.models.text import CLIP, LDMBERT, SD3_TEXT, T5
     from ldm.models.text import family_of as text_family_of
 
     pair = (family_of(unet), text_family_of(text_encoder))
+    if pair == (SD3, SD3_TEXT):
+        clip_l, clip_g, t5 = text_encoder.encoders
+        first, second, third = tokenizer.tokenizers
+        return ppdiffusers.StableDiffusion3Pipeline(
+            transformer=unet, scheduler=scheduler, vae=vae, text_encoder=clip_l, tokenizer=first,
+            text_encoder_2=clip_g, tokenizer_2=second, text_encoder_3=t5, tokenizer_3=third)
     if pair == (UNET, LDMBERT):
         return ppdiffusers.LDMTextToImagePipeline(vqvae=vae, bert=text_encoder, tokenizer=tokenizer, unet=unet,
                                                   scheduler=scheduler)
@@ -198,6 +267,8 @@ def pipeline_class_name(unet, text_encoder) -> str:
 
     if family_of(unet) is PIXART:
         return "PixArtAlphaPipeline"
+    if family_of(unet) is SD3:
+        return "StableDiffusion3Pipeline"
     return "LDMTextToImagePipeline" if text_family_of(text_encoder).name == "ldmbert" else "StableDiffusionPipeline"
 
 
@@ -206,6 +277,10 @@ def describe_backbone(backbone) -> str:
     c = backbone.config
     parameters = f"{sum(int(p.numel()) for p in backbone.parameters()) / 1e6:.2f} M parameters"
     latents = f"latents {c.in_channels}x{c.sample_size}x{c.sample_size}"
+    if family_of(backbone) is SD3:
+        return (f"SD3Transformer2DModel (MMDiT): {parameters}, {c.num_layers} joint blocks of {c.num_attention_heads} "
+                f"heads x {c.attention_head_dim}, patch {c.patch_size}, text states {c.joint_attention_dim} wide "
+                f"projected to {c.caption_projection_dim}, pooled text {c.pooled_projection_dim}, {latents}")
     if family_of(backbone) is PIXART:
         return (f"Transformer2DModel (PixArt-α DiT): {parameters}, {c.num_layers} blocks of {c.num_attention_heads} "
                 f"heads x {c.attention_head_dim}, patch {c.patch_size}, adaLN-single, caption channels "

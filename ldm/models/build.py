@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ldm.models.backbone import UNET, backbone_family_of, context_width
+from ldm.models.backbone import SD3, UNET, backbone_family_of, context_width, reads_pooled
 from ldm.models.text import LDMBERT, TextFamily, text_family
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
@@ -68,13 +68,17 @@ def unsupported_folder(folder: str) -> str | None:
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
     "unet": ("UNet2DConditionModel",),
-    "transformer": ("Transformer2DModel",),
+    "transformer": ("Transformer2DModel", "SD3Transformer2DModel"),
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
-    "text_encoder": ("CLIPTextModel", "T5EncoderModel"),
+    "text_encoder": ("CLIPTextModel", "T5EncoderModel", "CLIPTextModelWithProjection"),
+    "text_encoder_2": ("CLIPTextModelWithProjection",),
+    "text_encoder_3": ("T5EncoderModel",),
     "tokenizer": ("BertTokenizer", "BertTokenizerFast", "CLIPTokenizer", "CLIPTokenizerFast", "T5Tokenizer",
                   "T5TokenizerFast"),
+    "tokenizer_2": ("CLIPTokenizer", "CLIPTokenizerFast"),
+    "tokenizer_3": ("T5Tokenizer", "T5TokenizerFast"),
 }
 # parts of a text-to-image pipeline that text-to-image sampling does not use
 UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
@@ -85,6 +89,8 @@ PIPELINE_CLASSES = {
     "LDMTextToImagePipeline": ("vqvae", "bert", "tokenizer", "unet", "scheduler"),
     "StableDiffusionPipeline": ("vae", "text_encoder", "tokenizer", "unet", "scheduler"),
     "PixArtAlphaPipeline": ("vae", "text_encoder", "tokenizer", "transformer", "scheduler"),
+    "StableDiffusion3Pipeline": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+                                 "tokenizer_2", "tokenizer_3", "transformer", "scheduler"),
 }
 
 
@@ -125,7 +131,11 @@ EXTRA_TEXT_PART = re.compile(r"(text_encoder|tokenizer)_\d+")
 def check_unread_parts(folder: str) -> None:
     """Refuse a model folder holding a second text encoder (or tokenizer: `text_encoder_2/`, Stable Diffusion XL's
     and 3's), with or without a model index naming it: trained or exported without it, the model would silently be
-    another one."""
+    another one. Stable Diffusion 3's three (`ldm.models.text_set`) are read."""
+    from ldm.models.text_set import is_set_source
+
+    if is_set_source(folder) and backbone_family_of(folder) is SD3:
+        return
     try:
         names = sorted(n for n in os.listdir(folder) if EXTRA_TEXT_PART.fullmatch(n))
     except OSError:
@@ -331,7 +341,10 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 
 
 def load_frozen_text_encoder(family: TextFamily, folder: str):
-    """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone."""
+    """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone; SD3's
+    set: each of its three so (loaded: all three had weights)."""
+    if family.name == "sd3":
+        return family.model_class(folder).from_folders(folder)
     model_class = family.model_class(folder)
     if has_weights(folder):
         return load_pretrained(model_class, folder), True
@@ -351,6 +364,9 @@ def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False)
         if family is LDMBERT:
             raise TextEncoderError("its LDMBert text encoder trains with the UNet: its states change at every update "
                                    "and cannot be cached. Cached text states are for a frozen encoder (CLIP's)")
+        if family.name == "sd3":
+            raise TextEncoderError("Stable Diffusion 3's three text encoders: their cached states are not read by "
+                                   "training yet; train it from captions (its encoders run frozen, under no_grad)")
         tokenizer = load_text_tokenizer(family, os.path.join(source, "tokenizer"))
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
@@ -491,6 +507,13 @@ def check_context(unet, text_encoder, name: str) -> None:
     if context_width(unet.config) != width:
         raise ModelSourceError(f"{name}: the {type(unet).__name__} reads text states {context_width(unet.config)} "
                                f"wide and its text encoder's are {width} wide: they cannot work together")
+    pooled = reads_pooled(unet.config)
+    made = getattr(text_encoder.config, "projection_dim", None) if type(text_encoder).__name__ == "TextEncoderSet" \
+        else None
+    if pooled != made:
+        raise ModelSourceError(f"{name}: the {type(unet).__name__} reads a pooled text vector {pooled or 'no'} wide "
+                               f"and its text encoders make {made or 'none'}: they cannot work together (an SD3 "
+                               "transformer reads SD3's three text encoders)")
 
 
 def check_autoencoder_source(model_name_or_path: str, vae_name_or_path: str | None, allowed: bool) -> None:

@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
-from ldm.models.autoencoder import posterior
+from ldm.models.autoencoder import posterior, scaled_latents
 from ldm.models.backbone import predict_with_variance
 from ldm.models.noise import (
     PREDICTION_TYPES,
@@ -23,7 +23,7 @@ from ldm.models.noise import (
     scheduler_config,
     variational_bound,
 )
-from ldm.models.text import encode_prompt
+from ldm.models.text import encode_prompt, encode_prompt_pooled
 
 
 def freeze(layer: nn.Layer) -> None:
@@ -97,16 +97,18 @@ class LatentDiffusion(nn.Layer):
 
     @paddle.no_grad()
     def encode_latents(self, pixel_values: paddle.Tensor) -> paddle.Tensor:
-        """Frozen VAE in `vae_dtype` (float32 by default, even under AMP): float32 latents scaled by the VAE
-        config's factor."""
-        return posterior(self.vae, pixel_values, self.vae_dtype).sample().astype("float32") * self.scaling_factor
+        """Frozen VAE in `vae_dtype` (float32 by default, even under AMP): float32 latents shifted and scaled by the
+        VAE config's factors (`scaled_latents`)."""
+        latents = posterior(self.vae, pixel_values, self.vae_dtype).sample().astype("float32")
+        return scaled_latents(self.vae, latents, self.scaling_factor)
 
-    def encode_text(self, input_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:
-        """(states, mask: None unless the encoder masks its padding) of token ids."""
+    def encode_text(self, input_ids: paddle.Tensor):
+        """(states, mask: None unless the encoder masks its padding, pooled vector: None unless the backbone reads one)
+        of token ids."""
         if self.freeze_text_encoder:
             with paddle.no_grad():
-                return encode_prompt(self.text_encoder, input_ids)
-        return encode_prompt(self.text_encoder, input_ids)
+                return encode_prompt_pooled(self.text_encoder, input_ids)
+        return encode_prompt_pooled(self.text_encoder, input_ids)
 
     @property
     def num_train_timesteps(self) -> int:
@@ -141,11 +143,13 @@ class LatentDiffusion(nn.Layer):
     @paddle.no_grad()
     def sample_latents(self, latent_moments: paddle.Tensor) -> paddle.Tensor:
         """Precomputed posterior moments (`ldm.data.latents`) -> scaled latents: what `encode_latents` gives."""
-        return DiagonalGaussianDistribution(latent_moments.astype("float32")).sample() * self.scaling_factor
+        sample = DiagonalGaussianDistribution(latent_moments.astype("float32")).sample()
+        return scaled_latents(self.vae, sample, self.scaling_factor)
 
     def context(self, input_ids, text_states, text_dropped, text_lengths=None):
-        """(states, mask) the UNet attends to: the text encoder's of `input_ids`, or cached ones (`text_states`, float32
-        [B, L, D], the first `text_lengths` real for a masked encoder) with the empty caption's where `text_dropped`."""
+        """(states, mask, pooled) the backbone is conditioned on: the text encoder's of `input_ids`, or cached ones
+        (`text_states`, float32 [B, L, D], the first `text_lengths` real for a masked encoder) with the empty caption's
+        where `text_dropped`."""
         if text_states is None:
             return self.encode_text(input_ids)
         if self.empty_states is None:
@@ -154,11 +158,11 @@ class LatentDiffusion(nn.Layer):
         states = paddle.to_tensor(text_states).astype("float32")
         states = paddle.where(dropped.reshape([-1, 1, 1]), self.empty_states.expand(states.shape), states)
         if self.empty_length is None:
-            return states, None
+            return states, None, None
         lengths = paddle.where(dropped, paddle.full_like(paddle.to_tensor(text_lengths), self.empty_length),
                                paddle.to_tensor(text_lengths))
         mask = (paddle.arange(states.shape[1])[None] < lengths[:, None]).astype("int64")
-        return states, mask
+        return states, mask, None
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,
                 latent_moments: paddle.Tensor | None = None, details: bool = False, text_states=None,
@@ -176,8 +180,8 @@ class LatentDiffusion(nn.Layer):
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
         timesteps = self.draw_timesteps(batch)
         noisy_latents, target = self.noised(latents, noise, timesteps)
-        context, mask = self.context(input_ids, text_states, text_dropped, text_lengths)
-        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask)
+        context, mask, pooled = self.context(input_ids, text_states, text_dropped, text_lengths)
+        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask, pooled)
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])
         weights = self.loss_weights(timesteps)

@@ -107,7 +107,8 @@ def ldm_training_flops(model, *, resolution: int | tuple[int, int], text_length:
     The random state is left as it was."""
     height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
     pixels = paddle.zeros([1, 3, height, width], dtype="float32")
-    ids = paddle.zeros([1, text_length], dtype="int64")
+    # a set of encoders (`ldm.models.text_set`) reads each one's ids end to end
+    ids = paddle.zeros([1, text_length * getattr(model.text_encoder, "id_groups", 1)], dtype="int64")
     forward = forward_flops(model, lambda: model(pixels, ids))
     text_trains = any(not p.stop_gradient for p in model.text_encoder.parameters())
     flops = {

@@ -48,6 +48,10 @@ class TextFamily:
             from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
             return LDMBertModel
+        if self.name == "sd3":
+            from ldm.models.text_set import TextEncoderSet
+
+            return TextEncoderSet
         # ppdiffusers' own copies: transformers' weight names, as its pipelines use them
         from ppdiffusers.transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
@@ -65,12 +69,18 @@ class TextFamily:
 LDMBERT = TextFamily("ldmbert", "bert", True, ("ldmbert",))
 CLIP = TextFamily("clip", "text_encoder", False, ("clip_text_model", "clip"))
 T5 = TextFamily("t5", "text_encoder", False, ("t5",), masked=True)
-FAMILIES = (LDMBERT, CLIP, T5)
+# Stable Diffusion 3's three (`ldm.models.text_set`): CLIP-L, CLIP-G and T5, read as one
+SD3_TEXT = TextFamily("sd3", "text_encoder", False, ("sd3_text_encoders",))
+FAMILIES = (LDMBERT, CLIP, T5, SD3_TEXT)
 
 
 def text_family(source: str) -> TextFamily:
     """The family of the text encoder a model folder (preset, configs or pipeline) holds: its `bert/` or its
-    `text_encoder/`, told by the config's `model_type`."""
+    `text_encoder/`, told by the config's `model_type`; SD3's set: its `text_encoder/`, `_2/` and `_3/`."""
+    from ldm.models.text_set import is_set_source
+
+    if is_set_source(source):
+        return SD3_TEXT
     for folder in ("bert", "text_encoder"):
         config = os.path.join(source, folder, "config.json")
         if not os.path.isfile(config):
@@ -118,7 +128,18 @@ def has_projection(folder: str) -> bool:
 def family_of(text_encoder) -> TextFamily:
     """The family of a text encoder model (by its class)."""
     name = type(text_encoder).__name__
+    if name == "TextEncoderSet":
+        return SD3_TEXT
     return LDMBERT if name.startswith("LDMBert") else T5 if name.startswith("T5") else CLIP
+
+
+def text_parts(text_encoder) -> list[tuple[str, str, object]]:
+    """(encoder folder, tokenizer folder, model) of each text encoder a pipeline holds: one, or SD3's three."""
+    if family_of(text_encoder) is SD3_TEXT:
+        from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS
+
+        return list(zip(ENCODER_PARTS, TOKENIZER_PARTS, text_encoder.encoders, strict=True))
+    return [(family_of(text_encoder).folder, "tokenizer", text_encoder)]
 
 
 def is_masked(text_encoder) -> bool:
@@ -128,6 +149,8 @@ def is_masked(text_encoder) -> bool:
 def encode_prompt(text_encoder, input_ids):
     """(states, mask) of token ids: the mask (1 for a real token, EOS included) where the family masks its padding
     (T5's), else None. The states are the last hidden ones: a CLIP with a projection puts its pooled vector first."""
+    if family_of(text_encoder) is SD3_TEXT:
+        return text_encoder(input_ids)[0], None
     if hasattr(text_encoder, "text_projection"):
         return text_encoder(input_ids, return_dict=True).last_hidden_state, None
     if not is_masked(text_encoder):
@@ -138,6 +161,9 @@ def encode_prompt(text_encoder, input_ids):
 
 def encode_prompt_pooled(text_encoder, input_ids):
     """(states, mask, pooled vector or None) of token ids, in one forward (`encode_prompt`, `pooled_prompt`)."""
+    if family_of(text_encoder) is SD3_TEXT:
+        states, pooled = text_encoder(input_ids)
+        return states, None, pooled
     if hasattr(text_encoder, "text_projection"):
         out = text_encoder(input_ids, return_dict=True)
         return out.last_hidden_state, None, out.text_embeds
@@ -185,6 +211,11 @@ def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_sou
     """Every token id the tokenizer makes has a row in the encoder's embedding: a larger tokenizer fails deep in
     Paddle ("expected >= 0 and < N") at the first caption that uses a token past the end, or at the empty caption's
     end-of-text token."""
+    if family_of(text_encoder) is SD3_TEXT:
+        from ldm.models.text_set import check_set_vocabulary
+
+        check_set_vocabulary(tokenizer, tokenizer_source, text_encoder, encoder_source)
+        return
     rows = int(text_encoder.config.vocab_size)
     size = len(tokenizer)
     if size > rows:
@@ -230,6 +261,10 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
     read): its BPE vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the
     folder that lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a
     training run's checkpoint it resumed from may be rotated away meanwhile)."""
+    if family is SD3_TEXT:
+        from ldm.models.text_set import TokenizerSet
+
+        return TokenizerSet.from_folder(folder, model_max_length, own_copy)
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     if own_copy and os.path.isdir(folder):
         folder = process_copy(folder)

@@ -209,6 +209,8 @@ def load_pretrained(model_class, folder: str):
     """A part from its folder in either layout: PyTorch's here, Paddle's by the library's `from_pretrained`. A folder
     with no weights file at all (a half-copied or half-converted pipeline) is said to be so, not left to the library
     (whose message names only its own file names)."""
+    if getattr(model_class, "composite", False):  # several models' folders (`ldm.models.text_set`)
+        return model_class.from_pretrained(folder)
     if not os.path.isdir(folder):  # a symlink loop, a dangling link, a file: one line, not the library's search
         try:
             os.stat(folder)

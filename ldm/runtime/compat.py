@@ -370,3 +370,35 @@ def buildable_caption_projection() -> None:
 
     projection.__init__ = __init__
     projection._ldm_buildable = True
+
+
+# --- ppdiffusers: SD3's joint attention off the GPU build ----------------------------------------------------------
+
+def joint_attention_everywhere() -> None:
+    """ppdiffusers 0.29's `JointAttnProcessor2_5` (every `SD3Transformer2DModel` block) calls
+    `paddle.nn.functional.scaled_dot_product_attention_`, which ppdiffusers defines only where its fused attention
+    kernels are (a GPU build): elsewhere no SD3 transformer runs. Where it is missing, it is given the plain form
+    ppdiffusers' own "math" branch computes (inputs and output [batch, tokens, heads, head dim])."""
+    import math
+
+    import paddle
+    import paddle.nn.functional as F
+
+    if hasattr(F, "scaled_dot_product_attention_"):
+        return
+
+    def scaled_dot_product_attention_(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                      training=True, attention_op=None):
+        if is_causal or attention_op not in (None, "auto", "math"):
+            raise NotImplementedError("only non-causal attention in the math form is provided off the GPU build")
+        scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+        q, k, v = (paddle.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
+        scores = paddle.matmul(q * scale, k, transpose_y=True)
+        if attn_mask is not None:
+            scores = scores + attn_mask.cast(scores.dtype)
+        weights = F.softmax(scores, axis=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, dropout_p, training=training, mode="upscale_in_train")
+        return paddle.transpose(paddle.matmul(weights, v), [0, 2, 1, 3])
+
+    F.scaled_dot_product_attention_ = scaled_dot_product_attention_
