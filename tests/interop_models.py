@@ -89,6 +89,24 @@ def tiny_pixart_pipeline(folder: str, to_diffusers: bool = True) -> str:
                            os.path.join(folder, "diffusers" if to_diffusers else "ppdiffusers"), to_diffusers)
 
 
+def tiny_sd3_pipeline(folder: str) -> str:
+    """The sd3-tiny StableDiffusion3Pipeline (an MMDiT; CLIP-L, CLIP-G and T5 with their tokenizers; the 16-channel
+    autoencoder with its shift) with seeded weights, flow matching, in diffusers' layout."""
+    sys.path.insert(0, ROOT)
+    from ldm.inference.export import export_pipeline
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components
+    from ldm.models.noise import scheduler_config
+
+    c = build_components("sd3-tiny")
+    for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
+        fill_seeded(part, 80 + seed)
+    tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
+    tokenizer.model_max_length = MAX_LENGTH
+    return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer, scheduler_config(c.noise_scheduler),
+                           os.path.join(folder, "diffusers"), to_diffusers=True)
+
+
 def tiny_t5_model(folder: str) -> str:
     """A model folder whose text encoder is a seeded tiny T5 (with a SentencePiece tokenizer trained here on a few
     words) beside sd-tiny's UNet and autoencoder, with weights: what the T5 tests train and encode with."""

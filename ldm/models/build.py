@@ -344,7 +344,12 @@ def load_frozen_text_encoder(family: TextFamily, folder: str):
     """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone; SD3's
     set: each of its three so (loaded: all three had weights)."""
     if family.name == "sd3":
-        return family.model_class(folder).from_folders(folder)
+        from ldm.models.text import CLIP, T5
+        from ldm.models.text_set import ENCODER_PARTS, TextEncoderSet, part_folders
+
+        built = [load_frozen_text_encoder(part, f) for part, f in
+                 zip((CLIP, CLIP, T5), part_folders(folder, ENCODER_PARTS), strict=True)]
+        return TextEncoderSet(*(model for model, _ in built)), all(loaded for _, loaded in built)
     model_class = family.model_class(folder)
     if has_weights(folder):
         return load_pretrained(model_class, folder), True

@@ -212,9 +212,11 @@ def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_sou
     Paddle ("expected >= 0 and < N") at the first caption that uses a token past the end, or at the empty caption's
     end-of-text token."""
     if family_of(text_encoder) is SD3_TEXT:
-        from ldm.models.text_set import check_set_vocabulary
+        from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS, part_folders
 
-        check_set_vocabulary(tokenizer, tokenizer_source, text_encoder, encoder_source)
+        for one, folder, encoder, part in zip(tokenizer.tokenizers, part_folders(tokenizer_source, TOKENIZER_PARTS),
+                                              text_encoder.encoders, ENCODER_PARTS, strict=True):
+            check_vocabulary(one, folder, encoder, os.path.join(encoder_source, part))
         return
     rows = int(text_encoder.config.vocab_size)
     size = len(tokenizer)
@@ -251,7 +253,8 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
     config = json.dumps(config_dict(layer), sort_keys=True, default=str)
     return {"family": family.name, "class": type(layer).__name__,
             "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": weights_sha256(layer),
-            "hidden_layer": "last", "max_length": int(max_length)}
+            "hidden_layer": "penultimate CLIP, last T5" if family is SD3_TEXT else "last",
+            "max_length": int(max_length)}
 
 
 def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int | None = None, own_copy: bool = False):
@@ -261,10 +264,13 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
     read): its BPE vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the
     folder that lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a
     training run's checkpoint it resumed from may be rotated away meanwhile)."""
-    if family is SD3_TEXT:
-        from ldm.models.text_set import TokenizerSet
+    if family is SD3_TEXT:  # its three, each at the first's caption length
+        from ldm.models.text_set import TOKENIZER_PARTS, TokenizerSet, part_folders
 
-        return TokenizerSet.from_folder(folder, model_max_length, own_copy)
+        tokenizers = TokenizerSet(load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
+                                  zip((CLIP, CLIP, T5), part_folders(folder, TOKENIZER_PARTS), strict=True))
+        tokenizers.model_max_length = tokenizers.model_max_length
+        return tokenizers
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     if own_copy and os.path.isdir(folder):
         folder = process_copy(folder)

@@ -91,23 +91,12 @@ class TextEncoderSet(nn.Layer):
 
         return cls(*(load_pretrained(model_class(f), f) for f in part_folders(folder, ENCODER_PARTS)))
 
-    @classmethod
-    def from_folders(cls, folder: str):
-        """(set, loaded: every part has weights) of a set's folders, each part built from its config where it has no
-        weights."""
-        from ldm.models.build import load_frozen_text_encoder
-        from ldm.models.text import CLIP, T5
-
-        built = [load_frozen_text_encoder(family, f) for family, f in
-                 zip((CLIP, CLIP, T5), part_folders(folder, ENCODER_PARTS), strict=True)]
-        return cls(*(model for model, _ in built)), all(loaded for _, loaded in built)
-
-
 def model_class(folder: str):
-    from ldm.models.text import CLIP, T5
+    """The class of a set's part in `folder`: SD3's CLIPs have projections; its third is a T5 encoder."""
+    from ppdiffusers.transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-    return T5.model_class(folder) if os.path.basename(os.path.normpath(folder)) == ENCODER_PARTS[-1] \
-        else CLIP.model_class(folder)
+    return T5EncoderModel if os.path.basename(os.path.normpath(folder)) == ENCODER_PARTS[-1] \
+        else CLIPTextModelWithProjection
 
 
 class SetConfig(SimpleNamespace):
@@ -116,9 +105,9 @@ class SetConfig(SimpleNamespace):
 
 
 def config_of(encoder) -> dict:
-    from ldm.models.text import config_dict
-
-    return config_dict(encoder)
+    config = encoder.config.to_dict()
+    volatile = ("paddlenlp_version", "transformers_version", "architectures", "torch_dtype", "dtype")
+    return {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
 
 
 class TokenizerSet:
@@ -154,19 +143,3 @@ class TokenizerSet:
         os.makedirs(folder, exist_ok=True)
         for part, tokenizer in zip(TOKENIZER_PARTS, self.tokenizers, strict=True):
             tokenizer.save_pretrained(os.path.join(folder, part))
-
-    @classmethod
-    def from_folder(cls, folder: str, model_max_length: int | None = None, own_copy: bool = False):
-        from ldm.models.text import CLIP, T5, load_text_tokenizer
-
-        return cls(load_text_tokenizer(family, f, model_max_length, own_copy) for family, f in
-                   zip((CLIP, CLIP, T5), part_folders(folder, TOKENIZER_PARTS), strict=True))
-
-
-def check_set_vocabulary(tokenizer: TokenizerSet, tokenizer_source: str, text_encoder: TextEncoderSet,
-                         encoder_source: str) -> None:
-    from ldm.models.text import check_vocabulary
-
-    for part, one, encoder, folder in zip(ENCODER_PARTS, tokenizer.tokenizers, text_encoder.encoders,
-                                          part_folders(tokenizer_source, TOKENIZER_PARTS), strict=True):
-        check_vocabulary(one, folder, encoder, os.path.join(encoder_source, part))

@@ -1,0 +1,148 @@
+"""Stable Diffusion 3 by composition: ppdiffusers' `SD3Transformer2DModel` (an MMDiT reading the pooled text vector)
+with SD3's three frozen text encoders read as one (`ldm.models.text_set`) and the 16-channel autoencoder's shift,
+trained with flow matching from a diffusers `StableDiffusion3Pipeline` folder in an aspect-ratio bucket, resumed,
+exported in diffusers' layout and sampled by ppdiffusers' `StableDiffusion3Pipeline` as by `ldm.generate`; the
+Trainer path from the preset; the 2 B preset's architecture."""
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from corpus import write_corpus
+from entry import run_entry, run_python
+from safetensors.numpy import load_file
+
+from ldm.models.build import PRESETS_DIR
+
+RESOLUTION = 32
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from interop_models import tiny_sd3_pipeline
+
+    return tiny_sd3_pipeline(str(tmp_path_factory.mktemp("sd3")))
+
+
+def test_the_sd3_preset_is_sd3_mediums_architecture():
+    """Its parts fit together as SD3's do: CLIP-L and CLIP-G projections side by side are the pooled vector, T5-XXL's
+    width the joint attention's, 24 heads of 64 the caption projection's width."""
+    configs = {part: json.loads((PRESETS_DIR / "sd3-medium" / part / "config.json").read_text())
+               for part in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
+    t, clip_l, clip_g, t5, vae = configs.values()
+    assert (t["num_layers"], t["num_attention_heads"], t["attention_head_dim"], t["patch_size"]) == (24, 24, 64, 2)
+    assert t["caption_projection_dim"] == t["num_attention_heads"] * t["attention_head_dim"] == 1536
+    assert t["pooled_projection_dim"] == clip_l["projection_dim"] + clip_g["projection_dim"] == 2048
+    assert t["joint_attention_dim"] == t5["d_model"] == 4096 and t5["num_layers"] == 24
+    assert (clip_g["hidden_size"], clip_g["num_hidden_layers"]) == (1280, 32)
+    assert t["in_channels"] == vae["latent_channels"] == 16 and vae["shift_factor"] == 0.0609
+    scheduler = json.loads((PRESETS_DIR / "sd3-medium" / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 3.0
+
+
+def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are_shifted(pipeline):
+    from ppdiffusers import StableDiffusion3Pipeline
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_for_inference
+    from ldm.models.autoencoder import scaled_latents, unscaled_latents
+    from ldm.models.text import encode_prompt_pooled
+
+    _, text_encoder, vae, tokenizer, _, _ = load_for_inference(pipeline)
+    ids = paddle.to_tensor(np.stack([CaptionTokenizer(tokenizer, 16)(p) for p in ("a red circle", "")]))
+    assert ids.shape == [2, 48]  # each tokenizer's 16 ids, end to end
+    states, mask, pooled = encode_prompt_pooled(text_encoder, ids)
+    theirs = StableDiffusion3Pipeline.from_pretrained(pipeline, from_diffusers=True)
+    expected, _, expected_pooled, _ = theirs.encode_prompt("a red circle", "a red circle", "a red circle",
+                                                           do_classifier_free_guidance=False)
+    assert mask is None and states.shape == [2, 32, 96] and pooled.shape == [2, 80]
+    np.testing.assert_allclose(states[:1].numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pooled[:1].numpy(), expected_pooled.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.abs(states[0, :16, 80:].numpy()).max() == 0  # the CLIP states padded to T5's width
+
+    latents = paddle.to_tensor([[0.5, -1.0]])
+    np.testing.assert_allclose(scaled_latents(vae, latents, 1.5305).numpy(), [[(0.5 - 0.0609) * 1.5305,
+                                                                               (-1.0 - 0.0609) * 1.5305]], rtol=1e-6)
+    np.testing.assert_allclose(unscaled_latents(vae, scaled_latents(vae, latents, 1.5305)).numpy(), latents.numpy(),
+                               rtol=1e-6)
+
+
+def test_an_sd3_pipeline_trains_in_a_bucket_resumes_and_exports_what_ppdiffusers_pipeline_samples(pipeline,
+                                                                                                  tmp_path):
+    from ppdiffusers import StableDiffusion3Pipeline
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import generate, initial_noise, sampling_scheduler
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
+    run = tmp_path / "run"
+    args = ["--pretrained_model_name_or_path", pipeline, "--file_list", listing, "--resolution", str(RESOLUTION),
+            "--aspect_buckets", "48x24,32x32", "--train_batch_size", "2", "--save_steps", "2", "--num_workers", "0",
+            "--report_to", "none", "--learning_rate", "1e-3", "--output_dir", str(run)]
+    for more in (["--max_train_steps", "2"], ["--max_train_steps", "3", "--resume_from_checkpoint", "latest"]):
+        result = run_entry("train_txt2img_laion400m_no_trainer.py", [*args, *more])  # then resumed, frozen encoders too
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resum" in result.stderr
+    record = json.loads((run / "run.json").read_text())["model"]
+    assert record["class"] == "SD3Transformer2DModel" and record["text_encoder_identity"]["family"] == "sd3"
+    assert record["prediction_type"] == "flow_matching" and record["text_encoder_identity"]["max_length"] == 16
+    exported = tmp_path / "hf"
+    result = run_python(["-m", "ldm.export", "--checkpoint", str(run / "checkpoint-3"), "--output", str(exported),
+                         "--format", "diffusers"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((exported / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    for part in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # the frozen encoders as they came
+        source, ours = (load_file(f"{folder}/{part}/model.safetensors") for folder in (pipeline, exported))
+        assert source.keys() == ours.keys() and all(np.array_equal(source[k], ours[k]) for k in source), part
+    trained = load_file(f"{exported}/transformer/diffusion_pytorch_model.safetensors")
+    start = load_file(f"{pipeline}/transformer/diffusion_pytorch_model.safetensors")
+    assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
+    assert "max_sequence_length=16" in (exported / "README.md").read_text()
+
+    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(str(exported))
+    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), CaptionTokenizer(tokenizer, 16),
+                    ["a red circle"], guidance_scale=3.0, num_inference_steps=3, seed=7, height=48, width=24)
+    theirs = StableDiffusion3Pipeline.from_pretrained(str(exported), from_diffusers=True)
+    latents = paddle.to_tensor(initial_noise([16, 12, 6], 7, 0)[None])
+    image = theirs("a red circle", num_inference_steps=3, guidance_scale=3.0, latents=latents, height=48, width=24,
+                   output_type="np").images[0]
+    assert mine[0].std() > 1  # an image, not a flat field
+    np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
+
+
+def test_sd3_trains_from_its_preset_on_the_trainer_path(tmp_path):
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
+    result = run_entry("train_txt2img_laion400m_trainer.py", [
+        "--do_train", "--model_name_or_path", "sd3-tiny", "--allow_untrained_vae", "--allow_untrained_text_encoder",
+        "--file_list", listing, "--resolution", str(RESOLUTION), "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "1", "--max_steps", "2", "--save_steps", "2", "--dataloader_num_workers", "0",
+        "--report_to", "none", "--model_max_length", "16", "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    scheduler = json.loads((checkpoint / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler"  # the preset's: flow matching by default
+    assert json.loads((checkpoint / "transformer" / "config.json").read_text())["_class_name"] == \
+        "SD3Transformer2DModel"
+    assert {p.name for p in (tmp_path / "run" / "text_encoder").iterdir()} >= {"text_encoder", "text_encoder_2",
+                                                                               "text_encoder_3", "config.json"}
+
+
+def test_an_sd3_transformer_without_sd3s_encoders_and_cached_sd3_states_are_refused_in_one_line(tmp_path):
+    import shutil
+
+    from ldm.models.build import ModelSourceError, build_components, load_caption_encoder
+
+    folder = tmp_path / "one-clip"
+    shutil.copytree(PRESETS_DIR / "sd3-tiny", folder)
+    for part in ("text_encoder_2", "text_encoder_3", "tokenizer_2", "tokenizer_3"):
+        shutil.rmtree(folder / part)
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    (folder / "text_encoder" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    with pytest.raises(ModelSourceError, match="reads a pooled text vector 80 wide and its text encoders make none"):
+        build_components(str(folder))
+    with pytest.raises(ModelSourceError, match="three text encoders: their cached states are not read"):
+        load_caption_encoder("sd3-tiny", allow_untrained=True)
