@@ -119,10 +119,15 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
     return listing, os.path.join(folder, "tokenizer"), everything
 
 
+# --model: the preset whose pipeline, with seeded weights, the runs train (its text encoders frozen)
+PIPELINES = {"sd": "sd-tiny", "pixart": "pixart-tiny", "sd3": "sd3-tiny"}
+
+
 def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
     """The flags that name the model the runs train: ldm-tiny (LDMBert trained with the UNet) from scratch, or a
-    Stable Diffusion pipeline of sd-tiny's architecture, written here with seeded weights, its CLIP text encoder frozen
-    and written once beside the checkpoints."""
+    pipeline of a frozen-encoder family's tiny architecture (`PIPELINES`: Stable Diffusion's CLIP, PixArt-α's DiT and
+    T5, SD3's MMDiT and three encoders), written here with seeded weights, its text encoders frozen and written once
+    beside the checkpoints."""
     if kind == "ldm-tiny":
         return ["--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--tokenizer_name", tokenizer]
     from ldm.inference.export import export_pipeline
@@ -130,7 +135,7 @@ def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
     from ldm.models.build import build_components
     from ldm.models.noise import scheduler_config
 
-    parts = build_components("sd-tiny", seed=5)
+    parts = build_components(PIPELINES[kind], seed=5)
     export_pipeline(parts.unet, parts.text_encoder, parts.vae, load_tokenizer_of(parts.family, os.path.join(
         parts.source, "tokenizer")), scheduler_config(parts.noise_scheduler), folder)
     return ["--model_name_or_path", folder]
@@ -709,9 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync_save", type=float, default=0.2,
                         help="probability that a segment waits for each save (--async_save false)")
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
-    parser.add_argument("--model", choices=("ldm-tiny", "sd"), default="ldm-tiny",
-                        help="ldm-tiny (LDMBert trained) or sd (a Stable Diffusion pipeline, its CLIP text encoder "
-                             "frozen)")
+    parser.add_argument("--model", choices=("ldm-tiny", *PIPELINES), default="ldm-tiny",
+                        help="ldm-tiny (LDMBert trained), or a pipeline whose text encoders are frozen: sd (Stable "
+                             "Diffusion, CLIP), pixart (PixArt-alpha: a DiT, T5), sd3 (SD3: an MMDiT, three encoders)")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
                              "must be bit-identical to the same run uninterrupted)")

@@ -5,6 +5,7 @@ zeroes the UNet's output layers, which would make its prediction 0 whatever the 
 
     .venv/bin/python tests/interop_models.py FOLDER    writes FOLDER/ppdiffusers (the pipeline) and FOLDER/vocab
     .venv/bin/python tests/interop_models.py FOLDER --sd    writes FOLDER/ppdiffusers, the seeded sd-tiny pipeline
+    .venv/bin/python tests/interop_models.py FOLDER --sd3   writes FOLDER/diffusers, the seeded sd3-tiny pipeline
 """
 
 from __future__ import annotations
@@ -93,14 +94,20 @@ def tiny_sd3_pipeline(folder: str) -> str:
     """The sd3-tiny StableDiffusion3Pipeline (an MMDiT; CLIP-L, CLIP-G and T5 with their tokenizers; the 16-channel
     autoencoder with its shift) with seeded weights, flow matching, in diffusers' layout."""
     sys.path.insert(0, ROOT)
+    import paddle
+
     from ldm.inference.export import export_pipeline
     from ldm.inference.load import load_tokenizer_of
+    from ldm.models.backbone import freeze_unexported
     from ldm.models.build import build_components
     from ldm.models.noise import scheduler_config
 
     c = build_components("sd3-tiny")
     for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
         fill_seeded(part, 80 + seed)
+    for name in freeze_unexported(c.unet):  # parameters diffusers' SD3 transformer does not have: as it reads them
+        parameter = dict(c.unet.named_parameters())[name]
+        parameter.set_value(paddle.zeros_like(parameter))
     tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
     tokenizer.model_max_length = MAX_LENGTH
     return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer, scheduler_config(c.noise_scheduler),
@@ -159,4 +166,7 @@ def plant_code(weights_file, key: str, marker) -> None:
 
 
 if __name__ == "__main__":
-    print(tiny_sd_pipeline(sys.argv[1]) if "--sd" in sys.argv[2:] else tiny_pipeline(sys.argv[1]))
+    if "--sd3" in sys.argv[2:]:
+        print(tiny_sd3_pipeline(sys.argv[1]))
+    else:
+        print(tiny_sd_pipeline(sys.argv[1]) if "--sd" in sys.argv[2:] else tiny_pipeline(sys.argv[1]))

@@ -2,7 +2,8 @@
 with SD3's three frozen text encoders read as one (`ldm.models.text_set`) and the 16-channel autoencoder's shift,
 trained with flow matching from a diffusers `StableDiffusion3Pipeline` folder in an aspect-ratio bucket, resumed,
 exported in diffusers' layout and sampled by ppdiffusers' `StableDiffusion3Pipeline` as by `ldm.generate`; the
-Trainer path from the preset; the 2 B preset's architecture."""
+outputs of diffusers' own pipeline on the same weights (tests/fixtures/sd3); the Trainer path from the preset; the
+2 B preset's architecture."""
 
 import json
 
@@ -41,7 +42,9 @@ def test_the_sd3_preset_is_sd3_mediums_architecture():
     assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 3.0
 
 
-def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are_shifted(pipeline):
+def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are_shifted(pipeline, tmp_path):
+    import shutil
+
     from ppdiffusers import StableDiffusion3Pipeline
 
     from ldm.data.tokenize import CaptionTokenizer
@@ -53,7 +56,8 @@ def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are
     ids = paddle.to_tensor(np.stack([CaptionTokenizer(tokenizer, 16)(p) for p in ("a red circle", "")]))
     assert ids.shape == [2, 48]  # each tokenizer's 16 ids, end to end
     states, mask, pooled = encode_prompt_pooled(text_encoder, ids)
-    theirs = StableDiffusion3Pipeline.from_pretrained(pipeline, from_diffusers=True)
+    copy = shutil.copytree(pipeline, tmp_path / "copy")  # ppdiffusers writes its conversion beside the weights
+    theirs = StableDiffusion3Pipeline.from_pretrained(str(copy), from_diffusers=True)
     expected, _, expected_pooled, _ = theirs.encode_prompt("a red circle", "a red circle", "a red circle",
                                                            do_classifier_free_guidance=False)
     assert mask is None and states.shape == [2, 32, 96] and pooled.shape == [2, 80]
@@ -66,6 +70,46 @@ def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are
                                                                                (-1.0 - 0.0609) * 1.5305]], rtol=1e-6)
     np.testing.assert_allclose(unscaled_latents(vae, scaled_latents(vae, latents, 1.5305)).numpy(), latents.numpy(),
                                rtol=1e-6)
+
+
+def test_the_sd3_pipeline_computes_what_diffusers_and_transformers_compute(pipeline):
+    """tests/reference/make_sd3_fixtures.py: the same seeded pipeline (its weight files' digests), loaded by diffusers'
+    StableDiffusion3Pipeline: the states and pooled vectors of a prompt and of the empty one, the transformer's
+    prediction, a decode and two guided flow Euler steps, to 1e-4 of the largest value (one grey level for the
+    image)."""
+    import hashlib
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import generate, sampling_scheduler
+    from ldm.models.backbone import predict
+    from ldm.models.text import encode_prompt_pooled
+
+    fixtures = PRESETS_DIR.parents[2] / "tests" / "fixtures" / "sd3"
+    reference = json.loads((fixtures / "reference.json").read_text())
+    expected = dict(np.load(fixtures / "exported.npz"))
+    for name, digest in reference["weights_sha256"].items():
+        with open(f"{pipeline}/{name}", "rb") as f:
+            assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name
+
+    def relative(a, b) -> float:
+        return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(pipeline)
+    tokenize = CaptionTokenizer(tokenizer, 16)
+    ids = paddle.to_tensor(np.stack([tokenize(p) for p in ("a red circle on a blue background", "")]))
+    with paddle.no_grad():
+        states, _, pooled = encode_prompt_pooled(text_encoder, ids)
+        prediction = predict(unet, paddle.to_tensor(expected["latents"]), paddle.to_tensor(expected["timesteps"]),
+                             states, None, pooled)
+        image = vae.decode(paddle.to_tensor(expected["decode_latents"])).sample
+    assert relative(states.numpy(), expected["states"]) < 1e-4
+    assert relative(pooled.numpy(), expected["pooled"]) < 1e-4
+    assert relative(prediction.numpy(), expected["prediction"]) < 1e-4
+    assert relative(image.numpy(), expected["image"]) < 1e-4
+    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), tokenize,
+                    ["a red circle on a blue background"], guidance_scale=3.0, num_inference_steps=2, seed=7)
+    np.testing.assert_allclose(mine[0], np.round(expected["generated"][0] * 255), atol=1)
 
 
 def test_an_sd3_pipeline_trains_in_a_bucket_resumes_and_exports_what_ppdiffusers_pipeline_samples(pipeline,

@@ -121,6 +121,21 @@ def predict_with_variance(backbone, sample, timesteps, states, mask, pooled=None
     return out, None
 
 
+def freeze_unexported(backbone) -> list[str]:
+    """Freeze the parameters diffusers' class of the backbone does not have, so that a trained model samples in
+    diffusers as here; their names. ppdiffusers' SD3 transformer gives a layer norm without affine parameters
+    (`elementwise_affine=False`: the last block's context norm, the output norm) a bias, which diffusers' does not
+    have and ignores on loading: it stays as built or read (zero from scratch and from a diffusers folder)."""
+    frozen = []
+    if family_of(backbone) is not SD3:
+        return frozen
+    for name, layer in backbone.named_sublayers():
+        if isinstance(layer, paddle.nn.LayerNorm) and layer.weight is None and layer.bias is not None:
+            layer.bias.stop_gradient = True
+            frozen.append(f"{name}.bias")
+    return frozen
+
+
 def size_step(config) -> int:
     """How many latent rows one step of the backbone's grid takes: 2 per UNet level after the first, a DiT's patch."""
     if getattr(config, "patch_size", None):

@@ -465,7 +465,7 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import init_backbone, unsupported
+    from ldm.models.backbone import freeze_unexported, init_backbone, unsupported
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -497,6 +497,7 @@ def build_components(
     check_context(unet, text_encoder, model_name_or_path)
     if not unet_loaded:
         init_backbone(unet)
+    freeze_unexported(unet)
     if family is LDMBERT and not text_loaded:
         init_ldm_weights(None, text_encoder)
     vae_source = vae_name_or_path or source
