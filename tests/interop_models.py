@@ -6,6 +6,7 @@ zeroes the UNet's output layers, which would make its prediction 0 whatever the 
     .venv/bin/python tests/interop_models.py FOLDER    writes FOLDER/ppdiffusers (the pipeline) and FOLDER/vocab
     .venv/bin/python tests/interop_models.py FOLDER --sd    writes FOLDER/ppdiffusers, the seeded sd-tiny pipeline
     .venv/bin/python tests/interop_models.py FOLDER --sd3   writes FOLDER/diffusers, the seeded sd3-tiny pipeline
+    .venv/bin/python tests/interop_models.py FOLDER --pixart   writes FOLDER/diffusers, the seeded pixart-tiny one
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def tiny_pixart_pipeline(folder: str, to_diffusers: bool = True) -> str:
     c = build_components("pixart-tiny")
     for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
         fill_seeded(part, 60 + seed)
+    # a buffer, not a parameter, saved with the weights: diffusers' unconditional caption, drawn at building
+    y_embedding = c.unet.caption_projection.y_embedding
+    y_embedding.set_value(np.random.default_rng(63).normal(0, 0.1, y_embedding.shape).astype("float32"))
     tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
     sampler = {"_class_name": "DPMSolverMultistepScheduler", "algorithm_type": "dpmsolver++", "beta_end": 0.02,
                "beta_schedule": "linear", "beta_start": 0.0001, "lower_order_final": True, "num_train_timesteps": 1000,
@@ -168,5 +172,7 @@ def plant_code(weights_file, key: str, marker) -> None:
 if __name__ == "__main__":
     if "--sd3" in sys.argv[2:]:
         print(tiny_sd3_pipeline(sys.argv[1]))
+    elif "--pixart" in sys.argv[2:]:
+        print(tiny_pixart_pipeline(sys.argv[1]))
     else:
         print(tiny_sd_pipeline(sys.argv[1]) if "--sd" in sys.argv[2:] else tiny_pipeline(sys.argv[1]))

@@ -97,6 +97,15 @@ def test_a_pixart_pipeline_trains_in_a_bucket_and_exports_what_ppdiffusers_pipel
     np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
 
 
+def test_the_pixart_pipeline_computes_what_diffusers_and_transformers_compute(pipeline):
+    """diffusers' PixArtAlphaPipeline on the same seeded weights (tests/reference/make_transformer_fixtures.py): the T5
+    states and masks of a prompt and of the empty one, the transformer's prediction (both halves of learned sigma), a
+    decode and two guided steps of the source's DPM-Solver++."""
+    from transformer_fixtures import check_against_diffusers
+
+    check_against_diffusers(pipeline, "pixart")
+
+
 def test_pixart_trains_with_flow_matching_on_the_trainer_path(tmp_path):
     listing = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
     result = run_entry("train_txt2img_laion400m_trainer.py", [

@@ -73,43 +73,12 @@ def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are
 
 
 def test_the_sd3_pipeline_computes_what_diffusers_and_transformers_compute(pipeline):
-    """tests/reference/make_sd3_fixtures.py: the same seeded pipeline (its weight files' digests), loaded by diffusers'
-    StableDiffusion3Pipeline: the states and pooled vectors of a prompt and of the empty one, the transformer's
-    prediction, a decode and two guided flow Euler steps, to 1e-4 of the largest value (one grey level for the
-    image)."""
-    import hashlib
+    """diffusers' StableDiffusion3Pipeline on the same seeded weights (tests/reference/make_transformer_fixtures.py):
+    the states and pooled vectors of a prompt and of the empty one, the transformer's prediction, a decode and two
+    guided flow Euler steps."""
+    from transformer_fixtures import check_against_diffusers
 
-    from ldm.data.tokenize import CaptionTokenizer
-    from ldm.inference.load import load_for_inference
-    from ldm.inference.sampling import generate, sampling_scheduler
-    from ldm.models.backbone import predict
-    from ldm.models.text import encode_prompt_pooled
-
-    fixtures = PRESETS_DIR.parents[2] / "tests" / "fixtures" / "sd3"
-    reference = json.loads((fixtures / "reference.json").read_text())
-    expected = dict(np.load(fixtures / "exported.npz"))
-    for name, digest in reference["weights_sha256"].items():
-        with open(f"{pipeline}/{name}", "rb") as f:
-            assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name
-
-    def relative(a, b) -> float:
-        return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
-
-    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(pipeline)
-    tokenize = CaptionTokenizer(tokenizer, 16)
-    ids = paddle.to_tensor(np.stack([tokenize(p) for p in ("a red circle on a blue background", "")]))
-    with paddle.no_grad():
-        states, _, pooled = encode_prompt_pooled(text_encoder, ids)
-        prediction = predict(unet, paddle.to_tensor(expected["latents"]), paddle.to_tensor(expected["timesteps"]),
-                             states, None, pooled)
-        image = vae.decode(paddle.to_tensor(expected["decode_latents"])).sample
-    assert relative(states.numpy(), expected["states"]) < 1e-4
-    assert relative(pooled.numpy(), expected["pooled"]) < 1e-4
-    assert relative(prediction.numpy(), expected["prediction"]) < 1e-4
-    assert relative(image.numpy(), expected["image"]) < 1e-4
-    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), tokenize,
-                    ["a red circle on a blue background"], guidance_scale=3.0, num_inference_steps=2, seed=7)
-    np.testing.assert_allclose(mine[0], np.round(expected["generated"][0] * 255), atol=1)
+    check_against_diffusers(pipeline, "sd3")
 
 
 def test_an_sd3_pipeline_trains_in_a_bucket_resumes_and_exports_what_ppdiffusers_pipeline_samples(pipeline,
