@@ -144,10 +144,38 @@ def test_sd3_trains_from_its_preset_on_the_trainer_path(tmp_path):
                                                                                "text_encoder_3", "config.json"}
 
 
-def test_an_sd3_transformer_without_sd3s_encoders_and_cached_sd3_states_are_refused_in_one_line(tmp_path):
+def test_cached_sd3_states_and_pooled_vectors_train_to_the_losses_of_encoding_on_the_fly(pipeline, tmp_path):
+    """`encode --text_embeddings` of an SD3 model stores each caption's joint states and its pooled vector; a run on
+    them (captions dropped for the empty caption's) has the losses of one that runs the three encoders."""
+    from conftest import metrics_lines
+
+    from ldm.data.latents import parse_latent_record
+    from ldm.data.shard import iter_lines
+
+    corpus = write_corpus(str(tmp_path / "corpus"), num_records=12, records_per_shard=6)
+    losses = {}
+    for name, extra in (("cached", ["--text_embeddings", "--text_dtype", "float32"]), ("plain", [])):
+        result = run_python(["-m", "ldm.prepare", "encode", "--file_list", corpus, "--vae_name_or_path", pipeline,
+                             "--model_name_or_path", pipeline, "--output_dir", str(tmp_path / name), "--resolution",
+                             str(RESOLUTION), "--dtype", "float32", "--num_workers", "0", *extra])
+        assert result.returncode == 0, result.stderr[-3000:]
+        result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+            "--model_name_or_path", pipeline, "--file_list", str(tmp_path / name / "latents.filelist.list"),
+            "--resolution", str(RESOLUTION), "--train_batch_size", "2", "--max_train_steps", "6", "--save_steps", "6",
+            "--num_workers", "0", "--report_to", "none", "--logging_steps", "1", "--learning_rate", "1e-3",
+            "--caption_dropout_prob", "0.3", "--output_dir", str(tmp_path / f"run-{name}")])
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = [line["train/loss"] for line in metrics_lines(tmp_path / f"run-{name}") if "train/loss" in line]
+    _, (_, meta, _) = parse_latent_record(next(iter(iter_lines(str(tmp_path / "cached" / "latents-000000.gz")))))
+    assert meta.text["shape"] == [32, 96] and meta.text["pooled"] == [80]  # 2 x 16 tokens of T5's width
+    assert len(losses["cached"]) == 6 and len(set(losses["cached"])) == 6
+    np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)
+
+
+def test_an_sd3_transformer_without_sd3s_encoders_is_refused_in_one_line(tmp_path):
     import shutil
 
-    from ldm.models.build import ModelSourceError, build_components, load_caption_encoder
+    from ldm.models.build import ModelSourceError, build_components
 
     folder = tmp_path / "one-clip"
     shutil.copytree(PRESETS_DIR / "sd3-tiny", folder)
@@ -157,5 +185,3 @@ def test_an_sd3_transformer_without_sd3s_encoders_and_cached_sd3_states_are_refu
     (folder / "text_encoder" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
     with pytest.raises(ModelSourceError, match="reads a pooled text vector 80 wide and its text encoders make none"):
         build_components(str(folder))
-    with pytest.raises(ModelSourceError, match="three text encoders: their cached states are not read"):
-        load_caption_encoder("sd3-tiny", allow_untrained=True)

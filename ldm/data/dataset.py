@@ -322,9 +322,11 @@ class CaptionImageStream(IterableDataset):
             texts = [text for _, text, _ in taken]
             cached = [isinstance(text, tuple) for text in texts]
             if all(cached):
-                batch["text_states"] = np.stack([states for states, _, _ in texts])
-                batch["text_lengths"] = np.array([length for _, length, _ in texts], np.int64)
-                batch["text_dropped"] = np.array([dropped for _, _, dropped in texts])
+                batch["text_states"] = np.stack([states for states, _, _, _ in texts])
+                batch["text_lengths"] = np.array([length for _, length, _, _ in texts], np.int64)
+                batch["text_dropped"] = np.array([dropped for _, _, _, dropped in texts])
+                if texts[0][2] is not None:  # the pooled vectors a backbone reads (SD3's)
+                    batch["text_pooled"] = np.stack([pooled for _, _, pooled, _ in texts])
             elif any(cached):
                 record = taken[cached.index(False)][2]
                 raise LatentMismatch(f"{record.shard}:{record.line_number} has no cached text states and other records "

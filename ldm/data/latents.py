@@ -182,9 +182,12 @@ def latent_line(caption: str, key: str, moments: np.ndarray, meta: LatentMeta, s
                 text_bytes += to_bytes(pooled, part["dtype"])
         meta = dataclasses.replace(meta, text={**meta.text, "encoders": parts})
     elif text is not None:
+        text, pooled = text if isinstance(text, tuple) else (text, None)  # a set's pooled vector (SD3's) after
         if list(text.shape) != meta.text["shape"]:  # a compact record: its own number of tokens
             meta = dataclasses.replace(meta, text={**meta.text, "shape": list(text.shape)})
         text_bytes = to_bytes(text, meta.text["dtype"])
+        if meta.text.get("pooled"):
+            text_bytes += to_bytes(pooled, meta.text["dtype"])
     info = meta.to_json()
     if source:
         info = info[:-1] + b',"metadata":' + json.dumps(source, separators=(",", ":"), default=str).encode() + b"}"
@@ -339,20 +342,29 @@ class LatentTransform:
             raise SkipRecord("bad_text_state", f"text states: {len(data)} bytes, the meta describes {offset}")
         return out
 
-    def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]) -> tuple[np.ndarray, int] | None:
+    def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]
+                    ) -> tuple[np.ndarray, int, np.ndarray | None] | None:
         """The record's cached text states (float32 [tokens, width], a compact record's padded with zeros to its
-        `length`) and how many tokens are real, when the run takes them; None: it encodes the caption itself."""
+        `length`), how many tokens are real and the pooled vector (None unless the meta has one: SD3's encoder set),
+        when the run takes them; None: it encodes the caption itself."""
         _, meta, text = payload
         if text is None or not self.cached_text:
             return None
+        shapes = [list(meta.text["shape"])] + ([list(meta.text["pooled"])] if meta.text.get("pooled") else [])
         try:
-            states = from_bytes(decode_base64(text), meta.text["dtype"], list(meta.text["shape"]))
+            data = decode_base64(text)
+            sizes = [(4 if meta.text["dtype"] == "float32" else 2) * int(np.prod(shape)) for shape in shapes]
+            if sum(sizes) != len(data):
+                raise ValueError(f"{len(data)} bytes, the meta describes {sum(sizes)}")
+            arrays = [from_bytes(data[start:start + size], meta.text["dtype"], shape)
+                      for start, size, shape in zip(np.cumsum([0, *sizes[:-1]]), sizes, shapes, strict=True)]
         except (ValueError, SkipRecord) as e:
             raise SkipRecord("bad_text_state", f"text states: {getattr(e, 'detail', e)}") from None
+        states = arrays[0]
         real, length = len(states), int(meta.text.get("length", len(states)))
         if real < length:
             states = np.concatenate([states, np.zeros([length - real, states.shape[1]], np.float32)])
-        return states, real
+        return states, real, arrays[1] if len(arrays) > 1 else None
 
 
 def text_fingerprint(identity: dict) -> str:

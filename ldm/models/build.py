@@ -369,9 +369,6 @@ def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False)
         if family is LDMBERT:
             raise TextEncoderError("its LDMBert text encoder trains with the UNet: its states change at every update "
                                    "and cannot be cached. Cached text states are for a frozen encoder (CLIP's)")
-        if family.name == "sd3":
-            raise TextEncoderError("Stable Diffusion 3's three text encoders: their cached states are not read by "
-                                   "training yet; train it from captions (its encoders run frozen, under no_grad)")
         tokenizer = load_text_tokenizer(family, os.path.join(source, "tokenizer"))
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None

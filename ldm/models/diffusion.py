@@ -23,7 +23,7 @@ from ldm.models.noise import (
     scheduler_config,
     variational_bound,
 )
-from ldm.models.text import encode_prompt, encode_prompt_pooled
+from ldm.models.text import encode_prompt_pooled
 
 
 def freeze(layer: nn.Layer) -> None:
@@ -84,8 +84,9 @@ class LatentDiffusion(nn.Layer):
         """Encode the empty caption's token ids once: a dropped caption's cached states are replaced by these (a
         frozen encoder gives every dropped caption the same states)."""
         with paddle.no_grad():
-            states, mask = encode_prompt(self.text_encoder, paddle.to_tensor(input_ids)[None])
+            states, mask, pooled = encode_prompt_pooled(self.text_encoder, paddle.to_tensor(input_ids)[None])
         self.register_buffer("empty_states", states.astype("float32"), persistable=False)
+        self.register_buffer("empty_pooled", None if pooled is None else pooled.astype("float32"), persistable=False)
         self.empty_length = None if mask is None else int(mask.sum())
 
     def train(self):
@@ -146,10 +147,10 @@ class LatentDiffusion(nn.Layer):
         sample = DiagonalGaussianDistribution(latent_moments.astype("float32")).sample()
         return scaled_latents(self.vae, sample, self.scaling_factor)
 
-    def context(self, input_ids, text_states, text_dropped, text_lengths=None):
+    def context(self, input_ids, text_states, text_dropped, text_lengths=None, text_pooled=None):
         """(states, mask, pooled) the backbone is conditioned on: the text encoder's of `input_ids`, or cached ones
         (`text_states`, float32 [B, L, D], the first `text_lengths` real for a masked encoder) with the empty caption's
-        where `text_dropped`."""
+        where `text_dropped`; `text_pooled`, the cached pooled vectors of a backbone that reads them (SD3's)."""
         if text_states is None:
             return self.encode_text(input_ids)
         if self.empty_states is None:
@@ -157,16 +158,20 @@ class LatentDiffusion(nn.Layer):
         dropped = paddle.to_tensor(text_dropped).astype("bool")
         states = paddle.to_tensor(text_states).astype("float32")
         states = paddle.where(dropped.reshape([-1, 1, 1]), self.empty_states.expand(states.shape), states)
+        pooled = None
+        if text_pooled is not None:
+            pooled = paddle.to_tensor(text_pooled).astype("float32")
+            pooled = paddle.where(dropped.reshape([-1, 1]), self.empty_pooled.expand(pooled.shape), pooled)
         if self.empty_length is None:
-            return states, None, None
+            return states, None, pooled
         lengths = paddle.where(dropped, paddle.full_like(paddle.to_tensor(text_lengths), self.empty_length),
                                paddle.to_tensor(text_lengths))
         mask = (paddle.arange(states.shape[1])[None] < lengths[:, None]).astype("int64")
-        return states, mask, None
+        return states, mask, pooled
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,
                 latent_moments: paddle.Tensor | None = None, details: bool = False, text_states=None,
-                text_dropped=None, text_lengths=None):
+                text_dropped=None, text_lengths=None, text_pooled=None):
         """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead (and of their
         captions' token ids, or their cached text states: `context`); `details`: (loss, each sample's loss, each
         sample's timestep)."""
@@ -180,7 +185,7 @@ class LatentDiffusion(nn.Layer):
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
         timesteps = self.draw_timesteps(batch)
         noisy_latents, target = self.noised(latents, noise, timesteps)
-        context, mask, pooled = self.context(input_ids, text_states, text_dropped, text_lengths)
+        context, mask, pooled = self.context(input_ids, text_states, text_dropped, text_lengths, text_pooled)
         model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask, pooled)
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])

@@ -78,6 +78,11 @@ class TextEncoderSet(nn.Layer):
         clip = nn.functional.pad(clip, [0, t5_states.shape[-1] - clip.shape[-1]], data_format="NCL")
         return paddle.concat([clip, t5_states.astype(clip.dtype)], axis=1), paddle.concat(pooled, axis=-1)
 
+    @staticmethod
+    def states_length(caption_length: int) -> int:
+        """The rows of a caption's states: the CLIPs' tokens, then T5's."""
+        return 2 * caption_length
+
     def save_pretrained(self, folder: str, **kwargs) -> None:
         os.makedirs(folder, exist_ok=True)
         for part, encoder in zip(ENCODER_PARTS, self.encoders, strict=True):

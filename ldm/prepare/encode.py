@@ -254,12 +254,14 @@ class EncoderStates:
         self.tokenize = CaptionTokenizer(tokenizer, length)
         self.identity = text_encoder_identity(encoder, family, length)
         width = getattr(encoder.config, "hidden_size", None) or encoder.config.d_model
-        self.entry = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [length, width]}
+        rows = encoder.states_length(length) if hasattr(encoder, "states_length") else length  # SD3's: 2 L
+        self.entry = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [rows, width]}
         if family.masked:
             self.entry["length"] = length
-        if hasattr(encoder, "text_projection"):
+        if hasattr(encoder, "text_projection") or family.name == "sd3":
             self.entry["pooled"] = [int(encoder.config.projection_dim)]
         self.part = part
+        self.reads_pooled = family.name == "sd3"  # the backbone it is for reads the pooled vector (SD3's)
 
     @paddle.no_grad()
     def __call__(self, captions: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
@@ -276,9 +278,11 @@ class EncoderStates:
 
 
 def storable_text(text, spec: dict) -> bool:
-    """Are a caption's text states (one encoder's array, or several's [(states, pooled), ...]) finite as stored?"""
+    """Are a caption's text states (one encoder's array or (states, pooled), or several's [(states, pooled), ...])
+    finite as stored?"""
     if "encoders" not in spec:
-        return bool(storable(text[None], spec["dtype"])[0])
+        return all(bool(storable(array[None], spec["dtype"])[0]) for array in
+                   (text if isinstance(text, tuple) else (text,)))
     return all(bool(storable(array[None], part["dtype"])[0]) for part, arrays in zip(spec["encoders"], text,
                                                                                      strict=True)
                for array in arrays if array is not None)
@@ -305,15 +309,18 @@ class CaptionStates:
 
     def compose(self, parts: list[EncoderStates]) -> None:
         self.parts, self.identity = parts, parts[0].identity
-        if len(self.parts) == 1:
-            self.meta = {k: v for k, v in self.parts[0].entry.items() if k != "pooled"}
+        if len(self.parts) == 1:  # the pooled vector kept where the backbone reads it
+            self.meta = {k: v for k, v in self.parts[0].entry.items() if k != "pooled" or self.parts[0].reads_pooled}
         else:
             self.meta = {"encoders": [{"part": p.part, **p.entry} for p in self.parts]}
 
     def __call__(self, captions: list[str]) -> list:
-        """Each caption's states (one encoder: an array; several: [(states, pooled or None), ...] in order)."""
+        """Each caption's states (one encoder: an array, or (states, pooled) where the meta keeps the pooled vector;
+        several: [(states, pooled or None), ...] in order)."""
         per_encoder = [part(captions) for part in self.parts]
         if len(self.parts) == 1:
+            if "pooled" in self.meta:
+                return [(states, pooled) for states, pooled in per_encoder[0]]
             return [states for states, _ in per_encoder[0]]
         return [list(caption) for caption in zip(*per_encoder, strict=True)]
 

@@ -303,7 +303,7 @@ class TextToImage(Objective):
         loss, per_sample, timesteps = net(batch.get("pixel_values"), batch.get("input_ids"),
                                           batch.get("latent_moments"), details=True,
                                           text_states=batch.get("text_states"), text_dropped=batch.get("text_dropped"),
-                                          text_lengths=batch.get("text_lengths"))
+                                          text_lengths=batch.get("text_lengths"), text_pooled=batch.get("text_pooled"))
         self.batches_seen += 1
         if self.batches_seen in self.nan_batches:  # the fault hook of the tests (`nan_fault_batches`)
             loss = loss * float("nan")
