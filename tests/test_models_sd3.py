@@ -142,6 +142,8 @@ def test_sd3_trains_from_its_preset_on_the_trainer_path(tmp_path):
         "SD3Transformer2DModel"
     assert {p.name for p in (tmp_path / "run" / "text_encoder").iterdir()} >= {"text_encoder", "text_encoder_2",
                                                                                "text_encoder_3", "config.json"}
+    own = json.loads((tmp_path / "run" / "text_encoder" / "config.json").read_text())
+    assert (own["max_position_embeddings"], own["hidden_size"], own["projection_dim"]) == (77, 96, 80)
 
 
 def test_cached_sd3_states_and_pooled_vectors_train_to_the_losses_of_encoding_on_the_fly(pipeline, tmp_path):
@@ -172,10 +174,56 @@ def test_cached_sd3_states_and_pooled_vectors_train_to_the_losses_of_encoding_on
     np.testing.assert_allclose(losses["cached"], losses["plain"], rtol=1e-5)
 
 
-def test_an_sd3_transformer_without_sd3s_encoders_is_refused_in_one_line(tmp_path):
+def test_a_diffusers_sd3_transformer_lacks_two_layer_norm_biases_of_ppdiffusers_and_reads_them_as_zero(pipeline,
+                                                                                                       tmp_path):
+    """diffusers' SD3Transformer2DModel has no bias on its weightless layer norms (the last block's context norm, the
+    output norm), so its folders lack what ppdiffusers' class holds: read as zero, frozen, the same prediction."""
     import shutil
 
-    from ldm.models.build import ModelSourceError, build_components
+    from safetensors.numpy import save_file
+
+    from ldm.models.backbone import SD3, freeze_unexported, predict
+    from ldm.models.torch_layout import load_pretrained
+
+    folder = shutil.copytree(f"{pipeline}/transformer", tmp_path / "transformer")
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    lacking = {"norm_out.norm.bias", "transformer_blocks.1.norm1_context.norm.bias"}
+    assert lacking <= state.keys()
+    save_file({k: v for k, v in state.items() if k not in lacking}, weights, metadata={"format": "pt"})
+    theirs, ours = load_pretrained(SD3.model_class(), str(folder)), load_pretrained(SD3.model_class(),
+                                                                                    f"{pipeline}/transformer")
+    assert set(freeze_unexported(theirs)) == lacking
+    parameters = dict(theirs.named_parameters())
+    assert all(parameters[name].stop_gradient and not parameters[name].numpy().any() for name in lacking)
+    latents, states, pooled = paddle.randn([1, 16, 8, 8]), paddle.randn([1, 5, 96]), paddle.randn([1, 80])
+    with paddle.no_grad():
+        np.testing.assert_array_equal(predict(theirs, latents, paddle.to_tensor([500.0]), states, None, pooled).numpy(),
+                                      predict(ours, latents, paddle.to_tensor([500.0]), states, None, pooled).numpy())
+
+
+def test_what_sd3_cannot_do_here_is_refused_in_one_line(tmp_path):
+    """An SD3 transformer without SD3's encoders; its encoders trained; --attention sdpa (its joint attention has a
+    processor of its own); a Stable Diffusion (1/2) pipeline whose CLIP has a projection."""
+    import shutil
+    from types import SimpleNamespace
+
+    from ldm.models.attention import set_attention
+    from ldm.models.build import ModelSourceError, build_components, check_model_index
+    from ldm.runtime.errors import UserError
+    from ldm.train.setup import text_source
+
+    with pytest.raises(ModelSourceError, match="three text encoders train frozen here"):
+        text_source(SimpleNamespace(model_name_or_path="sd3-tiny", train_text_encoder=True, init_from_checkpoint=None))
+    with pytest.raises(UserError, match="--attention sdpa: ppdiffusers' SD3Transformer2DModel takes no attention"):
+        set_attention(build_components("sd3-tiny").unet, "sdpa")
+    index = tmp_path / "sd" / "model_index.json"
+    index.parent.mkdir()
+    index.write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                 "unet": ["diffusers", "UNet2DConditionModel"],
+                                 "text_encoder": ["transformers", "CLIPTextModelWithProjection"]}))
+    with pytest.raises(ModelSourceError, match="its text_encoder is a transformers CLIPTextModelWithProjection"):
+        check_model_index(str(index.parent))
 
     folder = tmp_path / "one-clip"
     shutil.copytree(PRESETS_DIR / "sd3-tiny", folder)

@@ -59,10 +59,10 @@ class SDPAttnProcessor:
 def set_attention(unet, kind: str) -> None:
     """Use `kind` ('default' or 'sdpa') in every attention layer of `unet` (a backbone that has processors)."""
     if kind == "sdpa":
-        if not hasattr(unet, "set_attn_processor"):
+        if not hasattr(unet, "set_attn_processor") or type(unet).__name__ == "SD3Transformer2DModel":
             from ldm.runtime.errors import UserError
 
-            raise UserError(f"--attention sdpa: ppdiffusers' {type(unet).__name__} takes no attention processor; "
-                            "use --attention default")
+            raise UserError(f"--attention sdpa: ppdiffusers' {type(unet).__name__} takes no attention processor of "
+                            "this kind (SD3's joint attention has its own); use --attention default")
         unet.set_attn_processor(SDPAttnProcessor())
         logger.info("attention: paddle.nn.functional.scaled_dot_product_attention (--attention sdpa)")

@@ -126,13 +126,14 @@ def freeze_unexported(backbone) -> list[str]:
     diffusers as here; their names. ppdiffusers' SD3 transformer gives a layer norm without affine parameters
     (`elementwise_affine=False`: the last block's context norm, the output norm) a bias, which diffusers' does not
     have and ignores on loading: it stays as built or read (zero from scratch and from a diffusers folder)."""
-    frozen = []
+    from ldm.models.torch_layout import unexported_biases
+
     if family_of(backbone) is not SD3:
-        return frozen
-    for name, layer in backbone.named_sublayers():
-        if isinstance(layer, paddle.nn.LayerNorm) and layer.weight is None and layer.bias is not None:
-            layer.bias.stop_gradient = True
-            frozen.append(f"{name}.bias")
+        return []
+    parameters = dict(backbone.named_parameters())
+    frozen = unexported_biases(backbone)
+    for name in frozen:
+        parameters[name].stop_gradient = True
     return frozen
 
 

@@ -72,7 +72,7 @@ PIPELINE_PARTS = {
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
-    "text_encoder": ("CLIPTextModel", "T5EncoderModel", "CLIPTextModelWithProjection"),
+    "text_encoder": ("CLIPTextModel", "T5EncoderModel"),
     "text_encoder_2": ("CLIPTextModelWithProjection",),
     "text_encoder_3": ("T5EncoderModel",),
     "tokenizer": ("BertTokenizer", "BertTokenizerFast", "CLIPTokenizer", "CLIPTokenizerFast", "T5Tokenizer",
@@ -80,6 +80,8 @@ PIPELINE_PARTS = {
     "tokenizer_2": ("CLIPTokenizer", "CLIPTokenizerFast"),
     "tokenizer_3": ("T5Tokenizer", "T5TokenizerFast"),
 }
+# where a pipeline class's part is of other classes than `PIPELINE_PARTS` says (SD3's first CLIP has a projection)
+CLASS_PARTS = {"StableDiffusion3Pipeline": {"text_encoder": ("CLIPTextModelWithProjection",)}}
 # parts of a text-to-image pipeline that text-to-image sampling does not use
 UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
 # The pipeline classes this framework trains, samples and exports (`model_index.json`'s `_class_name`, the same in
@@ -119,10 +121,11 @@ def check_model_index(folder: str) -> None:
             raise ModelSourceError(f"{path}: its {part} ({library} {name}) is a part this framework does not read, so "
                                    f"it would sample other images than {kind} does; use a Stable Diffusion or LDM "
                                    "text-to-image pipeline folder")
-        if name not in PIPELINE_PARTS[part]:
+        classes = CLASS_PARTS.get(kind, {}).get(part, PIPELINE_PARTS[part])
+        if name not in classes:
             raise ModelSourceError(f"{path}: its {part} is a {library} {name}, which this framework does not read "
-                                   f"(its {part} is a {' or '.join(PIPELINE_PARTS[part])}); use a Stable Diffusion or "
-                                   "LDM text-to-image pipeline folder")
+                                   f"(its {part} is a {' or '.join(classes)}); use a Stable Diffusion or LDM "
+                                   "text-to-image pipeline folder")
 
 
 EXTRA_TEXT_PART = re.compile(r"(text_encoder|tokenizer)_\d+")
@@ -142,8 +145,10 @@ def check_unread_parts(folder: str) -> None:
         return  # its loader says what is wrong with it
     if names:
         raise ModelSourceError(f"{folder}: its {', '.join(names)} {'are parts' if len(names) > 1 else 'is a part'} "
-                               "this framework does not read (a second text encoder, as Stable Diffusion XL's and "
-                               "3's), so it would train and sample another model than this folder's")
+                               "this framework does not read (a second text encoder, as Stable Diffusion XL's), so it "
+                               "would train and sample another model than this folder's; a Stable Diffusion 3 folder "
+                               "is read with all three of its text encoders (text_encoder, _2 and _3) and an "
+                               "SD3Transformer2DModel")
 
 
 def resolve_source(name_or_path: str) -> str:

@@ -214,9 +214,11 @@ def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_sou
     if family_of(text_encoder) is SD3_TEXT:
         from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS, part_folders
 
-        for one, folder, encoder, part in zip(tokenizer.tokenizers, part_folders(tokenizer_source, TOKENIZER_PARTS),
-                                              text_encoder.encoders, ENCODER_PARTS, strict=True):
-            check_vocabulary(one, folder, encoder, os.path.join(encoder_source, part))
+        for one, folder, encoder, encoder_folder in zip(tokenizer.tokenizers,
+                                                        part_folders(tokenizer_source, TOKENIZER_PARTS),
+                                                        text_encoder.encoders,
+                                                        part_folders(encoder_source, ENCODER_PARTS), strict=True):
+            check_vocabulary(one, folder, encoder, encoder_folder)
         return
     rows = int(text_encoder.config.vocab_size)
     size = len(tokenizer)

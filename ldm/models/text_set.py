@@ -87,8 +87,10 @@ class TextEncoderSet(nn.Layer):
         os.makedirs(folder, exist_ok=True)
         for part, encoder in zip(ENCODER_PARTS, self.encoders, strict=True):
             encoder.save_pretrained(os.path.join(folder, part), **kwargs)
+        # what a caption length and a backbone are checked against
+        summary = {k: getattr(self.config, k) for k in ("hidden_size", "max_position_embeddings", "projection_dim")}
         with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-            json.dump({"model_type": MODEL_TYPE, "parts": list(ENCODER_PARTS)}, f, indent=2)
+            json.dump({"model_type": MODEL_TYPE, "parts": list(ENCODER_PARTS), **summary}, f, indent=2)
 
     @classmethod
     def from_pretrained(cls, folder: str):

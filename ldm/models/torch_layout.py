@@ -175,9 +175,12 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
     state = with_model_prefix(model, state)
     state = convert_pytorch_state_dict_to_paddle(model, state)
     expected = model.state_dict()
-    for tied, source in TIED_WEIGHTS:  # written once, as transformers saves tied weights
-        if tied in expected and tied not in state and source in state:
-            state[tied] = state[source]
+    for tied, original in TIED_WEIGHTS:  # written once, as transformers saves tied weights
+        if tied in expected and tied not in state and original in state:
+            state[tied] = state[original]
+    for name in unexported_biases(model):  # parameters diffusers' class has not: what it computes without them
+        if name not in state:
+            state[name] = np.zeros(expected[name].shape, np.float32)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         named = "; ".join(f"{what}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
@@ -189,6 +192,15 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
                                    f"the model {described_by} describes")
     model.set_state_dict({name: np.asarray(state[name]).astype(expected[name].numpy().dtype) for name in expected})
     model.eval()
+
+
+def unexported_biases(model) -> list[str]:
+    """The biases of ppdiffusers' layer norms without affine weights (`ldm.models.backbone.freeze_unexported`:
+    SD3's transformer), which diffusers' classes do not have: read as zero from a diffusers folder."""
+    import paddle
+
+    return [f"{name}.bias" for name, layer in model.named_sublayers()
+            if isinstance(layer, paddle.nn.LayerNorm) and layer.weight is None and layer.bias is not None]
 
 
 def load_torch_layout(model_class, folder: str):

@@ -98,6 +98,9 @@ def text_source(model_args: ModelArguments, resume=None) -> TextSource:
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None
     trained = train_text_encoder(family, model_args.train_text_encoder)
+    if trained and family.name == "sd3":
+        raise ModelSourceError("--train_text_encoder true: Stable Diffusion 3's three text encoders train frozen here "
+                               "(they are saved and checked as one frozen part); leave --train_text_encoder unset")
     tokenizer = None if family is LDMBERT else "tokenizer"  # LDMBert's is --tokenizer_name
     own = resume.text_encoder_folder if resume is not None else None  # checked against its manifest: read once
     if resume is not None and (own or legacy_frozen(resume, family)):
