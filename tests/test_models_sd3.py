@@ -202,6 +202,28 @@ def test_a_diffusers_sd3_transformer_lacks_two_layer_norm_biases_of_ppdiffusers_
                                       predict(ours, latents, paddle.to_tensor([500.0]), states, None, pooled).numpy())
 
 
+def test_sd3_with_recompute_gives_the_gradients_of_sd3_without():
+    """ppdiffusers 0.29's SD3 loop takes a checkpointed block's (text, image) output as the image tokens
+    (`ldm.runtime.compat.sd3_recompute_unpacks` mends it)."""
+    from interop_models import fill_seeded
+
+    from ldm.models.build import build_components
+    from ldm.models.diffusion import LatentDiffusion
+
+    grads = []
+    for recompute in (False, True):
+        c = build_components("sd3-tiny", seed=0)
+        fill_seeded(c.unet, 5)  # no zero-initialised output layer: every block gets gradients
+        model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, freeze_text_encoder=True,
+                                recompute=recompute)
+        model.train()
+        paddle.seed(1)
+        model(paddle.rand([2, 3, 32, 32]) * 2 - 1, paddle.ones([2, 48], dtype="int64")).backward()
+        grads.append(c.unet.transformer_blocks[0].attn.to_q.weight.grad.numpy())
+    assert np.abs(grads[0]).sum() > 0
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
 def test_what_sd3_cannot_do_here_is_refused_in_one_line(tmp_path):
     """An SD3 transformer without SD3's encoders; its encoders trained; --attention sdpa (its joint attention has a
     processor of its own); a Stable Diffusion (1/2) pipeline whose CLIP has a projection."""

@@ -37,10 +37,11 @@ class BackboneFamily:
     def model_class(self):
         import ppdiffusers
 
-        from ldm.runtime.compat import buildable_caption_projection, joint_attention_everywhere
+        from ldm.runtime.compat import buildable_caption_projection, joint_attention_everywhere, sd3_recompute_unpacks
 
         buildable_caption_projection()
         joint_attention_everywhere()
+        sd3_recompute_unpacks()
         return getattr(ppdiffusers, self.class_name)
 
 

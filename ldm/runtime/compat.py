@@ -402,3 +402,31 @@ def joint_attention_everywhere() -> None:
         return paddle.transpose(paddle.matmul(weights, v), [0, 2, 1, 3])
 
     F.scaled_dot_product_attention_ = scaled_dot_product_attention_
+
+
+def sd3_recompute_unpacks() -> None:
+    """ppdiffusers 0.29's `SD3Transformer2DModel.sd3_origin_transformer` (the blocks' loop) takes a block's output
+    under gradient checkpointing (`--recompute`) as the image tokens alone, though a block returns (text tokens, image
+    tokens): no SD3 transformer trains with recompute. Replaced by the same loop that unpacks both, as diffusers'
+    does."""
+    from ppdiffusers.models import transformer_sd3
+    from ppdiffusers.utils import recompute_use_reentrant, use_old_recompute
+
+    model = private(transformer_sd3, "SD3Transformer2DModel", "training SD3 with --recompute")
+    if getattr(model, "_ldm_recompute_unpacks", False):
+        return
+    private(model, "sd3_origin_transformer", "training SD3 with --recompute")
+
+    def sd3_origin_transformer(self, hidden_states, encoder_hidden_states, temb):
+        for block in self.transformer_blocks:
+            if self.training and self.gradient_checkpointing and not use_old_recompute():
+                kwargs = {} if recompute_use_reentrant() else {"use_reentrant": False}
+                encoder_hidden_states, hidden_states = transformer_sd3.recompute(
+                    block, hidden_states, encoder_hidden_states, temb, **kwargs)
+            else:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb)
+        return encoder_hidden_states, hidden_states
+
+    model.sd3_origin_transformer = sd3_origin_transformer
+    model._ldm_recompute_unpacks = True
