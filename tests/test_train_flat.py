@@ -110,6 +110,24 @@ def by_structured_name(optimizer, model) -> dict:
     return state
 
 
+def test_a_save_reads_a_flat_parameter_where_it_lies_not_through_a_copy_of_its_whole_buffer():
+    """Paddle's `numpy()` of a view copies the whole buffer it lies in: a save of ldm-12layer (846 views of a 3.7 GB
+    buffer) took minutes per checkpoint and a buffer's size more memory. The writer reads each view in place."""
+    from ldm.checkpoint.serialization import LiveTensor, host_array
+    from ldm.train.flat import FlatParameters
+
+    layer = paddle.nn.Sequential(paddle.nn.Linear(64, 32), paddle.nn.Linear(32, 16))
+    parameters = list(layer.parameters())
+    before = [p.numpy().copy() for p in parameters]
+    flat = FlatParameters(parameters)
+    buffer = np.from_dlpack(next(iter(flat.weights.values())))
+    for parameter, values in zip(parameters, before, strict=True):
+        array = host_array(parameter)
+        np.testing.assert_array_equal(array, values)
+        assert np.shares_memory(array, buffer) and array.size == values.size  # the view alone, in place
+        np.testing.assert_array_equal(LiveTensor(parameter).array(), values)
+
+
 def test_decay_excluded_parameters_form_their_own_span():
     rule = lambda name: name.endswith(".w_0") and "norm" not in name  # noqa: E731 - PaddleNLP's: no bias, no norm
     per_tensor, _, _ = run(False, 6, decay_fun=rule)

@@ -42,12 +42,16 @@ def is_tensor(value) -> bool:
 
 
 def host_array(tensor) -> np.ndarray:
-    """A Paddle tensor's values as a numpy array: on the CPU a view of its memory (DLPack, no copy), elsewhere a copy
-    to the host; bfloat16 (which numpy lacks) as its raw 16 bits."""
+    """A Paddle tensor's values as a numpy array: on the CPU a view of its memory (DLPack, no copy; a trained
+    parameter's through `detach`, which DLPack requires), elsewhere a copy of it alone to the host; bfloat16 (which
+    numpy lacks) as its raw 16 bits. The copy is of a compact clone: Paddle's `numpy()` of a view into a larger buffer
+    (a parameter of the flat update, `ldm.train.flat`) copies the whole buffer, which made saving `ldm-12layer` take
+    minutes per checkpoint and one buffer's size more memory."""
+    detached = tensor.detach()
     try:
-        return np.from_dlpack(tensor)
+        return np.from_dlpack(detached)
     except (BufferError, RuntimeError, TypeError):  # another device, or a dtype DLPack's numpy side lacks
-        return tensor.numpy()
+        return detached.clone().numpy()
 
 
 class LiveTensor:
