@@ -41,6 +41,23 @@ def release_gradients(parameters) -> None:
         parameter.clear_gradient(False)
 
 
+def release_optimizer_state(optimizer) -> None:
+    """Free the optimizer's moments once the updates are over and the last save holds them (`TrainingRun.finish`):
+    the export at the end loads its copy of the model into their memory. `ldm-12layer`'s AdamW moments are 7 GB beside
+    3.7 GB of weights; with them the end-of-run export passed 22 GiB on a 24 GiB host."""
+    from ldm.runtime.compat import innermost_optimizer
+    from ldm.train.flat import FreedMemory
+
+    if optimizer is None:
+        return
+    inner = innermost_optimizer(optimizer)
+    for accumulators in (getattr(inner, "_accumulators", None) or {}).values():
+        accumulators.clear()
+    if isinstance(getattr(inner, "moments", None), dict):  # the flat update's moment buffers
+        inner.moments = {}
+    FreedMemory().release()
+
+
 @paddle.no_grad()
 def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
     """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if

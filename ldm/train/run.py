@@ -42,7 +42,7 @@ from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import SampleClock
 from ldm.train.flat import FlatAdamW, FlatEMA
-from ldm.train.gradients import TensorGradients
+from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
@@ -347,6 +347,7 @@ class TrainingRun:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
             self.gradients.release()
+            release_optimizer_state(self.optimizer)
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 
