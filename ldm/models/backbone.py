@@ -175,8 +175,10 @@ def follow_resolution(backbone, latent: int) -> None:
 def init_backbone(backbone) -> None:
     """From scratch: a UNet as the original LDM (`ldm.models.init`); a DiT as PixArt's `initialize_weights`: Xavier-
     uniform linear layers and patch projection (biases 0), N(0, 0.02) for the timestep MLP, adaLN-single's projection
-    and the caption projection, zero for each block's cross-attention output and the final projection."""
-    from paddle.nn.initializer import Constant, Normal, XavierUniform
+    and the caption projection, zero for each block's cross-attention output and the final projection; an MMDiT (SD3's
+    code ships no initialisation) as DiT's blocks: N(0, 0.02) for the timestep and pooled-text MLPs, zero for every
+    adaLN modulation (each block starts as the identity) and the final projection."""
+    from paddle.nn.initializer import Normal
 
     from ldm.models.init import init_ldm_weights, zero_
 
@@ -184,36 +186,28 @@ def init_backbone(backbone) -> None:
     if family is UNET:
         init_ldm_weights(backbone, None)
         return
+    init_linear_and_patches(backbone)
     if family is SD3:
-        init_mmdit(backbone)
-        return
-    for layer in backbone.sublayers():
-        if isinstance(layer, paddle.nn.Linear):
-            XavierUniform()(layer.weight)
-            if layer.bias is not None:
-                Constant(0.0)(layer.bias)
-    proj = backbone.pos_embed.proj  # as a linear layer over the flattened patch (PixArt's x_embedder)
-    fan_in, fan_out = proj.weight.shape[1] * proj.weight.shape[2] * proj.weight.shape[3], proj.weight.shape[0]
-    bound = (6.0 / (fan_in + fan_out)) ** 0.5
-    proj.weight.set_value(paddle.uniform(proj.weight.shape, min=-bound, max=bound))
-    Constant(0.0)(proj.bias)
-    single = backbone.adaln_single
-    for layer in (single.emb.timestep_embedder.linear_1, single.emb.timestep_embedder.linear_2, single.linear):
+        embedder = backbone.time_text_embed
+        normal = (embedder.timestep_embedder.linear_1, embedder.timestep_embedder.linear_2,
+                  embedder.text_embedder.linear_1, embedder.text_embedder.linear_2)
+        zeroed = [norm.linear for block in backbone.transformer_blocks for norm in (block.norm1, block.norm1_context)]
+        zeroed.append(backbone.norm_out.linear)
+    else:
+        single, caption = backbone.adaln_single, backbone.caption_projection
+        normal = (single.emb.timestep_embedder.linear_1, single.emb.timestep_embedder.linear_2, single.linear,
+                  caption.linear_1, caption.linear_2)
+        zeroed = [block.attn2.to_out[0] for block in backbone.transformer_blocks]
+    for layer in normal:
         Normal(0.0, 0.02)(layer.weight)
-    for layer in (backbone.caption_projection.linear_1, backbone.caption_projection.linear_2):
-        Normal(0.0, 0.02)(layer.weight)
-    for block in backbone.transformer_blocks:
-        zero_(block.attn2.to_out[0])
-    zero_(backbone.proj_out)
+    for layer in [*zeroed, backbone.proj_out]:
+        zero_(layer)
 
 
-def init_mmdit(backbone) -> None:
-    """An MMDiT from scratch as DiT initialises its blocks (SD3's code ships none): Xavier-uniform linear layers and
-    patch projection (biases 0), N(0, 0.02) for the timestep and pooled-text MLPs, zero for every adaLN modulation (each
-    block starts as the identity) and the final projection."""
-    from paddle.nn.initializer import Constant, Normal, XavierUniform
-
-    from ldm.models.init import zero_
+def init_linear_and_patches(backbone) -> None:
+    """A DiT's Xavier-uniform linear layers and patch projection (as a linear layer over the flattened patch, PixArt's
+    x_embedder), biases 0."""
+    from paddle.nn.initializer import Constant, XavierUniform
 
     for layer in backbone.sublayers():
         if isinstance(layer, paddle.nn.Linear):
@@ -225,15 +219,6 @@ def init_mmdit(backbone) -> None:
     bound = (6.0 / (fan_in + fan_out)) ** 0.5
     proj.weight.set_value(paddle.uniform(proj.weight.shape, min=-bound, max=bound))
     Constant(0.0)(proj.bias)
-    embedder = backbone.time_text_embed
-    for layer in (embedder.timestep_embedder.linear_1, embedder.timestep_embedder.linear_2,
-                  embedder.text_embedder.linear_1, embedder.text_embedder.linear_2):
-        Normal(0.0, 0.02)(layer.weight)
-    for block in backbone.transformer_blocks:
-        for norm in (block.norm1, block.norm1_context):
-            zero_(norm.linear)
-    zero_(backbone.norm_out.linear)
-    zero_(backbone.proj_out)
 
 
 class PipelineError(ValueError):
