@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ldm.models.backbone import SD3, UNET, backbone_family_of, context_width, reads_pooled
-from ldm.models.text import LDMBERT, TextFamily, text_family
+from ldm.models.text import LDMBERT, SD3_TEXT, TextFamily, text_family
+from ldm.models.text import family_of as text_family_of
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
 
@@ -349,11 +350,11 @@ def load_frozen_text_encoder(family: TextFamily, folder: str):
     """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone; SD3's
     set: each of its three so (loaded: all three had weights)."""
     if family.name == "sd3":
-        from ldm.models.text import CLIP, T5
+        from ldm.models.text import SD3_PARTS
         from ldm.models.text_set import ENCODER_PARTS, TextEncoderSet, part_folders
 
         built = [load_frozen_text_encoder(part, f) for part, f in
-                 zip((CLIP, CLIP, T5), part_folders(folder, ENCODER_PARTS), strict=True)]
+                 zip(SD3_PARTS, part_folders(folder, ENCODER_PARTS), strict=True)]
         return TextEncoderSet(*(model for model, _ in built)), all(loaded for _, loaded in built)
     model_class = family.model_class(folder)
     if has_weights(folder):
@@ -516,8 +517,7 @@ def check_context(unet, text_encoder, name: str) -> None:
         raise ModelSourceError(f"{name}: the {type(unet).__name__} reads text states {context_width(unet.config)} "
                                f"wide and its text encoder's are {width} wide: they cannot work together")
     pooled = reads_pooled(unet.config)
-    made = getattr(text_encoder.config, "projection_dim", None) if type(text_encoder).__name__ == "TextEncoderSet" \
-        else None
+    made = text_encoder.config.projection_dim if text_family_of(text_encoder) is SD3_TEXT else None
     if pooled != made:
         raise ModelSourceError(f"{name}: the {type(unet).__name__} reads a pooled text vector {pooled or 'no'} wide "
                                f"and its text encoders make {made or 'none'}: they cannot work together (an SD3 "

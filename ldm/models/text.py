@@ -71,6 +71,7 @@ CLIP = TextFamily("clip", "text_encoder", False, ("clip_text_model", "clip"))
 T5 = TextFamily("t5", "text_encoder", False, ("t5",), masked=True)
 # Stable Diffusion 3's three (`ldm.models.text_set`): CLIP-L, CLIP-G and T5, read as one
 SD3_TEXT = TextFamily("sd3", "text_encoder", False, ("sd3_text_encoders",))
+SD3_PARTS = (CLIP, CLIP, T5)  # the family of each of its three, in `text_set`'s order
 FAMILIES = (LDMBERT, CLIP, T5, SD3_TEXT)
 
 
@@ -234,7 +235,11 @@ def train_text_encoder(family: TextFamily, asked: bool | None) -> bool:
 
 
 def config_dict(layer) -> dict:
-    """A part's config as a plain dict: ppdiffusers' FrozenDict or PaddleNLP's PretrainedConfig."""
+    """A part's config as a plain dict: ppdiffusers' FrozenDict or PaddleNLP's PretrainedConfig; SD3's set: its own
+    with each of its encoders'."""
+    if family_of(layer) is SD3_TEXT:
+        parts = {part: config_dict(encoder) for part, _, encoder in text_parts(layer)}
+        return {**layer.config.to_dict(), "parts": parts}
     config = layer.config.to_dict() if hasattr(layer.config, "to_dict") else dict(layer.config)
     volatile = ("paddlenlp_version", "transformers_version", "architectures", "torch_dtype", "dtype")
     return {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
@@ -270,7 +275,7 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
         from ldm.models.text_set import TOKENIZER_PARTS, TokenizerSet, part_folders
 
         tokenizers = TokenizerSet(load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
-                                  zip((CLIP, CLIP, T5), part_folders(folder, TOKENIZER_PARTS), strict=True))
+                                  zip(SD3_PARTS, part_folders(folder, TOKENIZER_PARTS), strict=True))
         tokenizers.model_max_length = tokenizers.model_max_length
         return tokenizers
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}

@@ -61,8 +61,7 @@ class TextEncoderSet(nn.Layer):
         self.config = SetConfig(
             model_type=MODEL_TYPE, hidden_size=_width(t5), max_position_embeddings=min(positions),
             projection_dim=int(clip_l.config.projection_dim) + int(clip_g.config.projection_dim),
-            vocab_size=None, pad_token_id=None,
-            parts={part: config_of(e) for part, e in zip(ENCODER_PARTS, self.encoders, strict=True)})
+            vocab_size=None, pad_token_id=None)
 
     def forward(self, input_ids: paddle.Tensor):
         """(states [B, 2 L, D_t5], pooled [B, P_l + P_g]) of the three tokenizers' ids end to end ([B, 3 L])."""
@@ -109,12 +108,6 @@ def model_class(folder: str):
 class SetConfig(SimpleNamespace):
     def to_dict(self) -> dict:
         return dict(vars(self))
-
-
-def config_of(encoder) -> dict:
-    config = encoder.config.to_dict()
-    volatile = ("paddlenlp_version", "transformers_version", "architectures", "torch_dtype", "dtype")
-    return {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
 
 
 class TokenizerSet:
