@@ -84,10 +84,7 @@ def test_the_sd3_pipeline_computes_what_diffusers_and_transformers_compute(pipel
 def test_an_sd3_pipeline_trains_in_a_bucket_resumes_and_exports_what_ppdiffusers_pipeline_samples(pipeline,
                                                                                                   tmp_path):
     from ppdiffusers import StableDiffusion3Pipeline
-
-    from ldm.data.tokenize import CaptionTokenizer
-    from ldm.inference.load import load_for_inference
-    from ldm.inference.sampling import generate, initial_noise, sampling_scheduler
+    from transformer_fixtures import export_to_diffusers, sampled_as_by_the_pipeline
 
     listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
     run = tmp_path / "run"
@@ -102,29 +99,12 @@ def test_an_sd3_pipeline_trains_in_a_bucket_resumes_and_exports_what_ppdiffusers
     assert record["class"] == "SD3Transformer2DModel" and record["text_encoder_identity"]["family"] == "sd3"
     assert record["prediction_type"] == "flow_matching" and record["text_encoder_identity"]["max_length"] == 16
     exported = tmp_path / "hf"
-    result = run_python(["-m", "ldm.export", "--checkpoint", str(run / "checkpoint-3"), "--output", str(exported),
-                         "--format", "diffusers"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    index = json.loads((exported / "model_index.json").read_text())
+    index = export_to_diffusers(run / "checkpoint-3", exported, pipeline,  # the frozen encoders as they came
+                                ("text_encoder", "text_encoder_2", "text_encoder_3"))
     assert index["_class_name"] == "StableDiffusion3Pipeline"
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
-    for part in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # the frozen encoders as they came
-        source, ours = (load_file(f"{folder}/{part}/model.safetensors") for folder in (pipeline, exported))
-        assert source.keys() == ours.keys() and all(np.array_equal(source[k], ours[k]) for k in source), part
-    trained = load_file(f"{exported}/transformer/diffusion_pytorch_model.safetensors")
-    start = load_file(f"{pipeline}/transformer/diffusion_pytorch_model.safetensors")
-    assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
     assert "max_sequence_length=16" in (exported / "README.md").read_text()
-
-    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(str(exported))
-    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), CaptionTokenizer(tokenizer, 16),
-                    ["a red circle"], guidance_scale=3.0, num_inference_steps=3, seed=7, height=48, width=24)
-    theirs = StableDiffusion3Pipeline.from_pretrained(str(exported), from_diffusers=True)
-    latents = paddle.to_tensor(initial_noise([16, 12, 6], 7, 0)[None])
-    image = theirs("a red circle", num_inference_steps=3, guidance_scale=3.0, latents=latents, height=48, width=24,
-                   output_type="np").images[0]
-    assert mine[0].std() > 1  # an image, not a flat field
-    np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
+    sampled_as_by_the_pipeline(exported, StableDiffusion3Pipeline)
 
 
 def test_sd3_trains_from_its_preset_on_the_trainer_path(tmp_path):

@@ -58,3 +58,42 @@ def check_against_diffusers(folder: str, family: str) -> dict[str, float]:
                     guidance_scale=3.0, num_inference_steps=2, seed=7)
     np.testing.assert_allclose(mine[0], np.round(expected["generated"][0] * 255), atol=1)
     return found
+
+
+def export_to_diffusers(checkpoint, exported, source: str, encoders: tuple[str, ...]) -> dict:
+    """`python -m ldm.export --format diffusers` of a checkpoint trained from `source`: its frozen `encoders` as they
+    came, its transformer trained; its model_index.json."""
+    from entry import run_python
+    from safetensors.numpy import load_file
+
+    result = run_python(["-m", "ldm.export", "--checkpoint", str(checkpoint), "--output", str(exported), "--format",
+                         "diffusers"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for part in encoders:
+        theirs, ours = (load_file(f"{folder}/{part}/model.safetensors") for folder in (source, exported))
+        assert theirs.keys() == ours.keys() and all(np.array_equal(theirs[k], ours[k]) for k in theirs), part
+    trained, start = (load_file(f"{folder}/transformer/diffusion_pytorch_model.safetensors")
+                      for folder in (exported, source))
+    assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
+    return json.loads((Path(exported) / "model_index.json").read_text())
+
+
+def sampled_as_by_the_pipeline(exported, pipeline_class, **call):
+    """`ldm.generate` of an exported folder against ppdiffusers' `pipeline_class` from the same noise (48x24, three
+    steps, guidance 3): the same image within one grey level; the pipeline."""
+    import paddle
+
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_for_inference
+    from ldm.inference.sampling import generate, initial_noise, sampling_scheduler
+
+    unet, text_encoder, vae, tokenizer, scheduler_config, _ = load_for_inference(str(exported))
+    mine = generate(unet, text_encoder, vae, sampling_scheduler(scheduler_config), CaptionTokenizer(tokenizer, 16),
+                    ["a red circle"], guidance_scale=3.0, num_inference_steps=3, seed=7, height=48, width=24)
+    theirs = pipeline_class.from_pretrained(str(exported), from_diffusers=True)
+    latents = paddle.to_tensor(initial_noise([unet.config.in_channels, 12, 6], 7, 0)[None])
+    image = theirs("a red circle", num_inference_steps=3, guidance_scale=3.0, latents=latents, height=48, width=24,
+                   output_type="np", **call).images[0]
+    assert mine[0].std() > 1  # an image, not a flat field
+    np.testing.assert_allclose(np.round(image * 255), mine[0], atol=1)
+    return theirs
