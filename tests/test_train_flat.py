@@ -15,6 +15,7 @@ from ldm.checkpoint.serialization import load_state
 from ldm.models.ema import EMA
 from ldm.train.flat import FlatAdamW, FlatEMA, FreedMemory
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+from ldm.train.native import load as load_kernel
 
 
 class Tiny(paddle.nn.Layer):
@@ -44,8 +45,10 @@ def batch(i, accumulation=1):
             for _ in range(accumulation)]
 
 
-def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float = 1.0, skip=(), decay_fun=None):
-    """`updates` updates (clip, AdamW, EMA) as the loop makes them, per tensor or flat; returns the model and EMA."""
+def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float = 1.0, skip=(), decay_fun=None,
+        fused: bool = False):
+    """`updates` updates (clip, AdamW, EMA) as the loop makes them, per tensor or flat (its clip, AdamW and EMA in
+    one pass of the compiled kernel: `fused`); returns the model and EMA."""
     model, trained = build()
     schedule = paddle.optimizer.lr.LambdaDecay(1e-2, lambda step: min(1.0, (step + 1) / 5))  # a warm-up, as runs have
     optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(
@@ -53,6 +56,7 @@ def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float
     ema = EMA(model, 0.99)
     if flat:
         FlatEMA.adopt(ema, optimizer.flatten())
+        assert not fused or optimizer.fuse(fused_kernel(), ema.flat)
     for i in range(updates):
         for x in batch(i, accumulation):
             (model(x) ** 2).mean().backward()
@@ -90,9 +94,16 @@ def shadows(ema):
     return {n: t.numpy() for n, t in ema.shadow.items()}
 
 
-def test_flat_update_equals_the_per_tensor_update_over_20_updates():
+def fused_kernel():
+    kernel, why = load_kernel()
+    assert kernel is not None, why  # every machine of the suite has a C compiler
+    return kernel
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_flat_update_equals_the_per_tensor_update_over_20_updates(fused):
     per_tensor, ema_a, opt_a = run(False, skip=(7, 12))
-    flat, ema_b, opt_b = run(True, skip=(7, 12))
+    flat, ema_b, opt_b = run(True, skip=(7, 12), fused=fused)
     assert_close(model_weights(flat), model_weights(per_tensor))
     assert_close(shadows(ema_b), shadows(ema_a))
     # Paddle's names, per parameter, with their shapes: checkpoints unchanged on disk
@@ -237,7 +248,8 @@ def loop_checkpoint(corpus, out, updates: int, flat: str, *extra, launch: bool =
                                  *extra], launch=launch, cwd=out.parent if launch else None)
     assert result.returncode == 0, launch_report(result, out.parent) if launch else result.stderr[-3000:]
     if not launch:
-        assert ("flat update: " in result.stderr) == (flat == "on")
+        assert ("flat update: " in result.stderr) == (flat != "off")
+        assert ("one fused pass" in result.stderr) == (flat == "fused")
     return os.path.join(out, f"checkpoint-{updates}")
 
 
@@ -251,13 +263,14 @@ def checkpoint_state(checkpoint) -> dict:
 
 @pytest.mark.slow
 def test_the_loop_flat_or_per_tensor_ends_alike_and_resumes_across_the_change(corpus, tmp_path):
-    """The entry point with --flat_update on and off: the same weights, EMA and AdamW state (Paddle's names and
-    shapes) after 4 clipped updates, and a checkpoint of either form resumed by the other ends the same."""
-    flat = loop_checkpoint(corpus, tmp_path / "flat", 4, "on")
+    """The entry point with --flat_update fused (a CPU's default) and off: the same weights, EMA and AdamW state
+    (Paddle's names and shapes) after 4 clipped updates, and a checkpoint of either form resumed by the other ends
+    the same."""
+    flat = loop_checkpoint(corpus, tmp_path / "flat", 4, "fused")
     per_tensor = loop_checkpoint(corpus, tmp_path / "per_tensor", 4, "off")
     expected = checkpoint_state(per_tensor)
     assert_close(checkpoint_state(flat), expected)
-    for source, form in ((flat, "off"), (per_tensor, "on")):
+    for source, form in ((flat, "off"), (per_tensor, "fused")):
         out = tmp_path / f"resumed-{form}"
         shutil.copytree(os.path.dirname(source), out, ignore=shutil.ignore_patterns("checkpoint-4", "pipeline"))
         resumed = loop_checkpoint(corpus, out, 4, form, "--resume_from_checkpoint", "latest")
@@ -267,19 +280,21 @@ def test_the_loop_flat_or_per_tensor_ends_alike_and_resumes_across_the_change(co
 @pytest.mark.slow
 def test_the_trainer_path_flat_or_per_tensor_ends_alike(corpus, tmp_path, vocab_dir):
     """PaddleNLP's Trainer makes its own AdamW (biases and norms undecayed, its global-norm clip): flat, it ends
-    3 updates where the per-tensor one does."""
+    3 updates where the per-tensor one does, fused (its clip's factor carried into the pass) or not."""
     common = corpus[corpus.index("--file_list"):corpus.index("--model_max_length")] + [
         "--do_train", "--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--model_max_length", "16",
         "--resolution", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--max_steps", "3", "--save_steps", "3", "--learning_rate", "1e-3", "--weight_decay", "0.02",
         "--max_grad_norm", "0.05", "--use_ema", "--seed", "3", "--report_to", "none"]
     states = {}
-    for flat in ("on", "off"):
+    for flat in ("fused", "on", "off"):
         result = run_entry("train_txt2img_laion400m_trainer.py",
                            common + ["--flat_update", flat, "--output_dir", str(tmp_path / flat)])
         assert result.returncode == 0, result.stderr[-3000:]
-        assert ("in 2 spans" in result.stderr) == (flat == "on")  # decayed and undecayed
+        assert ("in 2 spans" in result.stderr) == (flat != "off")  # decayed and undecayed
+        assert ("one fused pass" in result.stderr) == (flat == "fused")
         states[flat] = checkpoint_state(tmp_path / flat / "checkpoint-3")
+    assert_close(states["fused"], states["off"])
     assert_close(states["on"], states["off"])
 
 

@@ -255,7 +255,7 @@ class LoopArguments:
 
 
 PROGRESS = ("auto", "bar", "lines", "none")
-FLAT_UPDATE = ("auto", "on", "off")
+FLAT_UPDATE = ("auto", "fused", "on", "off")
 
 
 @dataclass
@@ -324,9 +324,11 @@ class RunArguments:
                                     "updates (data, forward, backward, sync, clip, vote, optimizer, ema, checkpoint, "
                                     "other): train/phase_<name>, rank 0's; waits for the device at each phase")
     flat_update: str = arg("auto", "on: the trained weights, their gradients, AdamW moments and EMA live in flat "
-                                   "buffers, and the norm, clip, AdamW and EMA run a few kernels over them; off: a "
-                                   "kernel or several per tensor; auto: the faster measured on this device "
-                                   "(docs/benchmarks.md). Checkpoints are the same either way")
+                                   "buffers, and the norm, clip, AdamW and EMA run a few kernels over them; fused "
+                                   "(a CPU): and the clip, AdamW and EMA run as one pass on several threads, "
+                                   "compiled with the machine's C compiler; off: a kernel or several per tensor; "
+                                   "auto: fused on a CPU, on elsewhere (docs/benchmarks.md). Checkpoints are the "
+                                   "same either way")
     profile_steps: Optional[str] = arg(None, "A-B: Paddle's profiler over updates A to B (each rank's trace for "
                                              "Perfetto or VisualDL, its table of operators and where the updates' "
                                              "time went, in <output_dir>/profile/)")

@@ -76,8 +76,10 @@ class EMA:
             if f"shadow.{name}" in state:
                 self._put(name, paddle.to_tensor(state[f"shadow.{name}"], dtype="float32"))
 
-    def decay(self) -> float:
-        return min(self.max_decay, (1 + self.num_updates) / (10 + self.num_updates))
+    def decay(self, update: int | None = None) -> float:
+        """The decay of update `update` (default: the last one counted)."""
+        n = self.num_updates if update is None else update
+        return min(self.max_decay, (1 + n) / (10 + n))
 
     @paddle.no_grad()
     def update(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import paddle
 
 from ldm.runtime.compat import private, scale_in_place, squared_l2_norm
@@ -131,6 +132,10 @@ class FlatParameters:
         freed.release()
         self.span_of = {id(p): span for span in self.spans for p in span.params}
         self.reattached = 0  # tensors a caller had replaced, found and re-attached by `ensure_views`
+        # `ldm.train.native.FusedKernel` (`FlatAdamW.fuse`): the norm on its threads, and the clip's factor held in
+        # `pending_scale` for the optimizer's one pass instead of a pass of its own
+        self.kernel = None
+        self.pending_scale = 1.0
 
     def zero_gaps(self, buffer, span: Span | None = None) -> None:
         """Zero the alignment gaps of a buffer laid out as this one's dtype `buffer.dtype` (or as `span`, a buffer
@@ -153,6 +158,11 @@ class FlatParameters:
             view.zero_()
         view.get_tensor()._set_dims(p.shape)
         p._copy_gradient_from(view)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernel steps every span (all fp32)."""
+        return self.kernel is not None
 
     def weight(self, span: Span) -> paddle.Tensor:
         return self.weights[str(span.dtype)]._slice(span.start, span.end)
@@ -194,6 +204,7 @@ class FlatParameters:
         them, fleet's sharding optimizer's too)."""
         for grad in self.grads.values():
             grad.zero_()
+        self.pending_scale = 1.0
 
     def release(self) -> None:
         """Free the gradients once the updates are over: the export loads into their memory."""
@@ -204,11 +215,17 @@ class FlatParameters:
     @paddle.no_grad()
     def norm(self) -> paddle.Tensor:
         """Global L2 norm of every gradient, fp32: one reduction per dtype."""
+        if self.fused:
+            total = sum(self.kernel.sum_squares(grad) for grad in self.grads.values())
+            return paddle.to_tensor(total ** 0.5 * self.pending_scale, dtype="float32")
         squares = [squared_l2_norm(grad) for grad in self.grads.values()]
         return paddle.sqrt(paddle.add_n(squares) if len(squares) > 1 else squares[0]).reshape([])
 
     @paddle.no_grad()
     def scale(self, factor: float) -> None:
+        if self.fused:  # the optimizer's pass multiplies each gradient as it reads it
+            self.pending_scale *= float(factor)
+            return
         for grad in self.grads.values():
             scale_in_place(grad, factor)
 
@@ -239,6 +256,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         super().__init__(*args, **kwargs)
         self.flat: FlatParameters | None = None
         self.moments: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}  # id(span) -> flat moment 1, 2
+        self.ema: FlatEMA | None = None  # the EMA the fused pass steps with the weights (`fuse`)
 
     @classmethod
     def of(cls, optimizer: paddle.optimizer.AdamW) -> FlatAdamW:
@@ -247,7 +265,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         if type(optimizer) is not paddle.optimizer.AdamW or optimizer._already_create_accumulator:
             raise TypeError(f"a fresh paddle.optimizer.AdamW becomes a FlatAdamW, not {type(optimizer).__name__}")
         optimizer.__class__ = cls
-        optimizer.flat, optimizer.moments = None, {}
+        optimizer.flat, optimizer.moments, optimizer.ema = None, {}, None
         return optimizer
 
     def flatten(self, parameters=None, owner: dict[str, int] | None = None) -> FlatParameters:
@@ -263,6 +281,17 @@ class FlatAdamW(paddle.optimizer.AdamW):
                                "--flat_update off)")
         self.flat = FlatParameters(parameters, owner, decay)
         return self.flat
+
+    def fuse(self, kernel, ema: FlatEMA | None = None) -> bool:
+        """Step every span with `kernel` (`ldm.train.native.FusedKernel`): the clip's factor, AdamW and `ema`'s
+        update in one pass over the flat buffers. Only where every weight is fp32 and AdamW has no AMSGrad, else
+        False (Paddle's kernels, as before)."""
+        if any(span.dtype != paddle.float32 for span in self.flat.spans) or self._amsgrad:
+            return False
+        self.flat.kernel, self.ema = kernel, ema
+        if ema is not None:
+            ema.carried_by = self
+        return True
 
     def _add_moments_pows(self, p):
         """Paddle's moments of `p` (holding any state loaded before the first step), moved at once into the span's
@@ -335,6 +364,9 @@ class FlatAdamW(paddle.optimizer.AdamW):
         lr = self._global_learning_rate()
         beta1 = self._beta1.item(0) if isinstance(self._beta1, paddle.Tensor) else self._beta1
         beta2 = self._beta2.item(0) if isinstance(self._beta2, paddle.Tensor) else self._beta2
+        if self.flat.fused:
+            self._fused_step(lr, beta1, beta2, list(spans.values()))
+            return None
         adamw = private(paddle._C_ops, "adamw_", "the flat AdamW")
         for span in spans.values():
             moment1, moment2 = self.moments[id(span)]
@@ -345,6 +377,33 @@ class FlatAdamW(paddle.optimizer.AdamW):
                   False, False, self._amsgrad)
         return None
 
+    def _fused_step(self, lr, beta1: float, beta2: float, spans: list[Span]) -> None:
+        """The `fuse`d pass over `spans`, with the scalars Paddle's CPU `adamw_` derives from the learning rate and
+        the bias-correction powers, in fp32 as it computes them; then the powers stepped as it steps them."""
+        f32 = np.float32
+        lr = f32(lr.item() if isinstance(lr, paddle.Tensor) else lr)
+        ema, decay = self.ema, None
+        if ema is not None:
+            decay = ema.ema.decay(ema.ema.num_updates + 1)  # the decay of the EMA's coming update
+            ema.applied = (decay, set())
+        for span in spans:
+            moment1, moment2 = self.moments[id(span)]
+            pow1, pow2 = self._span_pows(span)
+            b1p, b2p = f32(pow1.item()), f32(pow2.item())
+            lr_ratio = f32(1.0 if self._lr_ratio is None else self._lr_ratio(span.params[0]))
+            average = ema.buffer_of(span) if ema is not None else None
+            self.flat.kernel.adamw_ema(
+                self.flat.weight(span), self.flat.grad(span), moment1, moment2, average,
+                grad_scale=self.flat.pending_scale,
+                decay_rate=float(lr * lr_ratio * f32(self._weight_decay)) if span.decay else 0.0,
+                beta1=beta1, beta2=beta2, step=float(-(lr * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
+                eps=float(f32(self._epsilon) * np.sqrt(f32(1) - b2p)),
+                ema_weight=1.0 - decay if average is not None else 0.0)  # as `lerp_` is given it
+            if average is not None:
+                ema.applied[1].add(id(span))
+            scale_in_place(pow1, beta1)
+            scale_in_place(pow2, beta2)
+
     def _clip(self, params_grads, every_span: bool) -> None:
         """The optimizer's own clip (PaddleNLP's Trainer gives it one), in place on the flat gradients.
         `ClipGradByGlobalNorm` over every span: one reduction and one scale per dtype, with its factor
@@ -354,6 +413,9 @@ class FlatAdamW(paddle.optimizer.AdamW):
         if type(clip) is paddle.nn.ClipGradByGlobalNorm and every_span:
             norm = self.flat.norm()
             factor = clip.clip_norm / paddle.maximum(norm, paddle.full([], clip.clip_norm, "float32"))
+            if self.flat.fused:
+                self.flat.scale(factor.item())
+                return
             for grad in self.flat.grads.values():
                 grad.multiply_(factor.astype(grad.dtype))
             return
@@ -379,6 +441,10 @@ class FlatEMA:
 
     def __init__(self, ema, flat: FlatParameters, kernel: str = "lerp"):
         self.ema, self.flat, self.kernel = ema, flat, kernel
+        # `FlatAdamW.fuse`: the optimizer's pass updates the averages of the spans it steps, and leaves here
+        # (decay, {id(span)}) for `update` to count and not repeat
+        self.carried_by: FlatAdamW | None = None
+        self.applied: tuple[float, set[int]] | None = None
         kept = {id(p): name for name, p in ema.parameters.items() if name in ema.shadow}
         self.spans = [span for span in flat.spans if all(id(p) in kept for p in span.params)]
         whole = {id(span) for span in self.spans}
@@ -402,9 +468,20 @@ class FlatEMA:
                 self.buffers.append(buffer)
         freed.release()
 
+    def buffer_of(self, span: Span) -> paddle.Tensor | None:
+        """The flat averages of `span`, if this EMA keeps it and updates with `lerp_` (the fused pass's arithmetic)."""
+        if self.kernel != "lerp":
+            return None
+        return next((buffer for kept, buffer in zip(self.spans, self.buffers, strict=True) if kept is span), None)
+
     @paddle.no_grad()
     def update(self, decay: float) -> None:
+        applied, self.applied = self.applied, None
+        if applied is not None and applied[0] != decay:
+            raise RuntimeError(f"the fused update stepped the EMA with decay {applied[0]}, its update asks {decay}")
         for span, shadow in zip(self.spans, self.buffers, strict=True):
+            if applied is not None and id(span) in applied[1]:
+                continue
             weights = self.flat.weight(span)
             if self.kernel == "lerp" and weights.dtype == paddle.float32:
                 shadow.lerp_(weights, 1.0 - decay)

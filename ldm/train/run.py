@@ -46,6 +46,7 @@ from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
+from ldm.train.native import load as load_kernel
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
@@ -206,7 +207,10 @@ class TrainingRun:
             route_clear_grad(optimizer, self.gradients.clear)
             if self.objective.ema is not None:
                 FlatEMA.adopt(self.objective.ema, self.gradients)
-            logger.info("flat update: %d trained tensors in %d spans", len(self.trained), len(self.gradients.spans))
+            ema = self.objective.ema.flat if self.objective.ema is not None else None
+            fused = self.flat_update == "fused" and inner.fuse(load_kernel()[0], ema)
+            logger.info("flat update: %d trained tensors in %d spans%s", len(self.trained), len(self.gradients.spans),
+                        f", one fused pass on {self.gradients.kernel.threads} threads" if fused else "")
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each

@@ -1,0 +1,109 @@
+"""The fused update kernel for a CPU (`csrc/flat_update.c`), compiled on first use with the machine's C compiler
+and loaded with ctypes.
+
+Paddle has no kernel that steps AdamW, the clip's scale and the EMA in one pass, and its CPU update kernels run on
+one thread; a custom Paddle operator would need Paddle's headers and a C++ build of a minute per Paddle version, where
+these two plain C functions over raw fp32 pointers compile in well under a second. The library is cached by the
+hash of its source and compiler command (`$LDM_KERNEL_CACHE`, default `~/.cache/ldm/kernels`), written to a
+temporary name and renamed, so ranks compiling at once never load a half-written file. Without a compiler (or
+OpenMP) `load` returns None with the reason, and the flat update runs Paddle's kernels instead."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+logger = logging.getLogger("ldm.train")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "flat_update.c")
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def arithmetic_flags() -> list[str]:
+    """Paddle's CPU AdamW is a JIT kernel of fused multiply-adds where the CPU has AVX-512, and its plain C++
+    reference elsewhere: the kernel is compiled to round as the one Paddle runs here does."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return ["-mavx2", "-mfma", "-DLDM_FMA"]
+    return ["-mavx2"] if "avx2" in flags else []
+
+
+def cache_dir() -> str:
+    return os.environ.get("LDM_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ldm", "kernels")
+
+
+def update_threads() -> int:
+    """The kernel's threads: this process's share of the cores it may run on (`paddle.distributed.launch`'s ranks
+    on one node share them), or `$LDM_UPDATE_THREADS`."""
+    if os.environ.get("LDM_UPDATE_THREADS"):
+        return max(1, int(os.environ["LDM_UPDATE_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("PADDLE_LOCAL_SIZE") or 1)))
+
+
+class FusedKernel:
+    """`sum_squares(tensor)` and `adamw_ema(...)` over contiguous fp32 CPU tensors (`csrc/flat_update.c`)."""
+
+    def __init__(self, library: ctypes.CDLL, threads: int):
+        self.library, self.threads = library, threads
+        f, p, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
+        library.ldm_sum_squares.restype = ctypes.c_double
+        library.ldm_sum_squares.argtypes = [p, i64, ctypes.c_int]
+        library.ldm_adamw_ema.restype = None
+        library.ldm_adamw_ema.argtypes = [p, p, p, p, p, i64, f, f, f, f, f, f, f, ctypes.c_int]
+
+    def sum_squares(self, tensor) -> float:
+        return self.library.ldm_sum_squares(tensor.data_ptr(), tensor.shape[0], self.threads)
+
+    def adamw_ema(self, weight, grad, moment1, moment2, average, *, grad_scale: float, decay_rate: float,
+                  beta1: float, beta2: float, step: float, eps: float, ema_weight: float) -> None:
+        """One pass of AdamW (and the EMA into `average`, unless None) over flat buffers of equal length."""
+        n = weight.shape[0]
+        assert all(t.shape[0] == n for t in (grad, moment1, moment2) + ((average,) if average is not None else ()))
+        self.library.ldm_adamw_ema(weight.data_ptr(), grad.data_ptr(), moment1.data_ptr(), moment2.data_ptr(),
+                                   average.data_ptr() if average is not None else None, n, grad_scale, decay_rate,
+                                   beta1, beta2, step, eps, ema_weight, self.threads)
+
+
+@functools.cache
+def load() -> tuple[FusedKernel | None, str]:
+    """(the kernel, "") or (None, why not): compiled once per source and compiler, then cached."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler (cc, gcc or $CC) on the PATH"
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    command = [compiler, *FLAGS, *arithmetic_flags()]
+    key = hashlib.sha256(source + " ".join(command).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"flat_update-{key}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+            os.close(fd)
+            done = subprocess.run([*command, SOURCE, "-o", partial], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                os.unlink(partial)
+                return None, f"{compiler} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+            os.replace(partial, path)
+        except (OSError, subprocess.SubprocessError) as error:
+            return None, f"compiling {SOURCE} failed: {error}"
+    try:
+        return FusedKernel(ctypes.CDLL(path), update_threads()), ""
+    except OSError as error:
+        return None, f"loading {path} failed: {error}"
