@@ -1,8 +1,11 @@
-"""The update around the step, per tensor (today's: `ldm.train.gradients` clip, Paddle's AdamW, `ldm.models.ema.EMA`)
-against flat (`ldm.train.flat`: one reduction, one `adamw_` per span, one EMA pass over flat buffers).
+"""The update around the step, per tensor (`--flat_update off`: `ldm.train.gradients` clip, Paddle's AdamW,
+`ldm.models.ema.EMA`) against flat (`on`, `ldm.train.flat`: one reduction, one `adamw_` per span, one EMA pass over
+flat buffers) and fused (`fused`, a CPU's default: the norm, then the clip's factor, AdamW and the EMA in one pass of
+`ldm.train.native`'s kernel on the process's share of the cores; `fused@N`: on N threads).
 
     .venv/bin/python scripts/bench_update.py [--width 64 --text_layers 2] [--rounds 7]     # about 50 M weights
     .venv/bin/python scripts/bench_update.py --width 320 --text_layers 12 --rounds 3 --memory   # ldm-12layer
+    .venv/bin/python scripts/bench_update.py --forms per_tensor flat fused fused@1   # the kernel on one thread too
 
 The model is the 12-layer preset (`ldm-12layer`: UNet and LDMBert, a 64-token vocabulary, 16 positions) with the
 UNet's channels cut to --width and LDMBert cut to --text_layers (320 and 12: the preset itself); one backward pass
@@ -10,7 +13,8 @@ of batch 1 at 32 px (4 x 4 latents) makes the gradients, which are then refilled
 timed). Timed per update, as the loop makes it: the global norm, the clip factor's read and the rescaling
 (--max_grad_norm small enough that it clips), the AdamW step and the gradients' clearing, the EMA. In one process
 (default) both forms run on two copies of the model, interleaved round by round; medians and the ratio flat / per
-tensor are printed last, with Paddle's operator calls per update counted by its profiler. `--memory` runs each form
+tensor are printed last, with Paddle's operator calls per update counted by its profiler (the fused pass is one call
+that the profiler does not see). `--memory` runs each form
 alone in a process of its own instead (as a run holds one), and prints its peak resident memory (VmHWM) beside its
 times: the flat buffers must not hold a second copy of anything.
 """
@@ -69,14 +73,17 @@ def build(width: int, text_layers: int, seed: int = 0):
 
 
 class Form:
-    """One form of the update over `model`: per tensor (today's) or flat."""
+    """One form of the update over `model`: "per_tensor" (`--flat_update off`), "flat" (`on`), "fused" or "fused@N"
+    (N threads)."""
 
-    def __init__(self, model, flat: bool, max_norm: float):
+    def __init__(self, model, name: str, max_norm: float):
         import paddle
 
         from ldm.models.ema import EMA
         from ldm.train.flat import FlatAdamW, FlatEMA
+        from ldm.train.native import FusedKernel, load
 
+        flat = name != "per_tensor"
         self.model, self.flat, self.max_norm = model, flat, max_norm
         # what the backward reached (Paddle's AdamW steps nothing else; the flat form would decay it)
         self.trained = [p for p in model.parameters() if not p.stop_gradient and p.grad is not None]
@@ -87,6 +94,12 @@ class Form:
         self.ema = EMA(model)
         if flat:
             FlatEMA.adopt(self.ema, self.optimizer.flatten())
+        if name.startswith("fused"):
+            kernel, why = load()
+            if kernel is None:
+                sys.exit(f"the fused kernel: {why}")
+            threads = int(name.split("@")[1]) if "@" in name else kernel.threads
+            assert self.optimizer.fuse(FusedKernel(kernel.library, threads), self.ema.flat)
         self.clipped = False
 
     def refill(self, seed: int) -> None:
@@ -163,7 +176,7 @@ def one_form(args) -> None:
     """--form: one form alone in this process; prints a JSON line."""
     model = build(args.width, args.text_layers)
     before = peak_gib()
-    form = Form(model, args.form == "flat", args.max_grad_norm)
+    form = Form(model, args.form, args.max_grad_norm)
     rounds = []
     for i in range(args.rounds + 1):  # the first round makes the moments: not counted
         form.refill(i)
@@ -204,39 +217,42 @@ def main() -> None:
     parser.add_argument("--max_grad_norm", type=float, default=1e-3, help="small: every update clips")
     parser.add_argument("--memory", action="store_true", help="each form alone in its own process, with its peak "
                                                               "resident memory")
-    parser.add_argument("--order", nargs=2, choices=("per_tensor", "flat"), default=["per_tensor", "flat"],
-                        help="--memory: which form runs first")
+    parser.add_argument("--forms", nargs="+", default=["per_tensor", "flat", "fused"], type=form_name,
+                        help="the forms, per_tensor first (the baseline), in this order with --memory: per_tensor, "
+                             "flat, fused, fused@N (N threads)")
     parser.add_argument("--keep_available_gib", type=float, default=1.5, help="--memory: stop if the machine's "
                                                                                   "available memory falls below this")
-    parser.add_argument("--form", choices=("per_tensor", "flat"), help=argparse.SUPPRESS)
+    parser.add_argument("--form", type=form_name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.form:
         return one_form(args)
+    if "per_tensor" not in args.forms:
+        parser.error("--forms needs per_tensor, the baseline")
     if args.memory:
         results = {}
-        for form in args.order:
+        for form in args.forms:
             out = guarded([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
                            str(args.text_layers), "--rounds", str(args.rounds), "--max_grad_norm",
                            str(args.max_grad_norm)], args.keep_available_gib)
             results[form] = json.loads(out.strip().splitlines()[-1])
-        print(f"width {args.width}, {args.text_layers} text layers, each form in its own process, medians of "
-              f"{args.rounds} updates")
+        print(f"width {args.width}, {args.text_layers} text layers, each form in its own process (in the order "
+              f"{' '.join(args.forms)}), medians of {args.rounds} updates")
         base = results["per_tensor"]["times"]
-        for form in ("per_tensor", "flat"):
+        for form in args.forms:
             r = results[form]
             show(form, r["times"], None if form == "per_tensor" else base)
             print(f"  {'':11s} peak resident {r['peak_gib']:.2f} GiB (model and gradients: "
                   f"{r['peak_before_update_gib']:.2f}), {r['operators']} operator calls per update")
-        print(f"flat / per tensor, clip + optimizer + EMA: {results['flat']['times']['total'] / base['total']:.3f}")
+        for form in args.forms[1:]:
+            print(f"{form} / per tensor, clip + optimizer + EMA: {results[form]['times']['total'] / base['total']:.3f}")
         return None
 
     import paddle
 
-    forms = {"per_tensor": Form(build(args.width, args.text_layers), False, args.max_grad_norm),
-             "flat": Form(build(args.width, args.text_layers), True, args.max_grad_norm)}
-    trained = sum(p.size for p in forms["flat"].trained)
-    print(f"width {args.width}, {args.text_layers} text layers: {len(forms['flat'].trained)} weight tensors, "
-          f"{trained / 1e6:.1f} M trained weights, "
+    forms = {name: Form(build(args.width, args.text_layers), name, args.max_grad_norm) for name in args.forms}
+    first = next(iter(forms.values()))
+    print(f"width {args.width}, {args.text_layers} text layers: {len(first.trained)} weight tensors, "
+          f"{sum(p.size for p in first.trained) / 1e6:.1f} M trained weights, "
           f"{args.rounds} interleaved rounds (Paddle {paddle.__version__})")
     rounds: dict[str, list] = {name: [] for name in forms}
     for i in range(args.rounds + 1):
@@ -246,13 +262,22 @@ def main() -> None:
             if i:
                 rounds[name].append(times)
     medians = {name: median_times(r) for name, r in rounds.items()}
-    show("per_tensor", medians["per_tensor"])
-    show("flat", medians["flat"], medians["per_tensor"])
+    for name in forms:
+        show(name, medians[name], None if name == "per_tensor" else medians["per_tensor"])
     calls = {name: operator_calls(form) for name, form in forms.items()}
-    print(f"  operator calls per update: per tensor {calls['per_tensor']}, flat {calls['flat']}; clipped: "
+    print(f"  operator calls per update: {', '.join(f'{name} {calls[name]}' for name in forms)}; clipped: "
           f"{all(form.clipped for form in forms.values())}")
-    print(f"flat / per tensor, clip + optimizer + EMA: {medians['flat']['total'] / medians['per_tensor']['total']:.3f}")
+    for name in forms:
+        if name != "per_tensor":
+            print(f"{name} / per tensor, clip + optimizer + EMA: "
+                  f"{medians[name]['total'] / medians['per_tensor']['total']:.3f}")
     return None
+
+
+def form_name(text: str) -> str:
+    if text in ("per_tensor", "flat", "fused") or (text.startswith("fused@") and text[6:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"not a form: {text!r} (per_tensor, flat, fused, fused@N)")
 
 
 if __name__ == "__main__":

@@ -269,12 +269,15 @@ def test_the_loop_flat_or_per_tensor_ends_alike_and_resumes_across_the_change(co
     flat = loop_checkpoint(corpus, tmp_path / "flat", 4, "fused")
     per_tensor = loop_checkpoint(corpus, tmp_path / "per_tensor", 4, "off")
     expected = checkpoint_state(per_tensor)
-    assert_close(checkpoint_state(flat), expected)
+    # the fused form's global norm adds each parameter's sum in double, Paddle's per-tensor one in float: a clip
+    # factor one rounding apart, which 4 clipped updates of the model carry to ~2e-6 (the AdamW and EMA arithmetic
+    # itself is Paddle's to the bit, `test_flat_update_equals_the_per_tensor_update_over_20_updates`)
+    assert_close(checkpoint_state(flat), expected, rtol=1e-5)
     for source, form in ((flat, "off"), (per_tensor, "fused")):
         out = tmp_path / f"resumed-{form}"
         shutil.copytree(os.path.dirname(source), out, ignore=shutil.ignore_patterns("checkpoint-4", "pipeline"))
         resumed = loop_checkpoint(corpus, out, 4, form, "--resume_from_checkpoint", "latest")
-        assert_close(checkpoint_state(resumed), expected)
+        assert_close(checkpoint_state(resumed), expected, rtol=1e-5)
 
 
 @pytest.mark.slow

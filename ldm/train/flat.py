@@ -136,6 +136,8 @@ class FlatParameters:
         # `pending_scale` for the optimizer's one pass instead of a pass of its own
         self.kernel = None
         self.pending_scale = 1.0
+        self.by_order = list(parameters)  # the model's order, whatever the layout
+        self.segments: dict[str, np.ndarray] | None = None  # dtype -> (start, size) of each parameter, in that order
 
     def zero_gaps(self, buffer, span: Span | None = None) -> None:
         """Zero the alignment gaps of a buffer laid out as this one's dtype `buffer.dtype` (or as `span`, a buffer
@@ -216,10 +218,20 @@ class FlatParameters:
     def norm(self) -> paddle.Tensor:
         """Global L2 norm of every gradient, fp32: one reduction per dtype."""
         if self.fused:
-            total = sum(self.kernel.sum_squares(grad) for grad in self.grads.values())
-            return paddle.to_tensor(total ** 0.5 * self.pending_scale, dtype="float32")
+            return paddle.to_tensor(self.fused_norm(), dtype="float32")
         squares = [squared_l2_norm(grad) for grad in self.grads.values()]
         return paddle.sqrt(paddle.add_n(squares) if len(squares) > 1 else squares[0]).reshape([])
+
+    def fused_norm(self) -> float:
+        """The global norm by the fused kernel's threads, the clip's pending factor applied: each parameter's sum of
+        squares, added up in the model's order, so that it is the same whatever the layout (sharded or not)."""
+        if self.segments is None:
+            self.segments = {key: np.array([(self.offset[id(p)], p.size) for p in self.by_order
+                                            if str(p.dtype) == key], np.int64).reshape(-1, 2) for key in self.grads}
+        with paddle.profiler.RecordEvent("ldm fused sum_squares"):
+            total = sum(float(part) for key, grad in self.grads.items()
+                        for part in self.kernel.sum_squares(grad, *self.segments[key].T))
+        return total ** 0.5 * self.pending_scale
 
     @paddle.no_grad()
     def scale(self, factor: float) -> None:
@@ -257,6 +269,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         self.flat: FlatParameters | None = None
         self.moments: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}  # id(span) -> flat moment 1, 2
         self.ema: FlatEMA | None = None  # the EMA the fused pass steps with the weights (`fuse`)
+        self.host_pows: dict[int, tuple] = {}  # id(span) -> its bias-correction powers, fp32 on the host (`fuse`)
 
     @classmethod
     def of(cls, optimizer: paddle.optimizer.AdamW) -> FlatAdamW:
@@ -265,7 +278,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         if type(optimizer) is not paddle.optimizer.AdamW or optimizer._already_create_accumulator:
             raise TypeError(f"a fresh paddle.optimizer.AdamW becomes a FlatAdamW, not {type(optimizer).__name__}")
         optimizer.__class__ = cls
-        optimizer.flat, optimizer.moments, optimizer.ema = None, {}, None
+        optimizer.flat, optimizer.moments, optimizer.ema, optimizer.host_pows = None, {}, None, {}
         return optimizer
 
     def flatten(self, parameters=None, owner: dict[str, int] | None = None) -> FlatParameters:
@@ -365,7 +378,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         beta1 = self._beta1.item(0) if isinstance(self._beta1, paddle.Tensor) else self._beta1
         beta2 = self._beta2.item(0) if isinstance(self._beta2, paddle.Tensor) else self._beta2
         if self.flat.fused:
-            self._fused_step(lr, beta1, beta2, list(spans.values()))
+            self._fused_step(beta1, beta2, list(spans.values()))
             return None
         adamw = private(paddle._C_ops, "adamw_", "the flat AdamW")
         for span in spans.values():
@@ -377,11 +390,12 @@ class FlatAdamW(paddle.optimizer.AdamW):
                   False, False, self._amsgrad)
         return None
 
-    def _fused_step(self, lr, beta1: float, beta2: float, spans: list[Span]) -> None:
+    def _fused_step(self, beta1: float, beta2: float, spans: list[Span]) -> None:
         """The `fuse`d pass over `spans`, with the scalars Paddle's CPU `adamw_` derives from the learning rate and
-        the bias-correction powers, in fp32 as it computes them; then the powers stepped as it steps them."""
+        the bias-correction powers, in fp32 as it computes them; then the powers stepped as it steps them (on the
+        host too: the pass reads no tensor)."""
         f32 = np.float32
-        lr = f32(lr.item() if isinstance(lr, paddle.Tensor) else lr)
+        lr = f32(self.get_lr())  # the value Paddle's learning-rate tensor holds, from the schedule
         ema, decay = self.ema, None
         if ema is not None:
             decay = ema.ema.decay(ema.ema.num_updates + 1)  # the decay of the EMA's coming update
@@ -389,20 +403,28 @@ class FlatAdamW(paddle.optimizer.AdamW):
         for span in spans:
             moment1, moment2 = self.moments[id(span)]
             pow1, pow2 = self._span_pows(span)
-            b1p, b2p = f32(pow1.item()), f32(pow2.item())
+            if id(span) not in self.host_pows:  # once, and again after a load (`set_state_dict`)
+                self.host_pows[id(span)] = (f32(pow1.item()), f32(pow2.item()))
+            b1p, b2p = self.host_pows[id(span)]
             lr_ratio = f32(1.0 if self._lr_ratio is None else self._lr_ratio(span.params[0]))
             average = ema.buffer_of(span) if ema is not None else None
-            self.flat.kernel.adamw_ema(
-                self.flat.weight(span), self.flat.grad(span), moment1, moment2, average,
-                grad_scale=self.flat.pending_scale,
-                decay_rate=float(lr * lr_ratio * f32(self._weight_decay)) if span.decay else 0.0,
-                beta1=beta1, beta2=beta2, step=float(-(lr * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
-                eps=float(f32(self._epsilon) * np.sqrt(f32(1) - b2p)),
-                ema_weight=1.0 - decay if average is not None else 0.0)  # as `lerp_` is given it
+            with paddle.profiler.RecordEvent("ldm fused adamw + ema"):
+                self.flat.kernel.adamw_ema(
+                    self.flat.weight(span), self.flat.grad(span), moment1, moment2, average,
+                    grad_scale=self.flat.pending_scale,
+                    decay_rate=float(lr * lr_ratio * f32(self._weight_decay)) if span.decay else 0.0,
+                    beta1=beta1, beta2=beta2, step=float(-(lr * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
+                    eps=float(f32(self._epsilon) * np.sqrt(f32(1) - b2p)),
+                    ema_weight=1.0 - decay if average is not None else 0.0)  # as `lerp_` is given it
             if average is not None:
                 ema.applied[1].add(id(span))
             scale_in_place(pow1, beta1)
             scale_in_place(pow2, beta2)
+            self.host_pows[id(span)] = (f32(beta1) * b1p, f32(beta2) * b2p)
+
+    def set_state_dict(self, state_dict):
+        self.host_pows = {}
+        return super().set_state_dict(state_dict)
 
     def _clip(self, params_grads, every_span: bool) -> None:
         """The optimizer's own clip (PaddleNLP's Trainer gives it one), in place on the flat gradients.
@@ -410,12 +432,13 @@ class FlatAdamW(paddle.optimizer.AdamW):
         clip_norm / max(norm, clip_norm). Any other (fleet's hybrid-parallel clip under sharding): its own, its
         results copied back where they are new tensors."""
         clip = self._grad_clip
+        if type(clip) is paddle.nn.ClipGradByGlobalNorm and every_span and self.flat.fused:
+            norm, limit = np.float32(self.flat.fused_norm()), np.float32(clip.clip_norm)  # on the host
+            self.flat.scale(float(limit / np.maximum(norm, limit)))
+            return
         if type(clip) is paddle.nn.ClipGradByGlobalNorm and every_span:
             norm = self.flat.norm()
             factor = clip.clip_norm / paddle.maximum(norm, paddle.full([], clip.clip_norm, "float32"))
-            if self.flat.fused:
-                self.flat.scale(factor.item())
-                return
             for grad in self.flat.grads.values():
                 grad.multiply_(factor.astype(grad.dtype))
             return

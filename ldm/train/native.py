@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import tempfile
 
+import numpy as np
+
 logger = logging.getLogger("ldm.train")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "flat_update.c")
@@ -56,18 +58,23 @@ def update_threads() -> int:
 
 
 class FusedKernel:
-    """`sum_squares(tensor)` and `adamw_ema(...)` over contiguous fp32 CPU tensors (`csrc/flat_update.c`)."""
+    """`sum_squares(...)` and `adamw_ema(...)` over contiguous fp32 CPU tensors (`csrc/flat_update.c`)."""
 
     def __init__(self, library: ctypes.CDLL, threads: int):
         self.library, self.threads = library, threads
         f, p, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
-        library.ldm_sum_squares.restype = ctypes.c_double
-        library.ldm_sum_squares.argtypes = [p, i64, ctypes.c_int]
+        library.ldm_sum_squares.restype = None
+        library.ldm_sum_squares.argtypes = [p, p, p, i64, p, ctypes.c_int]
         library.ldm_adamw_ema.restype = None
         library.ldm_adamw_ema.argtypes = [p, p, p, p, p, i64, f, f, f, f, f, f, f, ctypes.c_int]
 
-    def sum_squares(self, tensor) -> float:
-        return self.library.ldm_sum_squares(tensor.data_ptr(), tensor.shape[0], self.threads)
+    def sum_squares(self, tensor, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """The sum of squares of each segment [starts[k], starts[k] + sizes[k]) of `tensor`, in double."""
+        starts, sizes = np.ascontiguousarray(starts, np.int64), np.ascontiguousarray(sizes, np.int64)
+        out = np.empty(len(starts), np.float64)
+        self.library.ldm_sum_squares(tensor.data_ptr(), starts.ctypes.data, sizes.ctypes.data, len(starts),
+                                     out.ctypes.data, self.threads)
+        return out
 
     def adamw_ema(self, weight, grad, moment1, moment2, average, *, grad_scale: float, decay_rate: float,
                   beta1: float, beta2: float, step: float, eps: float, ema_weight: float) -> None:

@@ -20,17 +20,25 @@ with g the gradient times `grad_scale` (the clip's factor, applied here instead 
 
 #define CHUNK 4096
 
-double ldm_sum_squares(const float *x, int64_t n, int threads) {
-  double total = 0.0;
-#pragma omp parallel for reduction(+ : total) schedule(static) num_threads(threads)
-  for (int64_t start = 0; start < n; start += CHUNK) {
-    const int64_t end = start + CHUNK < n ? start + CHUNK : n;
-    float part = 0.0f;
+/* The sum of squares of each of `count` segments [starts[k], starts[k] + sizes[k]) of `x`, into `out[k]`: in
+float over runs of CHUNK elements from the segment's start, in double over the runs. Each segment's sum depends on
+its elements alone, not on where it lies in the buffer nor on the threads: the caller adds them up in the model's
+order, so the global norm is the same bit for bit whatever the layout (sharded or not). */
+void ldm_sum_squares(const float *x, const int64_t *starts, const int64_t *sizes, int64_t count, double *out,
+                     int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t k = 0; k < count; ++k) {
+    const float *segment = x + starts[k];
+    double total = 0.0;
+    for (int64_t start = 0; start < sizes[k]; start += CHUNK) {
+      const int64_t end = start + CHUNK < sizes[k] ? start + CHUNK : sizes[k];
+      float part = 0.0f;
 #pragma omp simd reduction(+ : part)
-    for (int64_t i = start; i < end; ++i) part += x[i] * x[i];
-    total += part;
+      for (int64_t i = start; i < end; ++i) part += segment[i] * segment[i];
+      total += part;
+    }
+    out[k] = total;
   }
-  return total;
 }
 
 #ifdef LDM_FMA
