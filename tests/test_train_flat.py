@@ -328,3 +328,46 @@ def test_two_ranks_flat_or_per_tensor_end_alike(corpus, tmp_path):
     states = {flat: checkpoint_state(loop_checkpoint(corpus, tmp_path / flat, 2, flat, launch=True))
               for flat in ("on", "off")}
     assert_close(states["on"], states["off"])
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch):
+    """A machine whose C compiler fails (an empty kernel cache, `$CC` that exits 1)."""
+    monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", "/bin/false")
+    load_kernel.cache_clear()
+    yield
+    load_kernel.cache_clear()
+
+
+def test_without_a_compiler_auto_runs_paddles_kernels_and_fused_is_refused_in_one_line(corpus, tmp_path,
+                                                                                       no_compiler):
+    kernel, why = load_kernel()
+    assert kernel is None and why == "/bin/false failed (exit code 1)"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--max_train_steps", "1", "--flat_update", "fused", "--output_dir", str(tmp_path / "run")])
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith("--flat_update fused: /bin/false failed (exit code 1)")
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--max_train_steps", "1", "--output_dir", str(tmp_path / "run")])  # auto, the retry
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "flat update: Paddle's kernels, not the fused one (/bin/false failed" in result.stderr
+    assert "flat update: " in result.stderr and "one fused pass" not in result.stderr
+
+
+def test_the_kernel_is_compiled_once_and_then_loaded_from_its_cache_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path))
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel()[0] is not None
+        built = os.listdir(tmp_path)  # named by its source and command; no partial file left
+        assert len(built) == 1 and built[0].startswith("flat_update-") and built[0].endswith(".so")
+        load_kernel.cache_clear()
+        monkeypatch.setenv("PATH", "")
+        assert load_kernel()[0] is not None and os.listdir(tmp_path) == built
+        load_kernel.cache_clear()
+        monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path / "empty"))
+        assert load_kernel() == (None, "no C compiler (cc; $CC names another) on the PATH")
+    finally:
+        load_kernel.cache_clear()

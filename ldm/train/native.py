@@ -89,14 +89,14 @@ class FusedKernel:
 @functools.cache
 def load() -> tuple[FusedKernel | None, str]:
     """(the kernel, "") or (None, why not): compiled once per source and compiler, then cached."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return None, "no C compiler (cc, gcc or $CC) on the PATH"
+    compiler = os.environ.get("CC") or "cc"
     with open(SOURCE, "rb") as f:
         source = f.read()
     command = [compiler, *FLAGS, *arithmetic_flags()]
     key = hashlib.sha256(source + " ".join(command).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"flat_update-{key}.so")
+    if not os.path.exists(path) and not shutil.which(compiler):
+        return None, f"no C compiler ({compiler}; $CC names another) on the PATH"
     if not os.path.exists(path):
         try:
             os.makedirs(cache_dir(), exist_ok=True)
@@ -106,7 +106,8 @@ def load() -> tuple[FusedKernel | None, str]:
                                   timeout=120)
             if done.returncode != 0:
                 os.unlink(partial)
-                return None, f"{compiler} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+                said = done.stderr.strip().splitlines()
+                return None, f"{compiler} failed ({said[-1] if said else f'exit code {done.returncode}'})"
             os.replace(partial, path)
         except (OSError, subprocess.SubprocessError) as error:
             return None, f"compiling {SOURCE} failed: {error}"

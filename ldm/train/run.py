@@ -165,13 +165,13 @@ class TrainingRun:
             self.dist = Distributed.init()
         setup_logging(self.dist)
         check_sharding(set(plan.sharding) - {""}, plan.split_param)
+        self.flat_update = resolve_flat_update(self.run_args.flat_update)  # the driver makes a `FlatAdamW` if so
         self.shards, self.stage = sharding_layout(plan.sharding, plan.sharding_degree, self.dist)
         self.run_dir = RunFolder(plan.output_dir, self.dist, plan.checkpoints_kept)
         found = self.run_dir.check(plan.resume, plan.overwrite)
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.flat_update = resolve_flat_update(self.run_args.flat_update)  # the driver makes a `FlatAdamW` if so
         self.objective = self.record = self.data = self.trained = self.gradients = None  # `build`
         self.optimizer, self.parts = None, {}  # `adopt`, `keep`
         # `started`:
