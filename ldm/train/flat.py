@@ -136,6 +136,7 @@ class FlatParameters:
         # `pending_scale` for the optimizer's one pass instead of a pass of its own
         self.kernel = None
         self.pending_scale = 1.0
+        self.zeroed: set[int] = set()  # id(span) of the spans whose gradients the fused pass zeroed
         self.by_order = list(parameters)  # the model's order, whatever the layout
         self.segments: dict[str, np.ndarray] | None = None  # dtype -> (start, size) of each parameter, in that order
 
@@ -204,9 +205,14 @@ class FlatParameters:
     def clear(self, optimizer=None) -> None:
         """The gradients to zero in place: one fill per dtype; the views stay (Paddle's `clear_grad` would detach
         them, fleet's sharding optimizer's too)."""
-        for grad in self.grads.values():
-            grad.zero_()
-        self.pending_scale = 1.0
+        if self.zeroed:  # the fused pass zeroed the spans it stepped; under sharding, not the others'
+            for span in self.spans:
+                if id(span) not in self.zeroed:
+                    self.grad(span).zero_()
+        else:
+            for grad in self.grads.values():
+                grad.zero_()
+        self.pending_scale, self.zeroed = 1.0, set()
 
     def release(self) -> None:
         """Free the gradients once the updates are over: the export loads into their memory."""
@@ -416,6 +422,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
                     beta1=beta1, beta2=beta2, step=float(-(lr * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
                     eps=float(f32(self._epsilon) * np.sqrt(f32(1) - b2p)),
                     ema_weight=1.0 - decay if average is not None else 0.0)  # as `lerp_` is given it
+            self.flat.zeroed.add(id(span))
             if average is not None:
                 ema.applied[1].add(id(span))
             scale_in_place(pow1, beta1)

@@ -78,7 +78,8 @@ class FusedKernel:
 
     def adamw_ema(self, weight, grad, moment1, moment2, average, *, grad_scale: float, decay_rate: float,
                   beta1: float, beta2: float, step: float, eps: float, ema_weight: float) -> None:
-        """One pass of AdamW (and the EMA into `average`, unless None) over flat buffers of equal length."""
+        """One pass of AdamW (and the EMA into `average`, unless None) over flat buffers of equal length; `grad` is
+        zero after it."""
         n = weight.shape[0]
         assert all(t.shape[0] == n for t in (grad, moment1, moment2) + ((average,) if average is not None else ()))
         self.library.ldm_adamw_ema(weight.data_ptr(), grad.data_ptr(), moment1.data_ptr(), moment2.data_ptr(),

@@ -13,7 +13,8 @@ multiply-adds of `phi/kernels/funcs/jit/gen/adamw.cc`), else its reference kerne
                                                       eps = epsilon * sqrt(1 - beta2^t)
     ema' = ema + ema_weight * (p'' - ema)             Paddle's lerp_, ema_weight = 1 - decay
 
-with g the gradient times `grad_scale` (the clip's factor, applied here instead of in a pass of its own). */
+with g the gradient times `grad_scale` (the clip's factor, applied here instead of in a pass of its own). The
+gradient is zeroed once read: the next backward accumulates into it, with no pass to clear it. */
 
 #include <math.h>
 #include <stdint.h>
@@ -61,7 +62,7 @@ static inline float adamw(float *p, float g, float *m1, float *m2, float decay_r
   return MUL_ADD(step, a / (sqrtf(b) + eps), decayed);
 }
 
-void ldm_adamw_ema(float *p, const float *g, float *m1, float *m2, float *ema, int64_t n, float grad_scale,
+void ldm_adamw_ema(float *p, float *g, float *m1, float *m2, float *ema, int64_t n, float grad_scale,
                    float decay_rate, float beta1, float beta2, float step, float eps, float ema_weight,
                    int threads) {
   const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
@@ -73,14 +74,17 @@ void ldm_adamw_ema(float *p, const float *g, float *m1, float *m2, float *ema, i
       for (int64_t i = start; i < end; ++i) {
         const float w = adamw(p + i, g[i] * grad_scale, m1 + i, m2 + i, decay_rate, beta1, beta2, one_minus_beta1,
                               one_minus_beta2, step, eps);
+        g[i] = 0.0f;
         p[i] = w;
         ema[i] = ema[i] + ema_weight * (w - ema[i]);
       }
     } else {
 #pragma omp simd
-      for (int64_t i = start; i < end; ++i)
+      for (int64_t i = start; i < end; ++i) {
         p[i] = adamw(p + i, g[i] * grad_scale, m1 + i, m2 + i, decay_rate, beta1, beta2, one_minus_beta1,
                      one_minus_beta2, step, eps);
+        g[i] = 0.0f;
+      }
     }
   }
 }
