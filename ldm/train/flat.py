@@ -13,6 +13,9 @@ read and not used: it packs the moments and master weights into one buffer for o
 or XPU; it asserts on a CPU), still runs one `adamw_` kernel per tensor, and leaves weights and gradients where they
 are. Its Adam's `use_multi_tensor` (`merged_adam_`) has L2 decay, not AdamW's decoupled one.
 
+On a CPU (`FlatAdamW.fuse`, `--flat_update fused`, the CPU's default) the clip's factor, AdamW and the EMA are one
+pass of a compiled kernel over the buffers, on several threads, and the norm another (`ldm.train.native`).
+
 What keeps a parameter a view (checked by `tests/test_train_flat.py`): `set_value`, `set_state_dict`,
 `paddle.assign(..., output=)`, broadcasts and in-place kernels write into its storage. What breaks it: Paddle's
 `clear_gradient` (either form) detaches the gradient, so the next backward allocates a new one; the flat optimizer
@@ -308,8 +311,6 @@ class FlatAdamW(paddle.optimizer.AdamW):
         if any(span.dtype != paddle.float32 for span in self.flat.spans) or self._amsgrad:
             return False
         self.flat.kernel, self.ema = kernel, ema
-        if ema is not None:
-            ema.carried_by = self
         return True
 
     def _add_moments_pows(self, p):
@@ -380,12 +381,12 @@ class FlatAdamW(paddle.optimizer.AdamW):
             return None
         if isinstance(found_inf, paddle.Tensor):
             self._set_auxiliary_var("found_inf", False)
-        lr = self._global_learning_rate()
         beta1 = self._beta1.item(0) if isinstance(self._beta1, paddle.Tensor) else self._beta1
         beta2 = self._beta2.item(0) if isinstance(self._beta2, paddle.Tensor) else self._beta2
         if self.flat.fused:
             self._fused_step(beta1, beta2, list(spans.values()))
             return None
+        lr = self._global_learning_rate()
         adamw = private(paddle._C_ops, "adamw_", "the flat AdamW")
         for span in spans.values():
             moment1, moment2 = self.moments[id(span)]
@@ -473,7 +474,6 @@ class FlatEMA:
         self.ema, self.flat, self.kernel = ema, flat, kernel
         # `FlatAdamW.fuse`: the optimizer's pass updates the averages of the spans it steps, and leaves here
         # (decay, {id(span)}) for `update` to count and not repeat
-        self.carried_by: FlatAdamW | None = None
         self.applied: tuple[float, set[int]] | None = None
         kept = {id(p): name for name, p in ema.parameters.items() if name in ema.shadow}
         self.spans = [span for span in flat.spans if all(id(p) in kept for p in span.params)]
