@@ -132,3 +132,18 @@ def test_the_trainer_path_trains_saves_and_resumes_with_sharded_gradients(corpus
                         launch=True, launcher=True, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "run" / "pipeline" / "model_index.json").exists()
+
+
+def test_on_a_card_the_update_is_flat_and_the_cpu_kernel_is_refused(corpus, tmp_path):
+    """`--flat_update auto` takes Paddle's kernels over the flat buffers on a card (the fused pass reads host
+    memory); asking for the fused one there is one line, before anything is written."""
+    from ldm.runtime.device import DeviceError, resolve_flat_update
+
+    assert resolve_flat_update("auto") == "flat"
+    with pytest.raises(DeviceError, match="--flat_update fused is a CPU kernel"):
+        resolve_flat_update("fused")
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--train_batch_size", "2", "--max_train_steps", "2", "--num_workers", "0", "--use_ema", "--max_grad_norm",
+        "0.05", "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "flat update: " in result.stderr and "one fused pass" not in result.stderr

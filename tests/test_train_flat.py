@@ -15,6 +15,7 @@ from ldm.checkpoint.serialization import load_state
 from ldm.models.ema import EMA
 from ldm.train.flat import FlatAdamW, FlatEMA, FreedMemory
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
+from ldm.train.native import FusedKernel
 from ldm.train.native import load as load_kernel
 
 
@@ -46,7 +47,7 @@ def batch(i, accumulation=1):
 
 
 def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float = 1.0, skip=(), decay_fun=None,
-        fused: bool = False):
+        fused: bool = False, threads: int | None = None):
     """`updates` updates (clip, AdamW, EMA) as the loop makes them, per tensor or flat (its clip, AdamW and EMA in
     one pass of the compiled kernel: `fused`); returns the model and EMA."""
     model, trained = build()
@@ -56,7 +57,7 @@ def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float
     ema = EMA(model, 0.99)
     if flat:
         FlatEMA.adopt(ema, optimizer.flatten())
-        assert not fused or optimizer.fuse(fused_kernel(), ema.flat)
+        assert not fused or optimizer.fuse(fused_kernel(threads), ema.flat)
     for i in range(updates):
         for x in batch(i, accumulation):
             (model(x) ** 2).mean().backward()
@@ -94,10 +95,10 @@ def shadows(ema):
     return {n: t.numpy() for n, t in ema.shadow.items()}
 
 
-def fused_kernel():
+def fused_kernel(threads: int | None = None):
     kernel, why = load_kernel()
     assert kernel is not None, why  # every machine of the suite has a C compiler
-    return kernel
+    return FusedKernel(kernel.library, threads) if threads else kernel
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -108,6 +109,15 @@ def test_flat_update_equals_the_per_tensor_update_over_20_updates(fused):
     assert_close(shadows(ema_b), shadows(ema_a))
     # Paddle's names, per parameter, with their shapes: checkpoints unchanged on disk
     assert_close(by_structured_name(opt_b, flat), by_structured_name(opt_a, per_tensor))
+
+
+def test_the_fused_update_is_the_same_to_the_bit_on_any_number_of_threads():
+    """Each parameter's sum of squares is one thread's, added up in the model's order, and the pass is element by
+    element: a run resumed with more or fewer threads (processes on a node) goes on as it would have."""
+    results = [run(True, 6, skip=(3,), fused=True, threads=threads) for threads in (1, 2, 3)]
+    for model, ema, _ in results[1:]:
+        assert_close(model_weights(model), model_weights(results[0][0]), rtol=0, atol=0)
+        assert_close(shadows(ema), shadows(results[0][1]), rtol=0, atol=0)
 
 
 def by_structured_name(optimizer, model) -> dict:
@@ -371,3 +381,41 @@ def test_the_kernel_is_compiled_once_and_then_loaded_from_its_cache_without_a_co
         assert load_kernel() == (None, "no C compiler (cc; $CC names another) on the PATH")
     finally:
         load_kernel.cache_clear()
+
+
+def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads():
+    """The kernel against Paddle's own CPU kernels on one buffer of 100 000 weights with tiny and large gradients,
+    three steps: to the bit where Paddle runs its AVX-512 JIT kernel (which the pass follows), else to float
+    rounding; each segment's sum of squares the same on 1, 2 and 3 threads."""
+    from ldm.train.native import cpu_flags
+
+    kernel, n = fused_kernel(), 100_000
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=n).astype("float32") * s for s in (1e-3, 1.0, 0.0, 0.0, 1e-3)]  # p, g, m1, m2, ema
+    values[1][: n // 2] *= 1e-9
+    mine = [paddle.to_tensor(v) for v in values]
+    paddles = [paddle.to_tensor(v) for v in values]
+    pow1, pow2, lr, f32 = paddle.full([1], 0.9), paddle.full([1], 0.999), paddle.full([1], 1e-3), np.float32
+    for _ in range(3):
+        b1p, b2p = f32(pow1.item()), f32(pow2.item())
+        p, g, m1, m2, ema = paddles
+        paddle._C_ops.adamw_(p, g, lr, m1, m2, None, pow1.clone(), pow2.clone(), None, None, 0.9, 0.999, 1e-8,
+                             1.0, 0.01, True, False, 1000, False, False, False)
+        ema.lerp_(p, 1.0 - 0.99)
+        kernel.adamw_ema(*mine, grad_scale=1.0, decay_rate=float(f32(1e-3) * f32(1) * f32(0.01)), beta1=0.9,
+                         beta2=0.999, step=float(-(f32(1e-3) * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
+                         eps=float(f32(1e-8) * np.sqrt(f32(1) - b2p)), ema_weight=1.0 - 0.99)
+        assert not mine[1].numpy().any()  # the gradient zeroed once read
+        paddle.assign(paddle.to_tensor(values[1]), output=mine[1])
+        pow1, pow2 = pow1 * 0.9, pow2 * 0.999
+    exact = "avx512f" in cpu_flags()
+    for name, a, b in zip(("weights", "moment1", "moment2", "ema"), (mine[0], *mine[2:]), (paddles[0], *paddles[2:]),
+                          strict=True):
+        a, b = a.numpy(), b.numpy()
+        assert np.array_equal(a, b) if exact else np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), name
+    starts, sizes = np.array([0, 10, 5000, 40_000]), np.array([10, 4990, 35_000, 60_000])
+    sums = [FusedKernel(kernel.library, threads).sum_squares(mine[0], starts, sizes) for threads in (1, 2, 3)]
+    assert all(np.array_equal(s, sums[0]) for s in sums[1:])
+    weights = mine[0].numpy().astype(np.float64)
+    expected = [np.sum(weights[a:a + k] ** 2) for a, k in zip(starts, sizes, strict=True)]
+    assert np.allclose(sums[0], expected, rtol=1e-6)
