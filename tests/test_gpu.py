@@ -137,7 +137,8 @@ def test_the_trainer_path_trains_saves_and_resumes_with_sharded_gradients(corpus
 def test_on_a_card_the_update_is_flat_and_the_cpu_kernel_is_refused(corpus, tmp_path):
     """`--flat_update auto` takes Paddle's kernels over the flat buffers on a card (the fused pass reads host
     memory); asking for the fused one there is one line, before anything is written."""
-    from ldm.runtime.device import DeviceError, resolve_flat_update
+    from ldm.runtime.device import DeviceError
+    from ldm.train.native import resolve_flat_update
 
     assert resolve_flat_update("auto") == "flat"
     with pytest.raises(DeviceError, match="--flat_update fused is a CPU kernel"):

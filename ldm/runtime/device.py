@@ -43,35 +43,6 @@ def resolve_precision(requested: str, what: str = "training") -> str:
     return requested
 
 
-def resolve_flat_update(requested: str) -> str | None:
-    """`--flat_update`: the form of the update, "fused", "flat" or None (per tensor, `off`).
-
-    - fused: flat buffers, and on a CPU one pass of the clip's factor, AdamW and the EMA on the process's share of
-      the cores (`ldm.train.native`, compiled with the machine's C compiler);
-    - on: flat buffers, Paddle's kernels (a few per span);
-    - auto: fused on a CPU when it compiles, else flat. Measured on a 2-core CPU (docs/benchmarks.md,
-      `scripts/bench_update.py`). On a GPU the flat form: its update is bound by the thousands of per-tensor
-      kernel launches, which the flat form makes a few (not measured here)."""
-    if requested == "off":
-        return None
-    import paddle
-
-    on_cpu = paddle.device.get_device().startswith("cpu")
-    if requested == "on" or (requested == "auto" and not on_cpu):
-        return "flat"
-    if not on_cpu:
-        raise DeviceError("--flat_update fused is a CPU kernel; on this device use --flat_update on (or auto)")
-    from ldm.train.native import load
-
-    kernel, why = load()
-    if kernel is None:
-        if requested == "fused":
-            raise DeviceError(f"--flat_update fused: {why}")
-        logger.warning("flat update: Paddle's kernels, not the fused one (%s)", why)
-        return "flat"
-    return "fused"
-
-
 def resolve_vae_dtype(requested: str) -> str:
     """`--vae_dtype` where this device supports it, else float32 with a message."""
     if requested == "float32":

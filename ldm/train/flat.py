@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 import paddle
 
 from ldm.runtime.compat import private, scale_in_place, squared_l2_norm
+from ldm.train.native import FLT_MAX
 
 logger = logging.getLogger("ldm.train")
 
@@ -240,6 +242,8 @@ class FlatParameters:
         with paddle.profiler.RecordEvent("ldm fused sum_squares"):
             total = sum(float(part) for key, grad in self.grads.items()
                         for part in self.kernel.sum_squares(grad, *self.segments[key].T))
+        if total > FLT_MAX:  # where Paddle's float sums overflow, the guard sees the same infinite norm
+            return math.inf
         return total ** 0.5 * self.pending_scale
 
     @paddle.no_grad()

@@ -1,30 +1,81 @@
 """The fused update kernel for a CPU (`csrc/flat_update.c`), compiled on first use with the machine's C compiler
-and loaded with ctypes.
+and loaded with ctypes; and the choice of the update's form (`--flat_update`).
 
 Paddle has no kernel that steps AdamW, the clip's scale and the EMA in one pass, and its CPU update kernels run on
 one thread; a custom Paddle operator would need Paddle's headers and a C++ build of a minute per Paddle version, where
 these two plain C functions over raw fp32 pointers compile in well under a second. The library is cached by the
-hash of its source and compiler command (`$LDM_KERNEL_CACHE`, default `~/.cache/ldm/kernels`), written to a
-temporary name and renamed, so ranks compiling at once never load a half-written file. Without a compiler (or
-OpenMP) `load` returns None with the reason, and the flat update runs Paddle's kernels instead."""
+hash of its source, compiler command and machine (`$LDM_KERNEL_CACHE`, default `~/.cache/ldm/kernels`): written
+under a temporary name and linked into place only if absent, so ranks or nodes compiling at once never load a
+half-written file nor replace one another's. Without a compiler (or OpenMP) `load` returns None with the reason,
+and the flat update runs Paddle's kernels instead."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
 
 import numpy as np
 
+from ldm.runtime.device import DeviceError
+
 logger = logging.getLogger("ldm.train")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "flat_update.c")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off"]
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def resolve_flat_update(requested: str) -> str | None:
+    """`--flat_update`: the form of the update, "fused", "flat" or None (per tensor, `off`).
+
+    - fused: flat buffers, and on a CPU one pass of the clip's factor, AdamW and the EMA on the process's share of
+      the cores (this module's kernel, compiled with the machine's C compiler);
+    - on: flat buffers, Paddle's kernels (a few per span);
+    - auto: fused on a CPU when it compiles, else flat. Measured on a 2-core CPU (docs/benchmarks.md,
+      `scripts/bench_update.py`): 0.20-0.21 of the per-tensor update's time, flat 0.83-0.84. On a GPU the flat
+      form: there the per-tensor update is bound by its thousands of kernel launches, which it makes a few (not
+      measured here)."""
+    if requested == "off":
+        return None
+    import paddle
+
+    on_cpu = paddle.device.get_device().startswith("cpu")
+    if requested == "on" or (requested == "auto" and not on_cpu):
+        return "flat"
+    if not on_cpu:
+        raise DeviceError("--flat_update fused is a CPU kernel; on this device use --flat_update on (or auto)")
+    kernel, why = load()
+    if kernel is None:
+        if requested == "fused":
+            raise DeviceError(f"--flat_update fused: {why}")
+        logger.warning("flat update: Paddle's kernels, not the fused one (%s)", why)
+        return "flat"
+    return "fused"
+
+
+def cache_dir() -> str:
+    return os.environ.get("LDM_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ldm", "kernels")
+
+
+def update_threads() -> int:
+    """The kernel's threads: this process's share of the cores it may run on (`paddle.distributed.launch`'s ranks
+    on one node share them), or `$LDM_UPDATE_THREADS`."""
+    asked = os.environ.get("LDM_UPDATE_THREADS")
+    if asked:
+        if not asked.isdigit() or int(asked) < 1:
+            raise DeviceError(f"LDM_UPDATE_THREADS must be a whole number of threads, at least 1, not {asked!r}")
+        return int(asked)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("PADDLE_LOCAL_SIZE") or 1)))
 
 
 def cpu_flags() -> set[str]:
@@ -42,19 +93,6 @@ def arithmetic_flags() -> list[str]:
     if "avx512f" in flags:
         return ["-mavx2", "-mfma", "-DLDM_FMA"]
     return ["-mavx2"] if "avx2" in flags else []
-
-
-def cache_dir() -> str:
-    return os.environ.get("LDM_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ldm", "kernels")
-
-
-def update_threads() -> int:
-    """The kernel's threads: this process's share of the cores it may run on (`paddle.distributed.launch`'s ranks
-    on one node share them), or `$LDM_UPDATE_THREADS`."""
-    if os.environ.get("LDM_UPDATE_THREADS"):
-        return max(1, int(os.environ["LDM_UPDATE_THREADS"]))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("PADDLE_LOCAL_SIZE") or 1)))
 
 
 class FusedKernel:
@@ -87,32 +125,51 @@ class FusedKernel:
                                    beta1, beta2, step, eps, ema_weight, self.threads)
 
 
+def compile_into(command: list[str], path: str) -> str:
+    """Compile the source into `path` unless it is there already; "" or why it failed."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, SOURCE, "-o", partial], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            said = done.stderr.strip().splitlines()
+            said = next((line for line in said if "error" in line), said[-1] if said else "")
+            return f"{command[0]} failed ({said or f'exit code {done.returncode}'})"
+        with contextlib.suppress(FileExistsError):  # only if absent: a library another process loaded stays
+            os.link(partial, path)
+        return ""
+    finally:
+        os.unlink(partial)
+
+
 @functools.cache
 def load() -> tuple[FusedKernel | None, str]:
-    """(the kernel, "") or (None, why not): compiled once per source and compiler, then cached."""
-    compiler = os.environ.get("CC") or "cc"
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    command = [compiler, *FLAGS, *arithmetic_flags()]
-    key = hashlib.sha256(source + " ".join(command).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), f"flat_update-{key}.so")
-    if not os.path.exists(path) and not shutil.which(compiler):
-        return None, f"no C compiler ({compiler}; $CC names another) on the PATH"
-    if not os.path.exists(path):
-        try:
-            os.makedirs(cache_dir(), exist_ok=True)
-            fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_dir())
-            os.close(fd)
-            done = subprocess.run([*command, SOURCE, "-o", partial], capture_output=True, text=True,
-                                  timeout=120)
-            if done.returncode != 0:
-                os.unlink(partial)
-                said = done.stderr.strip().splitlines()
-                return None, f"{compiler} failed ({said[-1] if said else f'exit code {done.returncode}'})"
-            os.replace(partial, path)
-        except (OSError, subprocess.SubprocessError) as error:
-            return None, f"compiling {SOURCE} failed: {error}"
+    """(the kernel, "") or (None, why not): compiled once per source, compiler command and machine, then cached."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")
     try:
-        return FusedKernel(ctypes.CDLL(path), update_threads()), ""
-    except OSError as error:
-        return None, f"loading {path} failed: {error}"
+        with open(SOURCE, "rb") as f:
+            source = f.read()
+        command = [*compiler, *FLAGS, *arithmetic_flags()]
+        key = hashlib.sha256(source + " ".join([platform.machine(), *command]).encode()).hexdigest()[:16]
+        path = os.path.join(cache_dir(), f"flat_update-{key}.so")
+        failed = "" if os.path.exists(path) else build(command, path)
+        if failed:
+            return None, failed
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:  # a damaged or foreign library: built again, once
+            os.unlink(path)
+            failed = build(command, path)
+            if failed:
+                return None, failed
+            library = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"building the kernel from {SOURCE} failed: {error}"
+    return FusedKernel(library, update_threads()), ""
+
+
+def build(command: list[str], path: str) -> str:
+    if not shutil.which(command[0]):
+        return f"no C compiler ({command[0]}; $CC names another) on the PATH"
+    return compile_into(command, path)

@@ -36,7 +36,7 @@ from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import supervisor
 from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
-from ldm.runtime.device import check_sharding, resolve_flat_update, resolve_precision
+from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
@@ -47,6 +47,7 @@ from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.native import load as load_kernel
+from ldm.train.native import resolve_flat_update
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
@@ -209,6 +210,8 @@ class TrainingRun:
                 FlatEMA.adopt(self.objective.ema, self.gradients)
             ema = self.objective.ema.flat if self.objective.ema is not None else None
             fused = self.flat_update == "fused" and inner.fuse(load_kernel()[0], ema)
+            if self.flat_update == "fused" and not fused:  # weights of several dtypes, or AMSGrad
+                logger.warning("flat update: Paddle's kernels, not the fused one (it steps fp32 AdamW only)")
             logger.info("flat update: %d trained tensors in %d spans%s", len(self.trained), len(self.gradients.spans),
                         f", one fused pass on {self.gradients.kernel.threads} threads" if fused else "")
 

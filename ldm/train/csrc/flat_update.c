@@ -8,7 +8,7 @@ multiply-adds of `phi/kernels/funcs/jit/gen/adamw.cc`), else its reference kerne
 
     p'  = p - decay_rate * p                          decoupled decay, decay_rate = (lr * lr_ratio) * coeff (0: none)
     m1' = beta1 * m1 + (1 - beta1) * g
-    m2' = beta2 * m2 + (1 - beta2) * (g * g)
+    m2' = beta2 * m2 + (1 - beta2) * g * g            (the JIT kernel: (1 - beta2) * (g * g))
     p'' = p' + step * (m1' / (sqrt(m2') + eps))       step = -lr * (sqrt(1 - beta2^t) / (1 - beta1^t)),
                                                       eps = epsilon * sqrt(1 - beta2^t)
     ema' = ema + ema_weight * (p'' - ema)             Paddle's lerp_, ema_weight = 1 - decay
@@ -56,7 +56,11 @@ static inline float adamw(float *p, float g, float *m1, float *m2, float decay_r
   const float decayed = *p - decay_rate * *p;
 #endif
   const float a = MUL_ADD(beta1, *m1, one_minus_beta1 * g);
-  const float b = MUL_ADD(beta2, *m2, one_minus_beta2 * (g * g));
+#ifdef LDM_FMA
+  const float b = fmaf(beta2, *m2, one_minus_beta2 * (g * g));
+#else
+  const float b = beta2 * *m2 + one_minus_beta2 * g * g;
+#endif
   *m1 = a;
   *m2 = b;
   return MUL_ADD(step, a / (sqrtf(b) + eps), decayed);
