@@ -213,7 +213,7 @@ class TrainingRun:
             if self.flat_update == "fused" and not fused:  # weights of several dtypes, or AMSGrad
                 logger.warning("flat update: Paddle's kernels, not the fused one (it steps fp32 AdamW only)")
             logger.info("flat update: %d trained tensors in %d spans%s", len(self.trained), len(self.gradients.spans),
-                        f", one fused pass on {self.gradients.kernel.threads} threads" if fused else "")
+                        f", one fused pass on {self.gradients.kernel.threads} thread(s)" if fused else "")
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
