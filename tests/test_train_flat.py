@@ -433,3 +433,31 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
     weights = mine[0].numpy().astype(np.float64)
     expected = [np.sum(weights[a:a + k] ** 2) for a, k in zip(starts, sizes, strict=True)]
     assert np.allclose(sums[0], expected, rtol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ranks_agree_on_the_form_when_the_kernel_builds_on_one_only(corpus, tmp_path, monkeypatch):
+    """Replicas step by one arithmetic: where rank 1's compiler fails, both ranks take Paddle's kernels (said once);
+    asked for the fused pass, both refuse in one line naming the rank."""
+    compiler = tmp_path / "cc-on-rank-0"
+    compiler.write_text('#!/bin/sh\n[ "$PADDLE_TRAINER_ID" = 1 ] && exit 1\nsleep 2\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path / "kernels"))  # empty: rank 1 fails before rank 0 builds
+    load_kernel.cache_clear()
+    try:
+        loop_checkpoint(corpus, tmp_path / "auto", 2, "auto", launch=True)
+        logs = {rank: (tmp_path / "launch_logs" / f"workerlog.{rank}").read_text() for rank in (0, 1)}
+        assert "the fused kernel did not build on rank(s) 1" in logs[0]
+        assert "trained tensors in 1 spans\n" in logs[0] and all("one fused pass" not in log for log in logs.values())
+        for folder in (tmp_path / "kernels", tmp_path / "launch_logs"):
+            shutil.rmtree(folder)
+        result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+            "--max_train_steps", "2", "--flat_update", "fused", "--output_dir", str(tmp_path / "fused")],
+            launch=True, cwd=tmp_path)
+        assert result.returncode != 0
+        said = (tmp_path / "launch_logs" / "workerlog.0").read_text().strip().splitlines()[-1]
+        assert said.endswith("--flat_update fused: " + str(compiler) + " failed (exit code 1) (rank 1)"), said
+    finally:
+        load_kernel.cache_clear()

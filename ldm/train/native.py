@@ -62,6 +62,31 @@ def resolve_flat_update(requested: str) -> str | None:
     return "fused"
 
 
+def agreed_flat_update(requested: str, dist) -> str | None:
+    """`resolve_flat_update` on every rank of `dist` (`ldm.runtime.distributed.Distributed`; a collective): one form
+    for all, so that replicas never step by different arithmetic. The fused pass only where it builds on every
+    rank (else, under auto, the flat form everywhere, said once); a refusal on any rank is every rank's."""
+    try:
+        form, refused = resolve_flat_update(requested), ""
+    except DeviceError as error:
+        form, refused = None, str(error)
+    if dist.world_size == 1:
+        if refused:
+            raise DeviceError(refused)
+        return form
+    outcomes = dist.gather((form, refused))
+    refusals = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why]
+    if refusals:
+        raise DeviceError(f"{refusals[0][1]} (rank {refusals[0][0]})")
+    forms = [form for form, _ in outcomes]
+    if "fused" in forms and "flat" in forms:
+        if dist.is_main:
+            logger.warning("flat update: Paddle's kernels on every rank: the fused kernel did not build on rank(s) "
+                           "%s", ", ".join(str(rank) for rank, form in enumerate(forms) if form == "flat"))
+        return "flat"
+    return form
+
+
 def cache_dir() -> str:
     return os.environ.get("LDM_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ldm", "kernels")
 

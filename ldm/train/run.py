@@ -46,8 +46,8 @@ from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
+from ldm.train.native import agreed_flat_update
 from ldm.train.native import load as load_kernel
-from ldm.train.native import resolve_flat_update
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
@@ -166,7 +166,7 @@ class TrainingRun:
             self.dist = Distributed.init()
         setup_logging(self.dist)
         check_sharding(set(plan.sharding) - {""}, plan.split_param)
-        self.flat_update = resolve_flat_update(self.run_args.flat_update)  # the driver makes a `FlatAdamW` if so
+        self.flat_update = agreed_flat_update(self.run_args.flat_update, self.dist)  # the driver's `FlatAdamW`
         self.shards, self.stage = sharding_layout(plan.sharding, plan.sharding_degree, self.dist)
         self.run_dir = RunFolder(plan.output_dir, self.dist, plan.checkpoints_kept)
         found = self.run_dir.check(plan.resume, plan.overwrite)
