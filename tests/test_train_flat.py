@@ -1,6 +1,7 @@
 """The flat update (`ldm.train.flat`): the same results as the per-tensor update, parameters that stay views into
 the flat buffers through everything that writes them, and Paddle's per-parameter state dict."""
 
+import json
 import os
 import shutil
 
@@ -260,6 +261,9 @@ def loop_checkpoint(corpus, out, updates: int, flat: str, *extra, launch: bool =
     if not launch:
         assert ("flat update: " in result.stderr) == (flat != "off")
         assert ("one fused pass" in result.stderr) == (flat == "fused")
+        ran = {"fused": "fused", "on": "flat", "off": "per_tensor"}[flat]
+        with open(out / "run.json") as f:  # the form that ran, beside the one asked for (a resume keeps the first's)
+            assert "--resume_from_checkpoint" in extra or json.load(f)["world"]["update"] == ran
     return os.path.join(out, f"checkpoint-{updates}")
 
 
@@ -380,12 +384,15 @@ def test_the_kernel_is_compiled_once_and_then_loaded_from_its_cache_without_a_co
         return done.stdout.strip().splitlines()[-1]
 
     assert loads() == "loaded"
-    built = os.listdir(tmp_path)  # named by its source, command and machine; no partial file left
+    built = os.listdir(tmp_path)  # named by its source, command and machine, and its own digest; no partial file
     assert len(built) == 1 and built[0].startswith("flat_update-") and built[0].endswith(".so")
-    (tmp_path / "damaged").write_bytes(b"not a library")
-    os.replace(tmp_path / "damaged", tmp_path / built[0])
-    assert loads() == "loaded" and os.listdir(tmp_path) == built
-    assert (tmp_path / built[0]).stat().st_size > 1000
+    library = tmp_path / built[0]
+    whole = library.read_bytes()
+    for damaged in (whole[:5000], b"not a library"):  # a truncated library crashed the dynamic loader
+        (tmp_path / "damaged").write_bytes(damaged)
+        os.replace(tmp_path / "damaged", library)
+        assert loads() == "loaded" and os.listdir(tmp_path) == built and library.read_bytes() == whole
+    assert library.stat().st_mode & 0o777 == 0o755  # other users of a shared cache load it too
     assert loads(PATH="") == "loaded" and os.listdir(tmp_path) == built
     monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path / "empty"))
     monkeypatch.setenv("PATH", "")
@@ -459,5 +466,25 @@ def test_ranks_agree_on_the_form_when_the_kernel_builds_on_one_only(corpus, tmp_
         assert result.returncode != 0
         said = (tmp_path / "launch_logs" / "workerlog.0").read_text().strip().splitlines()[-1]
         assert said.endswith("--flat_update fused: " + str(compiler) + " failed (exit code 1) (rank 1)"), said
+    finally:
+        load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("threads", ["abc", "0", "²", "1025", "100000"])
+def test_a_thread_count_out_of_reason_is_one_line(monkeypatch, threads):
+    from ldm.runtime.device import DeviceError
+    from ldm.train.native import update_threads
+
+    monkeypatch.setenv("LDM_UPDATE_THREADS", threads)
+    with pytest.raises(DeviceError, match="LDM_UPDATE_THREADS must be a whole number of threads from 1 to 1024"):
+        update_threads()
+
+
+def test_a_cc_that_is_no_command_falls_back_with_its_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", 'gcc "-O2')
+    monkeypatch.setenv("LDM_KERNEL_CACHE", str(tmp_path))
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() == (None, "$CC is not a command (No closing quotation)")
     finally:
         load_kernel.cache_clear()

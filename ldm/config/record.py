@@ -268,10 +268,10 @@ def resolve_seed(given: int | None, resume) -> int:
 
 
 def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, argv: list[str] | None = None,
-                 precision: str | None = None) -> dict:
+                 precision: str | None = None, update: str | None = None) -> dict:
     """The record of this run (a collective: every rank names its host). `groups`: the argument dataclasses;
     `precision`: the mixed precision actually used (`ldm.runtime.device.resolve_precision`), which may not be the one
-    asked for."""
+    asked for; `update`: the form of the update `--flat_update` resolved to (`ldm.train.native`)."""
     import paddle
 
     arguments: dict[str, dict] = {}
@@ -288,6 +288,7 @@ def describe_run(groups, *, dist, num_workers: int, model: dict | None = None, a
             "device": paddle.device.get_device(),
             "dataloader_workers_per_rank": num_workers,
             **({"precision": precision} if precision else {}),
+            **({"update": update} if update else {}),
         },
         "versions": versions(),
         "git": git_commit(),

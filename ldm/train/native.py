@@ -4,16 +4,18 @@ and loaded with ctypes; and the choice of the update's form (`--flat_update`).
 Paddle has no kernel that steps AdamW, the clip's scale and the EMA in one pass, and its CPU update kernels run on
 one thread; a custom Paddle operator would need Paddle's headers and a C++ build of a minute per Paddle version, where
 these two plain C functions over raw fp32 pointers compile in well under a second. The library is cached by the
-hash of its source, compiler command and machine (`$LDM_KERNEL_CACHE`, default `~/.cache/ldm/kernels`): written
-under a temporary name and linked into place only if absent, so ranks or nodes compiling at once never load a
-half-written file nor replace one another's. Without a compiler (or OpenMP) `load` returns None with the reason,
-and the flat update runs Paddle's kernels instead."""
+hash of its source, compiler command and machine and by its own digest (`$LDM_KERNEL_CACHE`, default
+`~/.cache/ldm/kernels`): written under a temporary name and linked into place only if absent, so ranks or nodes
+compiling at once never load a half-written file nor replace one another's, and checked against its digest before
+each load (a truncated library crashes the dynamic loader). Without a compiler (or OpenMP) `load` returns None with
+the reason, and the flat update runs Paddle's kernels instead."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -32,6 +34,7 @@ logger = logging.getLogger("ldm.train")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "flat_update.c")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off"]
 FLT_MAX = float(np.finfo(np.float32).max)
+MAX_THREADS = 1024  # OpenMP's own limit is far above; more threads than this only crash its allocator
 
 
 def resolve_flat_update(requested: str) -> str | None:
@@ -88,7 +91,7 @@ def agreed_flat_update(requested: str, dist) -> str | None:
 
 
 def cache_dir() -> str:
-    return os.environ.get("LDM_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ldm", "kernels")
+    return os.path.expanduser(os.environ.get("LDM_KERNEL_CACHE") or os.path.join("~", ".cache", "ldm", "kernels"))
 
 
 def update_threads() -> int:
@@ -96,8 +99,9 @@ def update_threads() -> int:
     on one node share them), or `$LDM_UPDATE_THREADS`."""
     asked = os.environ.get("LDM_UPDATE_THREADS")
     if asked:
-        if not asked.isdigit() or int(asked) < 1:
-            raise DeviceError(f"LDM_UPDATE_THREADS must be a whole number of threads, at least 1, not {asked!r}")
+        if not (asked.isascii() and asked.isdigit()) or not 1 <= int(asked) <= MAX_THREADS:
+            raise DeviceError(f"LDM_UPDATE_THREADS must be a whole number of threads from 1 to {MAX_THREADS}, not "
+                              f"{asked!r}")
         return int(asked)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("PADDLE_LOCAL_SIZE") or 1)))
@@ -150,10 +154,12 @@ class FusedKernel:
                                    beta1, beta2, step, eps, ema_weight, self.threads)
 
 
-def compile_into(command: list[str], path: str) -> str:
-    """Compile the source into `path` unless it is there already; "" or why it failed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=os.path.dirname(path))
+def compile_into(command: list[str], stem: str) -> str:
+    """Compile the source into `stem`-<digest>.so (the digest of the library itself, checked before each load: a
+    damaged library is never handed to the dynamic loader, which may crash on one); "" or why it failed."""
+    folder = os.path.dirname(stem)
+    os.makedirs(folder, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run([*command, SOURCE, "-o", partial], capture_output=True, text=True, timeout=120)
@@ -161,40 +167,53 @@ def compile_into(command: list[str], path: str) -> str:
             said = done.stderr.strip().splitlines()
             said = next((line for line in said if "error" in line), said[-1] if said else "")
             return f"{command[0]} failed ({said or f'exit code {done.returncode}'})"
+        os.chmod(partial, 0o755)  # other users of a shared cache load it too
         with contextlib.suppress(FileExistsError):  # only if absent: a library another process loaded stays
-            os.link(partial, path)
+            os.link(partial, f"{stem}-{digest(partial)}.so")
         return ""
     finally:
         os.unlink(partial)
 
 
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def cached(stem: str) -> str | None:
+    """A library built for `stem` whose content is its name's digest; damaged ones are removed."""
+    for path in sorted(glob.glob(f"{glob.escape(stem)}-*.so")):
+        if path.endswith(f"-{digest(path)}.so"):
+            return path
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return None
+
+
 @functools.cache
 def load() -> tuple[FusedKernel | None, str]:
     """(the kernel, "") or (None, why not): compiled once per source, compiler command and machine, then cached."""
-    compiler = shlex.split(os.environ.get("CC") or "cc")
+    try:
+        compiler = shlex.split(os.environ.get("CC") or "cc") or ["cc"]
+    except ValueError as error:
+        return None, f"$CC is not a command ({error})"
     try:
         with open(SOURCE, "rb") as f:
             source = f.read()
         command = [*compiler, *FLAGS, *arithmetic_flags()]
         key = hashlib.sha256(source + " ".join([platform.machine(), *command]).encode()).hexdigest()[:16]
-        path = os.path.join(cache_dir(), f"flat_update-{key}.so")
-        failed = "" if os.path.exists(path) else build(command, path)
-        if failed:
-            return None, failed
-        try:
-            library = ctypes.CDLL(path)
-        except OSError:  # a damaged or foreign library: built again, once
-            os.unlink(path)
-            failed = build(command, path)
+        stem = os.path.join(cache_dir(), f"flat_update-{key}")
+        path = cached(stem)
+        if path is None:
+            if not shutil.which(compiler[0]):
+                return None, f"no C compiler ({compiler[0]}; $CC names another) on the PATH"
+            failed = compile_into(command, stem)
             if failed:
                 return None, failed
-            library = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"building the kernel from {SOURCE} failed: {error}"
+            path = cached(stem)
+            if path is None:
+                return None, f"{compiler[0]} made no library in {cache_dir()}"
+        library = ctypes.CDLL(path)
+    except (OSError, TypeError, subprocess.SubprocessError) as error:
+        return None, f"building or loading the kernel in {cache_dir()} ($LDM_KERNEL_CACHE) failed: {error}"
     return FusedKernel(library, update_threads()), ""
-
-
-def build(command: list[str], path: str) -> str:
-    if not shutil.which(command[0]):
-        return f"no C compiler ({command[0]}; $CC names another) on the PATH"
-    return compile_into(command, path)

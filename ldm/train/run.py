@@ -191,7 +191,8 @@ class TrainingRun:
         self.data = self.objective.data or data
         groups = tuple(self.data if group is data else group for group in groups)  # recorded as resolved
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
-                                   model=self.objective.identity(), precision=self.precision)
+                                   model=self.objective.identity(), precision=self.precision,
+                                   update=self.flat_update or "per_tensor")
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
         self.gradients = TensorGradients(self.trained)
 
