@@ -408,7 +408,7 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
     """The kernel against Paddle's own CPU kernels on one buffer of 100 000 weights with tiny and large gradients,
     three steps: to the bit where Paddle runs its AVX-512 JIT kernel (which the pass follows), else to float
     rounding; each segment's sum of squares the same on 1, 2 and 3 threads."""
-    from ldm.train.native import cpu_flags
+    from ldm.runtime.cpu import cpu_identity
 
     kernel, n = fused_kernel(), 100_000
     rng = np.random.default_rng(0)
@@ -429,7 +429,7 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
         assert not mine[1].numpy().any()  # the gradient zeroed once read
         paddle.assign(paddle.to_tensor(values[1]), output=mine[1])
         pow1, pow2 = pow1 * 0.9, pow2 * 0.999
-    exact = "avx512f" in cpu_flags()
+    exact = "avx512f" in cpu_identity()[1]
     for name, a, b in zip(("weights", "moment1", "moment2", "ema"), (mine[0], *mine[2:]), (paddles[0], *paddles[2:]),
                           strict=True):
         a, b = a.numpy(), b.numpy()

@@ -444,11 +444,11 @@ class FlatAdamW(paddle.optimizer.AdamW):
         clip_norm / max(norm, clip_norm). Any other (fleet's hybrid-parallel clip under sharding): its own, its
         results copied back where they are new tensors."""
         clip = self._grad_clip
-        if type(clip) is paddle.nn.ClipGradByGlobalNorm and every_span and self.flat.fused:
-            norm, limit = np.float32(self.flat.fused_norm()), np.float32(clip.clip_norm)  # on the host
-            self.flat.scale(float(limit / np.maximum(norm, limit)))
-            return
         if type(clip) is paddle.nn.ClipGradByGlobalNorm and every_span:
+            if self.flat.fused:  # the factor on the host, held for the pass
+                norm, limit = np.float32(self.flat.fused_norm()), np.float32(clip.clip_norm)
+                self.flat.scale(float(limit / np.maximum(norm, limit)))
+                return
             norm = self.flat.norm()
             factor = clip.clip_norm / paddle.maximum(norm, paddle.full([], clip.clip_norm, "float32"))
             for grad in self.flat.grads.values():

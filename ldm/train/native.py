@@ -27,6 +27,7 @@ import tempfile
 
 import numpy as np
 
+from ldm.runtime.cpu import cpu_identity
 from ldm.runtime.device import DeviceError
 
 logger = logging.getLogger("ldm.train")
@@ -73,14 +74,11 @@ def agreed_flat_update(requested: str, dist) -> str | None:
         form, refused = resolve_flat_update(requested), ""
     except DeviceError as error:
         form, refused = None, str(error)
-    if dist.world_size == 1:
-        if refused:
-            raise DeviceError(refused)
-        return form
     outcomes = dist.gather((form, refused))
     refusals = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why]
     if refusals:
-        raise DeviceError(f"{refusals[0][1]} (rank {refusals[0][0]})")
+        rank, why = refusals[0]
+        raise DeviceError(why if dist.world_size == 1 else f"{why} (rank {rank})")
     forms = [form for form, _ in outcomes]
     if "fused" in forms and "flat" in forms:
         if dist.is_main:
@@ -107,18 +105,10 @@ def update_threads() -> int:
     return max(1, cores // max(1, int(os.environ.get("PADDLE_LOCAL_SIZE") or 1)))
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 def arithmetic_flags() -> list[str]:
     """Paddle's CPU AdamW is a JIT kernel of fused multiply-adds where the CPU has AVX-512, and its plain C++
     reference elsewhere: the kernel is compiled to round as the one Paddle runs here does."""
-    flags = cpu_flags()
+    _, flags = cpu_identity()
     if "avx512f" in flags:
         return ["-mavx2", "-mfma", "-DLDM_FMA"]
     return ["-mavx2"] if "avx2" in flags else []
