@@ -177,6 +177,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             flow_shift=model_args.flow_shift,
             seed=seed,
             text_encoder_from=text.encoder if text else None,
+            resolution=data.resolution,
         )
         trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
