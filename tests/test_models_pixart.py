@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import run_entry
+from entry import refused_at_start, run_entry
 from safetensors.numpy import load_file
 
 from ldm.models.build import PRESETS_DIR
@@ -223,19 +223,6 @@ def test_a_pipeline_diffusers_saved_trains_with_dropped_captions_samples_and_exp
     trained = load_file(tmp_path / "hf" / "transformer" / "diffusion_pytorch_model.safetensors")
     start = load_file(source / "transformer" / "diffusion_pytorch_model.safetensors")
     assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
-
-
-def refused_at_start(args: list[str], tmp_path) -> str:
-    """The one line a training run refuses `args` with, at start: exit 2, no traceback, no run folder."""
-    listing = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
-    run = tmp_path / "refused"
-    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
-        *args, "--file_list", listing, "--train_batch_size", "2", "--max_train_steps", "1", "--num_workers", "0",
-        "--report_to", "none", "--model_max_length", "16", "--allow_untrained_vae", "--allow_untrained_text_encoder",
-        "--output_dir", str(run)])
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert not run.exists()
-    return result.stderr.strip().splitlines()[-1]
 
 
 def test_what_a_pixart_model_cannot_make_is_refused_at_start_in_one_line(tmp_path, capsys):
