@@ -113,6 +113,10 @@ def unsupported_pixart(config: dict) -> str | None:
     """ppdiffusers' `Transformer2DModel` gives a PixArt DiT the resolution and aspect-ratio conditions exactly when its
     sample_size is 128 and its position embedding's interpolation scale sample_size // 64 (at least 1); diffusers'
     class reads both from the config (`use_additional_conditions`, `interpolation_scale`; None: those defaults)."""
+    norm = config.get("norm_type", "ada_norm_single")
+    if norm != "ada_norm_single":
+        return (f"its transformer is a Transformer2DModel with norm_type {norm!r}, not PixArt-α's text-conditioned DiT "
+                "(adaLN-single, ada_norm_single), the only Transformer2DModel this framework trains")
     size = int(config.get("sample_size") or 0)
     conditions = config.get("use_additional_conditions")
     if conditions or (conditions is None and size == 128):
@@ -165,10 +169,9 @@ def largest_side(config, vae_config) -> int | None:
 
 
 def check_image_size(config, vae_config, height: int, width: int, what: str) -> None:
-    """Refuse an image size (pixels; `what` names it in the message) the backbone and autoencoder cannot make, naming
-    the step and the largest side:
-    every side a multiple of the autoencoder's downsampling, times a DiT's patch (whole patches of whole latents;
-    a UNet resizes between its levels), and within `largest_side`."""
+    """Refuse an image size (pixels; `what` names it) the backbone and autoencoder cannot make, in one line naming the
+    step or the largest side: every side a multiple of the autoencoder's downsampling, times a DiT's patch (whole
+    patches of whole latents; a UNet resizes between its levels), and within `largest_side`."""
     factor = autoencoder_factor(vae_config)
     patch = int(getattr(config, "patch_size", None) or 1)
     step, largest = factor * patch, largest_side(config, vae_config)
@@ -194,11 +197,6 @@ def autoencoder_misfit(config, vae_config, autoencoder: str = "the autoencoder")
 
 def type_name(config) -> str:
     return getattr(config, "_class_name", None) or "backbone"
-
-
-def unsupported(backbone) -> str | None:
-    """Why this framework cannot condition a built backbone as it was trained (`unsupported_config`), or None."""
-    return unsupported_config(dict(backbone.config))
 
 
 def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,

@@ -31,15 +31,16 @@ def bucket_name(bucket: Bucket) -> str:
 def size_step(vae_config, unet_config=None) -> int:
     """The side every bucket is a multiple of: the autoencoder's downsampling (2 per block after the first), times
     the backbone's (a UNet's, the same rule; a DiT's patch) when there is one."""
+    from ldm.models.backbone import autoencoder_factor
     from ldm.models.backbone import size_step as backbone_step
 
-    step = 2 ** (len(vae_config.block_out_channels) - 1)
+    step = autoencoder_factor(vae_config)
     if unet_config is not None:
         step *= backbone_step(unet_config)
     return step
 
 
-def model_buckets_of(value: str | None, resolution: int, max_aspect_ratio: float, vae_config, backbone_config
+def backbone_buckets(value: str | None, resolution: int, max_aspect_ratio: float, vae_config, backbone_config
                      ) -> tuple[Bucket, ...] | None:
     """The buckets `value` names for a backbone over an autoencoder (`parse_buckets`): sides multiples of their
     `size_step`, none longer than the backbone takes (`ldm.models.backbone.largest_side`)."""

@@ -17,7 +17,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ldm.models.backbone import FAMILIES, SD3, UNET, backbone_family_of, context_width, reads_pooled
+from ldm.models.backbone import (
+    FAMILIES,
+    SD3,
+    UNET,
+    autoencoder_factor,
+    backbone_family_of,
+    context_width,
+    reads_pooled,
+)
 from ldm.models.text import LDMBERT, SD3_TEXT, TextFamily, text_family
 from ldm.models.text import family_of as text_family_of
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
@@ -272,11 +280,11 @@ def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, m
                   vae_config=None) -> tuple[tuple[int, int], ...] | None:
     """The aspect-ratio buckets `value` names for a model known by name or folder (its configs read, nothing built;
     with `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
-    from ldm.models.buckets import buckets_off, model_buckets_of
+    from ldm.models.buckets import backbone_buckets, buckets_off
 
     if buckets_off(value):
         return None
-    return model_buckets_of(value, resolution, max_aspect_ratio, *model_configs(model_name_or_path, vae_config))
+    return backbone_buckets(value, resolution, max_aspect_ratio, *model_configs(model_name_or_path, vae_config))
 
 
 def model_size_step(name_or_path: str, vae_config=None) -> int:
@@ -312,7 +320,7 @@ def model_configs(name_or_path: str, vae_config=None) -> tuple:
 def model_resolution(unet, vae) -> int:
     """The image size a UNet and autoencoder were made for: the UNet's latent size times the autoencoder's
     downsampling (2 per block after the first)."""
-    return unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
+    return unet.config.sample_size * autoencoder_factor(vae.config)
 
 
 @dataclass
@@ -482,7 +490,7 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import freeze_unexported, init_backbone, unsupported
+    from ldm.models.backbone import freeze_unexported, init_backbone
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -504,8 +512,6 @@ def build_components(
     vae_source = vae_name_or_path or source
     check_fit(model_name_or_path, os.path.join(source, backbone.folder), vae_name_or_path, resolution)
     unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
-    if unsupported(unet):
-        raise ModelSourceError(f"{model_name_or_path}: {unsupported(unet)}")
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
