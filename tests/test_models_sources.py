@@ -55,19 +55,23 @@ def train_refusal(folder) -> str:
     return str(e.value)
 
 
-def test_a_stable_diffusion_xl_pipeline_is_refused_by_its_class_by_training_generate_and_export(tmp_path, capsys):
+def every_refusal(folder, tmp_path, capsys) -> list[str]:
+    """The lines training, `ldm.generate` and `ldm.export` (in either layout) refuse `folder` with; none writes."""
     from ldm.export import main as export
     from ldm.generate import main as generate
 
-    folder = sdxl_folder(tmp_path)
-    named = "a StableDiffusionXLPipeline folder, which this framework does not train, sample or export"
-    assert named in train_refusal(folder)
-    assert named in said(capsys, generate, ["--model", str(folder), "--prompt", "a", "--output_dir",
-                                            str(tmp_path / "samples")])
+    lines = [train_refusal(folder), said(capsys, generate, ["--model", str(folder), "--prompt", "a", "--output_dir",
+                                                            str(tmp_path / "samples")])]
     for layout in ("diffusers", "ppdiffusers"):
-        assert named in said(capsys, export, ["--checkpoint", str(folder), "--output", str(tmp_path / layout),
-                                              "--format", layout])
+        lines.append(said(capsys, export, ["--checkpoint", str(folder), "--output", str(tmp_path / layout),
+                                           "--format", layout]))
     assert not (tmp_path / "samples").exists() and not (tmp_path / "diffusers").exists()
+    return lines
+
+
+def test_a_stable_diffusion_xl_pipeline_is_refused_by_its_class_by_training_generate_and_export(tmp_path, capsys):
+    named = "a StableDiffusionXLPipeline folder, which this framework does not train, sample or export"
+    assert all(named in line for line in every_refusal(sdxl_folder(tmp_path), tmp_path, capsys))
 
 
 def test_an_sdxl_folder_without_its_model_index_is_refused_by_its_parts(tmp_path):
@@ -90,18 +94,9 @@ def variant(tmp_path, source, name: str, **config):
 def test_a_1024_px_pixart_folder_is_refused_by_training_generate_and_export_alike(tmp_path, capsys):
     """PixArt-α's 1024 px transformer (sample_size 128) takes resolution and aspect-ratio conditions: one check, read
     from the config, by every command."""
-    from ldm.export import main as export
-    from ldm.generate import main as generate
-
     folder = variant(tmp_path, DIFFUSERS_PIXART, "pixart-1024", sample_size=128)
     named = "its transformer takes resolution and aspect-ratio conditions (use_additional_conditions"
-    assert named in train_refusal(folder)
-    assert named in said(capsys, generate, ["--model", str(folder), "--prompt", "a", "--output_dir",
-                                            str(tmp_path / "samples")])
-    for layout in ("diffusers", "ppdiffusers"):
-        assert named in said(capsys, export, ["--checkpoint", str(folder), "--output", str(tmp_path / layout),
-                                              "--format", layout])
-    assert not (tmp_path / "samples").exists() and not (tmp_path / "diffusers").exists()
+    assert all(named in line for line in every_refusal(folder, tmp_path, capsys))
 
 
 def test_transformer_variants_ppdiffusers_builds_otherwise_are_named_before_any_weight_is_read(tmp_path):
