@@ -311,7 +311,7 @@ def cmd_loss(args) -> int:
     from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
     from ldm.inference.load import is_pipeline, load_for_inference
     from ldm.models.autoencoder import autoencoder_identity
-    from ldm.models.buckets import bucket_name, parse_buckets, size_step
+    from ldm.models.buckets import backbone_buckets, bucket_name
     from ldm.models.build import model_resolution
     from ldm.models.diffusion import LatentDiffusion
     from ldm.models.noise import training_scheduler
@@ -329,8 +329,7 @@ def cmd_loss(args) -> int:
             raise EvalError(str(e)) from None
         model = LatentDiffusion(unet, text_encoder, vae, training_scheduler(scheduler_config))
         resolution = args.resolution or model_resolution(unet, vae)
-        buckets = parse_buckets(args.aspect_buckets, resolution, size_step(vae.config, unet.config),
-                                args.max_aspect_ratio)
+        buckets = backbone_buckets(args.aspect_buckets, resolution, args.max_aspect_ratio, vae.config, unet.config)
         records = read_records(args.file_list, args.validation_samples, resolution=resolution, tokenizer=tokenizer,
                                model_max_length=prompt_length(text_encoder, tokenizer),
                                autoencoder=fingerprint(autoencoder_identity(vae)), autoencoder_source=args.model,

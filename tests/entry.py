@@ -331,6 +331,22 @@ def modes_not_as_umask_says(folder) -> list[str]:
     return wrong
 
 
+def refused_at_start(args: list[str], tmp_path) -> str:
+    """The one line a training run (the hand-written loop's entry point, the model's parts untrained allowed) refuses
+    `args` with, at start: exit 2, no traceback, no run folder."""
+    from corpus import write_corpus
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=4, records_per_shard=4)
+    run = tmp_path / "refused"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *args, "--file_list", listing, "--train_batch_size", "2", "--max_train_steps", "1", "--num_workers", "0",
+        "--report_to", "none", "--model_max_length", "16", "--allow_untrained_vae", "--allow_untrained_text_encoder",
+        "--output_dir", str(run)])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not run.exists()
+    return result.stderr.strip().splitlines()[-1]
+
+
 def said(capsys, main, argv: list[str]) -> str:
     """The one line a command's `main` ended on with exit status 2 (returned, or its parser's exit)."""
     try:

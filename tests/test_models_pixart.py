@@ -4,12 +4,14 @@ ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; it
 patch grid; the 0.6 B preset's architecture."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import run_entry
+from entry import refused_at_start, run_entry
 from safetensors.numpy import load_file
 
 from ldm.models.build import PRESETS_DIR
@@ -149,3 +151,102 @@ def test_learned_sigma_trains_on_improved_ddpms_variational_bound():
     model(paddle.rand([2, 3, 32, 32]) * 2 - 1, paddle.ones([2, 16], dtype="int64")).backward()
     grad = c.unet.proj_out.weight.grad.numpy()
     assert np.abs(grad.reshape(grad.shape[0], 4, 8)[:, :, 4:]).sum() > 0  # (patch, channel): the variance half
+
+
+DIFFUSERS_SAVED = Path(__file__).resolve().parent / "fixtures" / "pixart-diffusers"  # make_diffusers_pixart_fixtures
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pipeline_diffusers_saved_computes_what_diffusers_computes_on_it(dtype):
+    """A PixArtAlphaPipeline as diffusers 0.42 saves it (its transformer a PixArtTransformer2DModel, without
+    `y_embedding`; its T5 tokenizer a tokenizer.json alone), in float32 and saved again with torch_dtype bfloat16: the
+    T5 states and masks, the prediction, a decode, and two guided steps whose unconditional branch is the empty
+    caption's T5 states with their mask, as diffusers computes them on the same folder read in float32."""
+    from transformer_fixtures import check_against_diffusers
+
+    check_against_diffusers(str(DIFFUSERS_SAVED / dtype / "pipeline"), f"pixart-diffusers/{dtype}", "diffusers.npz")
+
+
+def test_bfloat16_weights_are_read_as_the_float32_they_were_rounded_from_widened():
+    """diffusers' bfloat16 save rounds each float32 to nearest even; reading widens it back exactly."""
+    from ldm.models.torch_layout import read_safetensors
+
+    for part in ("transformer/diffusion_pytorch_model", "vae/diffusion_pytorch_model", "text_encoder/model"):
+        wide = read_safetensors(str(DIFFUSERS_SAVED / "bfloat16" / "pipeline" / f"{part}.safetensors"))
+        full = load_file(DIFFUSERS_SAVED / "float32" / "pipeline" / f"{part}.safetensors")
+        assert wide.keys() == full.keys()
+        for name, value in full.items():
+            bits = value.view(np.uint32).astype(np.uint64)
+            rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+            assert wide[name].dtype == np.float32 and np.array_equal(wide[name], rounded), name
+
+
+def test_a_transformer_without_y_embedding_reads_it_as_zero_and_no_prediction_reads_it():
+    from ldm.models.backbone import PIXART, predict
+    from ldm.models.torch_layout import load_pretrained
+
+    transformer = load_pretrained(PIXART.model_class(), str(DIFFUSERS_SAVED / "float32" / "pipeline" / "transformer"))
+    y_embedding = transformer.caption_projection.y_embedding
+    assert not y_embedding.numpy().any()
+    latents, states = paddle.randn([2, 4, 8, 8]), paddle.randn([2, 5, 16])
+    mask = paddle.to_tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])  # a caption, and the empty one's end token
+    with paddle.no_grad():
+        before = predict(transformer, latents, paddle.to_tensor([10, 900]), states, mask).numpy()
+        y_embedding.set_value(paddle.randn(y_embedding.shape))
+        after = predict(transformer, latents, paddle.to_tensor([10, 900]), states, mask).numpy()
+    np.testing.assert_array_equal(before, after)
+
+
+def test_a_pipeline_diffusers_saved_trains_with_dropped_captions_samples_and_exports(tmp_path):
+    from entry import run_python
+
+    source = shutil.copytree(DIFFUSERS_SAVED / "float32" / "pipeline", tmp_path / "source")
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
+    run = tmp_path / "run"
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        "--pretrained_model_name_or_path", str(source), "--file_list", listing, "--resolution", str(RESOLUTION),
+        "--train_batch_size", "2", "--max_train_steps", "2", "--save_steps", "2", "--num_workers", "0",
+        "--report_to", "none", "--model_max_length", "16", "--caption_dropout_prob", "0.5",
+        "--output_dir", str(run)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["model"]["class"] == "Transformer2DModel"
+    assert record["arguments"]["DataArguments"]["caption_dropout_prob"] == 0.5
+    sampled = run_python(["-m", "ldm.generate", "--model", str(run / "checkpoint-2"), "--prompt", "a red circle",
+                          "--num_inference_steps", "2", "--output_dir", str(tmp_path / "samples")])
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert (tmp_path / "samples" / "grid.png").is_file()
+    exported = run_python(["-m", "ldm.export", "--checkpoint", str(run / "checkpoint-2"), "--output",
+                           str(tmp_path / "hf"), "--format", "diffusers"])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "model_index.json").read_text())["_class_name"] == "PixArtAlphaPipeline"
+    trained = load_file(tmp_path / "hf" / "transformer" / "diffusion_pytorch_model.safetensors")
+    start = load_file(source / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert not np.array_equal(trained["proj_out.weight"], start["proj_out.weight"])
+
+
+def test_what_a_pixart_model_cannot_make_is_refused_at_start_in_one_line(tmp_path, capsys):
+    """SD3's 16-channel autoencoder, a resolution of no whole number of patches, a damaged weights file (named, by
+    training and by `ldm.generate`)."""
+    from entry import said
+
+    from ldm.generate import main as generate
+
+    line = refused_at_start(["--model_name_or_path", "pixart-tiny", "--vae_name_or_path", "sd3-tiny", "--resolution",
+                             "32"], tmp_path / "a")
+    assert "reads latents of 4 channels and the autoencoder of --vae_name_or_path sd3-tiny makes 16" in line
+    patch4 = shutil.copytree(PRESETS_DIR / "pixart-tiny", tmp_path / "patch4")
+    config = json.loads((patch4 / "transformer" / "config.json").read_text())
+    (patch4 / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": 4}))
+    line = refused_at_start(["--model_name_or_path", str(patch4), "--resolution", "40"], tmp_path / "b")
+    assert ("--resolution 40: each side must be a positive multiple of 16 (the DiT's size step: patch 4 x the "
+            "autoencoder's downsampling 4)") in line
+    for part in ("transformer/diffusion_pytorch_model", "vae/diffusion_pytorch_model"):
+        damaged = shutil.copytree(DIFFUSERS_SAVED / "float32" / "pipeline", tmp_path / part.split("/")[0])
+        weights = damaged / f"{part}.safetensors"
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a copy cut short
+        named = f"{weights} is damaged: it cannot be read as safetensors"
+        assert named in refused_at_start(["--model_name_or_path", str(damaged), "--resolution", "32"],
+                                         tmp_path / f"{part}-run")
+        assert named in said(capsys, generate, ["--model", str(damaged), "--prompt", "a", "--output_dir",
+                                                str(tmp_path / "samples")])

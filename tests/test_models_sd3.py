@@ -235,3 +235,37 @@ def test_what_sd3_cannot_do_here_is_refused_in_one_line(tmp_path):
     (folder / "text_encoder" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
     with pytest.raises(ModelSourceError, match="reads a pooled text vector 80 wide and its text encoders make none"):
         build_components(str(folder))
+
+
+def test_what_sd3_cannot_make_is_refused_at_start_in_one_line(pipeline, tmp_path, capsys):
+    """A 4-channel autoencoder; a side of more patches than `pos_embed_max_size` (sd3-tiny: 16 patches of 2 latents
+    of 4 px, 128 px) in training, in a bucket list and in `ldm.generate`, the auto buckets kept within it; a damaged
+    `text_encoder_3` named, by training and by `ldm.generate`."""
+    import shutil
+
+    from entry import refused_at_start, said
+
+    from ldm.generate import main as generate
+    from ldm.models.build import model_buckets
+
+    line = refused_at_start(["--model_name_or_path", pipeline, "--vae_name_or_path", "pixart-tiny", "--resolution",
+                             "32"], tmp_path / "a")
+    assert "reads latents of 16 channels and the autoencoder of --vae_name_or_path pixart-tiny makes 4" in line
+    largest = "the largest side this SD3Transformer2DModel takes is 128 px"
+    assert largest in refused_at_start(["--model_name_or_path", pipeline, "--resolution", "256"], tmp_path / "b")
+    line = refused_at_start(["--model_name_or_path", pipeline, "--resolution", "128", "--aspect_buckets",
+                             "96x160,128x128"], tmp_path / "c")
+    assert "96x160 has a side longer than 128 px" in line
+    assert model_buckets("auto", 128, 2.0, pipeline) == ((128, 128),)
+    within = model_buckets("auto", 96, 2.0, pipeline)
+    assert max(max(bucket) for bucket in within) == 128 and len(within) > 1
+    assert largest in said(capsys, generate, ["--model", pipeline, "--prompt", "a", "--height", "256", "--output_dir",
+                                              str(tmp_path / "samples")])
+    damaged = shutil.copytree(pipeline, tmp_path / "damaged")
+    weights = damaged / "text_encoder_3" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size - 100])  # a copy cut short
+    named = f"{weights} is damaged: it cannot be read as safetensors"
+    assert named in refused_at_start(["--model_name_or_path", str(damaged), "--resolution", "32"], tmp_path / "d")
+    assert named in said(capsys, generate, ["--model", str(damaged), "--prompt", "a", "--output_dir",
+                                            str(tmp_path / "samples")])
+    assert not (tmp_path / "samples").exists()

@@ -4,11 +4,15 @@ training, `ldm.generate` and `ldm.export` alike, before any weight is read."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from entry import said
 
 from ldm.models.build import PRESETS_DIR
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+DIFFUSERS_PIXART = FIXTURES / "pixart-diffusers" / "float32" / "pipeline"  # saved by diffusers 0.42 itself
 
 
 def sdxl_folder(tmp_path, index: bool = True, second_encoder: bool = True):
@@ -51,19 +55,23 @@ def train_refusal(folder) -> str:
     return str(e.value)
 
 
-def test_a_stable_diffusion_xl_pipeline_is_refused_by_its_class_by_training_generate_and_export(tmp_path, capsys):
+def every_refusal(folder, tmp_path, capsys) -> list[str]:
+    """The lines training, `ldm.generate` and `ldm.export` (in either layout) refuse `folder` with; none writes."""
     from ldm.export import main as export
     from ldm.generate import main as generate
 
-    folder = sdxl_folder(tmp_path)
-    named = "a StableDiffusionXLPipeline folder, which this framework does not train, sample or export"
-    assert named in train_refusal(folder)
-    assert named in said(capsys, generate, ["--model", str(folder), "--prompt", "a", "--output_dir",
-                                            str(tmp_path / "samples")])
+    lines = [train_refusal(folder), said(capsys, generate, ["--model", str(folder), "--prompt", "a", "--output_dir",
+                                                            str(tmp_path / "samples")])]
     for layout in ("diffusers", "ppdiffusers"):
-        assert named in said(capsys, export, ["--checkpoint", str(folder), "--output", str(tmp_path / layout),
-                                              "--format", layout])
+        lines.append(said(capsys, export, ["--checkpoint", str(folder), "--output", str(tmp_path / layout),
+                                           "--format", layout]))
     assert not (tmp_path / "samples").exists() and not (tmp_path / "diffusers").exists()
+    return lines
+
+
+def test_a_stable_diffusion_xl_pipeline_is_refused_by_its_class_by_training_generate_and_export(tmp_path, capsys):
+    named = "a StableDiffusionXLPipeline folder, which this framework does not train, sample or export"
+    assert all(named in line for line in every_refusal(sdxl_folder(tmp_path), tmp_path, capsys))
 
 
 def test_an_sdxl_folder_without_its_model_index_is_refused_by_its_parts(tmp_path):
@@ -73,3 +81,37 @@ def test_an_sdxl_folder_without_its_model_index_is_refused_by_its_parts(tmp_path
     line = train_refusal(sdxl_folder(tmp_path / "b", index=False, second_encoder=False))
     assert "addition_embed_type 'text_time' (Stable Diffusion XL's pooled text and image sizes)" in line
     assert "cross_attention_dim" not in line and "wide" not in line
+
+
+def variant(tmp_path, source, name: str, **config):
+    """A copy of model folder `source` whose transformer's config says `config`."""
+    folder = shutil.copytree(source, tmp_path / name)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+def test_a_1024_px_pixart_folder_is_refused_by_training_generate_and_export_alike(tmp_path, capsys):
+    """PixArt-α's 1024 px transformer (sample_size 128) takes resolution and aspect-ratio conditions: one check, read
+    from the config, by every command."""
+    folder = variant(tmp_path, DIFFUSERS_PIXART, "pixart-1024", sample_size=128)
+    named = "its transformer takes resolution and aspect-ratio conditions (use_additional_conditions"
+    assert all(named in line for line in every_refusal(folder, tmp_path, capsys))
+
+
+def test_transformer_variants_ppdiffusers_builds_otherwise_are_named_before_any_weight_is_read(tmp_path):
+    """What the config says and ppdiffusers' class would not build (it would read the weights as damaged, or build
+    another model): SD3.5's MMDiT, PixArt's added conditions at a sample_size other than 128 or none at 128, another
+    interpolation scale."""
+    sd35 = variant(tmp_path, PRESETS_DIR / "sd3-tiny", "sd3.5", qk_norm="rms_norm", dual_attention_layers=[0, 1])
+    assert ("its transformer is a Stable Diffusion 3.5 MMDiT (qk_norm 'rms_norm' and dual attention in layers 0-1), "
+            "which ppdiffusers' SD3Transformer2DModel, the one this framework trains, does not have") in \
+        train_refusal(sd35)
+    for name, config, named in (
+            ("conditions-8", {"use_additional_conditions": True},
+             "takes resolution and aspect-ratio conditions (use_additional_conditions"),
+            ("none-128", {"use_additional_conditions": False, "sample_size": 128},
+             "a PixArt DiT at sample_size 128 without resolution and aspect-ratio conditions"),
+            ("scale-2", {"interpolation_scale": 2}, "position embedding has interpolation_scale 2")):
+        line = train_refusal(variant(tmp_path, DIFFUSERS_PIXART, name, **config))
+        assert named in line and "does not fit" not in line, line

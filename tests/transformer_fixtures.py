@@ -19,8 +19,9 @@ def relative(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
 
 
-def check_against_diffusers(folder: str, family: str) -> dict[str, float]:
-    """Each output's relative difference, asserted under 1e-4 (the image: one grey level)."""
+def check_against_diffusers(folder: str, family: str, outputs: str = "exported.npz") -> dict[str, float]:
+    """Each output's relative difference, asserted under 1e-4 (the image: one grey level); `family`: the fixture
+    folder, `outputs` its file of diffusers' outputs."""
     import paddle
 
     from ldm.data.tokenize import CaptionTokenizer
@@ -30,7 +31,7 @@ def check_against_diffusers(folder: str, family: str) -> dict[str, float]:
     from ldm.models.text import encode_prompt_pooled
 
     reference = json.loads((FIXTURES / family / "reference.json").read_text())
-    expected = dict(np.load(FIXTURES / family / "exported.npz"))
+    expected = dict(np.load(FIXTURES / family / outputs))
     for name, digest in reference["weights_sha256"].items():
         with open(f"{folder}/{name}", "rb") as f:
             assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name

@@ -15,7 +15,7 @@ from PIL import Image
 from ppdiffusers import DDIMScheduler
 
 from ldm.models.autoencoder import to_uint8, unscaled_latents
-from ldm.models.backbone import predict
+from ldm.models.backbone import autoencoder_factor, check_image_size, predict
 from ldm.models.text import encode_prompt_pooled
 
 
@@ -125,18 +125,12 @@ def generate(
 
 def latent_size(unet, vae, height: int | None, width: int | None) -> tuple[int, int]:
     """(rows, columns) of the latents of a `height` x `width` image (None: the UNet's trained size); ValueError
-    for a side that is not a multiple of the autoencoder's downsampling."""
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    sides = []
-    for name, value in (("height", height), ("width", width)):
-        if value is None:
-            sides.append(unet.config.sample_size)
-        elif value < factor or value % factor:
-            raise ValueError(f"--{name} {value} must be a positive multiple of {factor} (the autoencoder's "
-                             "downsampling)")
-        else:
-            sides.append(value // factor)
-    return sides[0], sides[1]
+    (`ImageSizeError`) for a size the backbone and autoencoder cannot make (`check_image_size`)."""
+    factor = autoencoder_factor(vae.config)
+    trained = unet.config.sample_size * factor
+    height, width = (trained if side is None else side for side in (height, width))
+    check_image_size(unet.config, vae.config, height, width, f"an image of {height}x{width} px (--height x --width)")
+    return height // factor, width // factor
 
 
 def labeled_grid(images: np.ndarray, prompts: list[str], min_cell: int = 128) -> Image.Image:

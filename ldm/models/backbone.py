@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import paddle
 
+from ldm.runtime.errors import UserError
+
 logger = logging.getLogger("ldm.models")
 
 
@@ -32,7 +34,10 @@ logger = logging.getLogger("ldm.models")
 class BackboneFamily:
     name: str
     folder: str  # the part's folder in a pipeline
-    class_name: str
+    class_name: str  # ppdiffusers' class, which this framework builds
+    # the `_class_name`s of the configs read as this family: diffusers 0.28 on saves PixArt-α's transformer as a
+    # `PixArtTransformer2DModel` (the same weights, less the unused `caption_projection.y_embedding`)
+    config_names: tuple[str, ...] = ()
 
     def model_class(self):
         import ppdiffusers
@@ -44,9 +49,12 @@ class BackboneFamily:
         sd3_recompute_unpacks()
         return getattr(ppdiffusers, self.class_name)
 
+    def reads(self, config_name: str | None) -> bool:
+        return config_name in (self.class_name, *self.config_names)
+
 
 UNET = BackboneFamily("unet", "unet", "UNet2DConditionModel")
-PIXART = BackboneFamily("pixart", "transformer", "Transformer2DModel")
+PIXART = BackboneFamily("pixart", "transformer", "Transformer2DModel", ("PixArtTransformer2DModel",))
 SD3 = BackboneFamily("sd3", "transformer", "SD3Transformer2DModel")
 FAMILIES = (UNET, PIXART, SD3)
 
@@ -56,7 +64,7 @@ def backbone_family_of(source: str) -> BackboneFamily | None:
     `_class_name`; read or not: an unreadable one is said to be so by its loader); None: neither."""
     found = [f for f in FAMILIES if os.path.lexists(os.path.join(source, f.folder))]
     if len(found) > 1:
-        return next((f for f in found if f.class_name == config_class_name(os.path.join(source, f.folder))), found[0])
+        return next((f for f in found if f.reads(config_class_name(os.path.join(source, f.folder)))), found[0])
     return found[0] if found else None
 
 
@@ -75,24 +83,120 @@ def family_of(backbone) -> BackboneFamily:
     return next(f for f in FAMILIES if f.class_name in names)
 
 
-def unsupported(backbone) -> str | None:
-    """Why this framework cannot condition a backbone as it was trained, or None."""
-    if unsupported_config(dict(backbone.config)):
-        return unsupported_config(dict(backbone.config))
-    if getattr(backbone, "use_additional_conditions", False):
-        return ("its transformer takes resolution and aspect-ratio conditions (PixArt-α's 1024 px models, "
-                "sample_size 128), which this framework does not give it; the 512 px PixArt-α (sample_size 64) trains")
-    return None
+def config_family(config: dict) -> BackboneFamily:
+    """The family of the backbone a config describes: by its `_class_name`, else by its shape."""
+    named = next((f for f in FAMILIES if f.reads(config.get("_class_name"))), None)
+    if named is not None:
+        return named
+    if config.get("pos_embed_max_size") or config.get("joint_attention_dim"):
+        return SD3
+    return PIXART if config.get("norm_type") == "ada_norm_single" else UNET
 
 
 def unsupported_config(config: dict) -> str | None:
-    """Why this framework cannot condition the backbone a config describes (read before its weights), or None."""
+    """Why this framework cannot train or sample the backbone a config describes as it was made (read before its
+    weights: a model variant ppdiffusers' class does not build, or conditions this framework does not give), or
+    None. Every command asks this, through `ldm.models.build.unsupported_folder`."""
+    return UNSUPPORTED[config_family(config).name](config)
+
+
+def unsupported_unet(config: dict) -> str | None:
     added = config.get("addition_embed_type")
     if added:
         sdxl = " (Stable Diffusion XL's pooled text and image sizes)" if added == "text_time" else ""
         return (f"its UNet takes added conditions, addition_embed_type {added!r}{sdxl}, which this framework does not "
                 "give it: it trains Stable Diffusion 1.x and 2.x UNets")
     return None
+
+
+def unsupported_pixart(config: dict) -> str | None:
+    """ppdiffusers' `Transformer2DModel` gives a PixArt DiT the resolution and aspect-ratio conditions exactly when its
+    sample_size is 128 and its position embedding's interpolation scale sample_size // 64 (at least 1); diffusers'
+    class reads both from the config (`use_additional_conditions`, `interpolation_scale`; None: those defaults)."""
+    norm = config.get("norm_type", "ada_norm_single")
+    if norm != "ada_norm_single":
+        return (f"its transformer is a Transformer2DModel with norm_type {norm!r}, not PixArt-α's text-conditioned DiT "
+                "(adaLN-single, ada_norm_single), the only Transformer2DModel this framework trains")
+    size = int(config.get("sample_size") or 0)
+    conditions = config.get("use_additional_conditions")
+    if conditions or (conditions is None and size == 128):
+        return ("its transformer takes resolution and aspect-ratio conditions (use_additional_conditions: PixArt-α's "
+                "1024 px models), which this framework does not give it; the 512 px PixArt-α (sample_size 64) trains")
+    if size == 128:
+        return ("its transformer is a PixArt DiT at sample_size 128 without resolution and aspect-ratio conditions "
+                "(use_additional_conditions false, as PixArt-Σ's 1024 px models), which ppdiffusers' "
+                "Transformer2DModel, the one this framework trains, cannot build: it gives every sample_size-128 DiT "
+                "those conditions")
+    scale, built = config.get("interpolation_scale"), max(size // 64, 1)
+    if scale is not None and float(scale) != built:
+        return (f"its transformer's position embedding has interpolation_scale {scale:g}, which ppdiffusers' "
+                f"Transformer2DModel, the one this framework trains, does not read (it takes sample_size // 64, "
+                f"{built}, and would place the patches elsewhere than the model learned)")
+    return None
+
+
+def unsupported_sd3(config: dict) -> str | None:
+    """Stable Diffusion 3.5's MMDiT normalises queries and keys (`qk_norm`) and, in Medium, adds a second self-attention
+    to its first blocks (`dual_attention_layers`, MMDiT-X): ppdiffusers 0.29's `SD3Transformer2DModel` has neither."""
+    norm, dual = config.get("qk_norm"), list(config.get("dual_attention_layers") or ())
+    features = ([f"qk_norm {norm!r}"] if norm else []) + (
+        [f"dual attention in layers {dual[0]}-{dual[-1]}" if dual == list(range(dual[0], dual[-1] + 1))
+         else f"dual attention in layers {', '.join(map(str, dual))}"] if dual else [])
+    if features:
+        return (f"its transformer is a Stable Diffusion 3.5 MMDiT ({' and '.join(features)}), which ppdiffusers' "
+                "SD3Transformer2DModel, the one this framework trains, does not have: it trains Stable Diffusion 3 "
+                "Medium's MMDiT")
+    return None
+
+
+UNSUPPORTED = {"unet": unsupported_unet, "pixart": unsupported_pixart, "sd3": unsupported_sd3}
+
+
+class ImageSizeError(UserError, ValueError):
+    """An image size the backbone and autoencoder cannot make."""
+
+
+def autoencoder_factor(vae_config) -> int:
+    """The autoencoder's downsampling: 2 per block after the first."""
+    return 2 ** (len(getattr(vae_config, "block_out_channels", None) or (64,)) - 1)
+
+
+def largest_side(config, vae_config) -> int | None:
+    """The largest image side (pixels) the backbone takes: SD3's position embedding is a crop of a
+    `pos_embed_max_size`-patch grid, so no more patches than that fit on a side; None: no limit."""
+    grid = getattr(config, "pos_embed_max_size", None)
+    return int(grid) * int(config.patch_size) * autoencoder_factor(vae_config) if grid else None
+
+
+def check_image_size(config, vae_config, height: int, width: int, what: str) -> None:
+    """Refuse an image size (pixels; `what` names it) the backbone and autoencoder cannot make, in one line naming the
+    step or the largest side: every side a multiple of the autoencoder's downsampling, times a DiT's patch (whole
+    patches of whole latents; a UNet resizes between its levels), and within `largest_side`."""
+    factor = autoencoder_factor(vae_config)
+    patch = int(getattr(config, "patch_size", None) or 1)
+    step, largest = factor * patch, largest_side(config, vae_config)
+    if height < step or width < step or height % step or width % step:
+        how = (f"the DiT's size step: patch {patch} x the autoencoder's downsampling {factor}" if patch > 1 else
+               "the autoencoder's downsampling")
+        raise ImageSizeError(f"{what}: each side must be a positive multiple of {step} ({how})")
+    if largest is not None and max(height, width) > largest:
+        raise ImageSizeError(f"{what}: the largest side this {type_name(config)} takes is {largest} "
+                             f"px (its position embedding spans pos_embed_max_size {config.pos_embed_max_size} "
+                             f"patches of {config.patch_size} latents, {factor} px each)")
+
+
+def autoencoder_misfit(config, vae_config, autoencoder: str = "the autoencoder") -> str | None:
+    """Why the backbone cannot read the latents of the `autoencoder` (their channels), or None."""
+    reads, made = int(getattr(config, "in_channels", 4)), int(getattr(vae_config, "latent_channels", 4))
+    if reads == made:
+        return None
+    return (f"its {type_name(config)} reads latents of {reads} channels and {autoencoder} makes {made}: they cannot "
+            "work together (Stable Diffusion 3's autoencoder makes 16 channels, SD 1/2's and PixArt-α's 4); pass the "
+            "autoencoder the backbone was trained with")
+
+
+def type_name(config) -> str:
+    return getattr(config, "_class_name", None) or "backbone"
 
 
 def predict(backbone, sample: paddle.Tensor, timesteps: paddle.Tensor, states: paddle.Tensor,

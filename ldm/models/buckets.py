@@ -31,12 +31,23 @@ def bucket_name(bucket: Bucket) -> str:
 def size_step(vae_config, unet_config=None) -> int:
     """The side every bucket is a multiple of: the autoencoder's downsampling (2 per block after the first), times
     the backbone's (a UNet's, the same rule; a DiT's patch) when there is one."""
+    from ldm.models.backbone import autoencoder_factor
     from ldm.models.backbone import size_step as backbone_step
 
-    step = 2 ** (len(vae_config.block_out_channels) - 1)
+    step = autoencoder_factor(vae_config)
     if unet_config is not None:
         step *= backbone_step(unet_config)
     return step
+
+
+def backbone_buckets(value: str | None, resolution: int, max_aspect_ratio: float, vae_config, backbone_config
+                     ) -> tuple[Bucket, ...] | None:
+    """The buckets `value` names for a backbone over an autoencoder (`parse_buckets`): sides multiples of their
+    `size_step`, none longer than the backbone takes (`ldm.models.backbone.largest_side`)."""
+    from ldm.models.backbone import largest_side
+
+    return parse_buckets(value, resolution, size_step(vae_config, backbone_config), max_aspect_ratio,
+                         largest_side(backbone_config, vae_config))
 
 
 def check_max_aspect_ratio(max_aspect_ratio: float) -> None:
@@ -50,9 +61,10 @@ def by_ratio(buckets) -> tuple[Bucket, ...]:
     return tuple(sorted(buckets, key=lambda b: (b[1] / b[0], b[1])))
 
 
-def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> tuple[Bucket, ...]:
-    """Buckets of area about `resolution`², sides multiples of `step`, ratios within `max_aspect_ratio`, widest
-    last."""
+def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0, largest: int | None = None
+                 ) -> tuple[Bucket, ...]:
+    """Buckets of area about `resolution`², sides multiples of `step` and at most `largest` (the backbone's: SD3's
+    position embedding), ratios within `max_aspect_ratio`, widest last."""
     check_max_aspect_ratio(max_aspect_ratio)
     if resolution % step:
         raise BucketError(f"--aspect_buckets auto needs --resolution a multiple of {step} (the model's size step: "
@@ -61,7 +73,8 @@ def auto_buckets(resolution: int, step: int, max_aspect_ratio: float = 2.0) -> t
     found: set[Bucket] = set()
     width = step
     while (height := round(area / width / step) * step) >= step:  # wider ones would have no height left
-        if max(width, height) / min(width, height) <= max_aspect_ratio + 1e-9:
+        fits = largest is None or max(width, height) <= largest
+        if fits and max(width, height) / min(width, height) <= max_aspect_ratio + 1e-9:
             found.update({(height, width), (width, height)})
         width += step
     return by_ratio(found)
@@ -75,14 +88,15 @@ def buckets_off(value: str | None) -> bool:
     return value is None or value.strip().lower() == "none"
 
 
-def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_ratio: float = 2.0
-                  ) -> tuple[Bucket, ...] | None:
-    """`none` -> None (square crops), `auto` -> `auto_buckets`, `HxW,HxW,...` (or space-separated) -> those."""
+def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_ratio: float = 2.0,
+                  largest: int | None = None) -> tuple[Bucket, ...] | None:
+    """`none` -> None (square crops), `auto` -> `auto_buckets`, `HxW,HxW,...` (or space-separated) -> those; no side
+    longer than `largest` (pixels; None: any)."""
     if buckets_off(value):
         return None
     text = value.strip().lower()
     if text == "auto":
-        return auto_buckets(resolution, step, max_aspect_ratio)
+        return auto_buckets(resolution, step, max_aspect_ratio, largest)
     buckets: list[Bucket] = []
     for part in text.replace(",", " ").split():
         height, sep, width = part.partition("x")
@@ -92,6 +106,9 @@ def parse_buckets(value: str | None, resolution: int, step: int, max_aspect_rati
         if min(bucket) < step or bucket[0] % step or bucket[1] % step:
             raise BucketError(f"--aspect_buckets: {part} has a side that is not a positive multiple of {step} (the "
                               "model's size step: its autoencoder's downsampling times its UNet's)")
+        if largest is not None and max(bucket) > largest:
+            raise BucketError(f"--aspect_buckets: {part} has a side longer than {largest} px, the largest the model's "
+                              "backbone takes (its position embedding's span)")
         if bucket not in buckets:
             buckets.append(bucket)
     if not buckets:

@@ -17,7 +17,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ldm.models.backbone import SD3, UNET, backbone_family_of, context_width, reads_pooled
+from ldm.models.backbone import (
+    FAMILIES,
+    SD3,
+    UNET,
+    autoencoder_factor,
+    backbone_family_of,
+    context_width,
+    reads_pooled,
+)
 from ldm.models.text import LDMBERT, SD3_TEXT, TextFamily, text_family
 from ldm.models.text import family_of as text_family_of
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
@@ -69,7 +77,8 @@ def unsupported_folder(folder: str) -> str | None:
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
     "unet": ("UNet2DConditionModel",),
-    "transformer": ("Transformer2DModel", "SD3Transformer2DModel"),
+    "transformer": tuple(name for family in FAMILIES if family.folder == "transformer"
+                         for name in (family.class_name, *family.config_names)),
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
@@ -271,36 +280,47 @@ def model_buckets(value: str | None, resolution: int, max_aspect_ratio: float, m
                   vae_config=None) -> tuple[tuple[int, int], ...] | None:
     """The aspect-ratio buckets `value` names for a model known by name or folder (its configs read, nothing built;
     with `vae_config`, that autoencoder with the model's UNet): what the data tools and the encode use."""
-    from ldm.models.buckets import buckets_off, parse_buckets
+    from ldm.models.buckets import backbone_buckets, buckets_off
 
     if buckets_off(value):
         return None
-    return parse_buckets(value, resolution, model_size_step(model_name_or_path, vae_config), max_aspect_ratio)
+    return backbone_buckets(value, resolution, max_aspect_ratio, *model_configs(model_name_or_path, vae_config))
 
 
 def model_size_step(name_or_path: str, vae_config=None) -> int:
     """The size step of a model's aspect-ratio buckets (`ldm.models.buckets.size_step`), from its configs alone (with
     `vae_config`: that autoencoder's, with the model's UNet)."""
-    from types import SimpleNamespace
-
     from ldm.models.buckets import size_step
 
+    return size_step(*model_configs(name_or_path, vae_config))
+
+
+def model_configs(name_or_path: str, vae_config=None) -> tuple:
+    """(autoencoder config, backbone config) of a model known by name or folder (with `vae_config`: that autoencoder
+    with the model's backbone), read as attributes; what sets its buckets."""
+    from types import SimpleNamespace
+
     folder = resolve_source(name_or_path)
-    configs = {"vqvae": vae_config} if vae_config is not None else {}
     backbone = backbone_family_of(folder) or UNET
-    for part in ("vqvae", backbone.folder):
+    parts = {backbone.folder: os.path.join(folder, backbone.folder)}
+    if vae_config is None:  # its vqvae/ or vae/
+        parts["vae"] = next((os.path.join(folder, part) for part in AUTOENCODER_SUBFOLDERS
+                             if os.path.isdir(os.path.join(folder, part))), os.path.join(folder, "vqvae"))
+    configs = {}
+    for part, path in parts.items():
         try:
-            configs[part] = configs.get(part) or SimpleNamespace(**read_config(os.path.join(folder, part)))
+            configs[part] = SimpleNamespace(**read_config(path))
         except (OSError, ValueError, TypeError) as e:
-            raise ModelSourceError(f"{name_or_path}: cannot read its {part}/config.json ({e}), which sets the "
-                                   "aspect-ratio buckets' size step: name the model they are for") from None
-    return size_step(configs["vqvae"], configs[backbone.folder])
+            raise ModelSourceError(f"{name_or_path}: cannot read its {os.path.basename(path)}/config.json ({e}), "
+                                   "which sets the aspect-ratio buckets' size step: name the model they are for") \
+                from None
+    return vae_config or configs["vae"], configs[backbone.folder]
 
 
 def model_resolution(unet, vae) -> int:
     """The image size a UNet and autoencoder were made for: the UNet's latent size times the autoencoder's
     downsampling (2 per block after the first)."""
-    return unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
+    return unet.config.sample_size * autoencoder_factor(vae.config)
 
 
 @dataclass
@@ -461,14 +481,16 @@ def build_components(
     flow_shift: float | None = None,
     seed: int | None = None,
     text_encoder_from: str | None = None,
+    resolution: int | None = None,
 ) -> Components:
     """Build or load the UNet, text encoder, frozen VAE and DDPM noise scheduler of a model source. `vocab_size`,
     `model_max_length` and `pad_token_id` shape an LDMBert built from scratch (its tokenizer is chosen apart);
-    `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy)."""
+    `text_encoder_from`: a folder whose pretrained text encoder replaces the source's (a resumed run's own copy);
+    `resolution`: the square image side it is trained at (`check_fit`)."""
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import freeze_unexported, init_backbone, unsupported
+    from ldm.models.backbone import freeze_unexported, init_backbone
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
     from ldm.models.text import TextEncoderError
@@ -487,11 +509,9 @@ def build_components(
         raise ModelSourceError(f"{model_name_or_path}: {e}") from None
     if seed is not None:
         paddle.seed(seed)
-    if why := unsupported_folder(os.path.join(source, backbone.folder)):
-        raise ModelSourceError(f"{model_name_or_path}: {why}")
+    vae_source = vae_name_or_path or source
+    check_fit(model_name_or_path, os.path.join(source, backbone.folder), vae_name_or_path, resolution)
     unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
-    if unsupported(unet):
-        raise ModelSourceError(f"{model_name_or_path}: {unsupported(unet)}")
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
@@ -503,11 +523,35 @@ def build_components(
     freeze_unexported(unet)
     if family is LDMBERT and not text_loaded:
         init_ldm_weights(None, text_encoder)
-    vae_source = vae_name_or_path or source
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
     scheduler = training_scheduler(noise_scheduler_config(source, prediction_type, flow_shift))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
                       {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source)
+
+
+def check_fit(name: str, backbone_folder: str, vae_name_or_path: str | None, resolution: int | None = None) -> None:
+    """Before any weight is read (a 2 B-parameter model takes minutes to load): refuse a backbone this framework does
+    not train as it was made (`unsupported_folder`), an autoencoder whose latents it cannot read, and a `resolution`
+    they cannot make (`ldm.models.backbone.check_image_size`). An unreadable config is left to its loader."""
+    from types import SimpleNamespace
+
+    from ldm.models.backbone import ImageSizeError, autoencoder_misfit, check_image_size
+
+    if why := unsupported_folder(backbone_folder):
+        raise ModelSourceError(f"{name}: {why}")
+    try:
+        config = SimpleNamespace(**read_config(backbone_folder))
+        vae = SimpleNamespace(**read_config(vae_folder(vae_name_or_path or os.path.dirname(backbone_folder))))
+    except (OSError, ValueError, TypeError):
+        return
+    given = f"the autoencoder of --vae_name_or_path {vae_name_or_path}" if vae_name_or_path else "its autoencoder"
+    if why := autoencoder_misfit(config, vae, given):
+        raise ModelSourceError(f"{name}: {why}")
+    if resolution is not None:
+        try:
+            check_image_size(config, vae, resolution, resolution, f"--resolution {resolution}")
+        except ImageSizeError as e:
+            raise ModelSourceError(f"{name}: {e}") from None
 
 
 def check_context(unet, text_encoder, name: str) -> None:

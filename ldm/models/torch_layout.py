@@ -32,6 +32,11 @@ VARIANT_VARIABLE = "LDM_WEIGHTS_VARIANT"
 
 # (name, the name it is tied to): T5's token embedding is its `shared` table, which transformers writes alone
 TIED_WEIGHTS = (("encoder.embed_tokens.weight", "shared.weight"),)
+# Buffers of ppdiffusers' classes that no forward reads and diffusers' current classes do not have, read as zero
+# where a folder lacks them: PixArt-α's null caption (`y_embedding`, which diffusers 0.22's `Transformer2DModel` kept
+# and its `PixArtTransformer2DModel` drops: its pipeline, as this framework, conditions the unconditional branch and
+# the dropped captions on the T5 states of the empty caption, with their mask)
+UNREAD_BUFFERS = ("caption_projection.y_embedding",)
 
 
 class TorchLayoutError(UserError, ValueError):
@@ -131,16 +136,33 @@ def read_torch_weights(path: str) -> dict[str, np.ndarray]:
     from ldm.models.pickled import PickleError, read_pickled_weights
 
     if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
-
         try:
-            return load_file(path)
+            return read_safetensors(path)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own exception types
             raise TorchLayoutError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {e})") from None
     try:
         return read_pickled_weights(path)[0]
     except PickleError as e:
         raise TorchLayoutError(str(e)) from None
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file; bfloat16 ones (SD3.5's and PixArt-Σ's releases, any pipeline saved with
+    `torch_dtype=torch.bfloat16`), which numpy has no type for, read by safetensors as Paddle tensors and widened to
+    float32, exactly (a bfloat16 is the upper half of the float32 of the same value)."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    with safe_open(path, "np") as f:
+        widened = {name for name in f.keys() if f.get_slice(name).get_dtype() == "BF16"}  # noqa: SIM118 - no __iter__
+    if not widened:
+        return load_file(path)
+    state = {}
+    with safe_open(path, "np") as plain, safe_open(path, "paddle") as wide:
+        for name in plain.keys():  # noqa: SIM118 - no __iter__
+            state[name] = (wide.get_tensor(name).astype("float32").numpy() if name in widened
+                           else plain.get_tensor(name))
+    return state
 
 
 def _build(model_class, folder: str):
@@ -178,8 +200,8 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
     for tied, original in TIED_WEIGHTS:  # written once, as transformers saves tied weights
         if tied in expected and tied not in state and original in state:
             state[tied] = state[original]
-    for name in unexported_biases(model):  # parameters diffusers' class has not: what it computes without them
-        if name not in state:
+    for name in [*unexported_biases(model), *UNREAD_BUFFERS]:  # diffusers' class has not: as it computes without
+        if name in expected and name not in state:
             state[name] = np.zeros(expected[name].shape, np.float32)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
@@ -230,6 +252,7 @@ def load_pretrained(model_class, folder: str):
         except OSError as e:
             why = e.strerror or str(e)
         raise TorchLayoutError(f"{folder}: cannot be read as a model folder ({why})")
+    check_readable(folder)
     if is_torch_layout(folder):
         return load_torch_layout(model_class, folder)
     if os.path.isdir(folder) and not any(name.endswith((".safetensors", ".bin", ".pdparams", ".index.json"))
@@ -237,6 +260,23 @@ def load_pretrained(model_class, folder: str):
         raise FileNotFoundError(f"{folder} holds no weights (only {', '.join(sorted(os.listdir(folder))) or 'nothing'}"
                                 "): copy or convert the whole pipeline again")
     return model_class.from_pretrained(folder)
+
+
+def check_readable(folder: str) -> None:
+    """Refuse a part whose safetensors file is damaged (cut short by a failed copy or download), naming the file: left
+    to them, ppdiffusers says the folder holds no model files and PaddleNLP raises safetensors' own error."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, "np"):  # reads the header and checks the file holds every byte it names
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own exception types
+            raise TorchLayoutError(f"{path} is damaged: it cannot be read as safetensors ({e}); copy it again") \
+                from None
 
 
 def torch_state(model) -> dict[str, np.ndarray]:

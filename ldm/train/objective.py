@@ -30,7 +30,7 @@ from ldm.data.tokenize import CaptionTokenizer
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.models.autoencoder import autoencoder_identity
 from ldm.models.backbone import family_of as backbone_of
-from ldm.models.buckets import BucketError, bucket_name, parse_buckets, size_step
+from ldm.models.buckets import BucketError, backbone_buckets, bucket_name, size_step
 from ldm.models.ema import EMA
 from ldm.models.flops import ldm_training_flops
 from ldm.models.text import text_encoder_identity
@@ -144,9 +144,8 @@ class TextToImage(Objective):
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source
         self.latent_scale = size_step(self.components.vae.config)
-        self.buckets = parse_buckets(data.aspect_buckets, data.resolution,
-                                     size_step(self.components.vae.config, self.components.unet.config),
-                                     data.max_aspect_ratio)
+        self.buckets = backbone_buckets(data.aspect_buckets, data.resolution, data.max_aspect_ratio,
+                                        self.components.vae.config, self.components.unet.config)
         self.vae_folder = None
         self.nan_batches = nan_fault_batches()
         self.batches_seen = 0

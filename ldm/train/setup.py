@@ -14,7 +14,7 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
-from ldm.models.backbone import follow_resolution
+from ldm.models.backbone import autoencoder_factor, follow_resolution
 from ldm.models.build import (
     ModelSourceError,
     build_components,
@@ -177,6 +177,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             flow_shift=model_args.flow_shift,
             seed=seed,
             text_encoder_from=text.encoder if text else None,
+            resolution=data.resolution,
         )
         trained = text.trained if text else train_text_encoder(components.family, model_args.train_text_encoder)
         set_attention(components.unet, model_args.attention)
@@ -195,7 +196,7 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             vae_dtype=resolve_vae_dtype(model_args.vae_dtype), flow=flow_settings(model_args),
         )
     # a UNet samples by default at the size it is trained at (an exported pipeline, evaluation)
-    follow_resolution(components.unet, data.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1))
+    follow_resolution(components.unet, data.resolution // autoencoder_factor(components.vae.config))
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
