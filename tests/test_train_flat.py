@@ -581,3 +581,16 @@ def test_a_compiler_that_writes_nothing_and_a_killed_compile_leave_nothing_that_
     assert killed.exists()
     assert load_in_a_process(cache) == "loaded"
     assert sorted(cache.glob("*.so.partial")) == [elsewhere[1]]
+
+
+@pytest.mark.parametrize("form", ["off", "on", "auto", "fused"])
+def test_a_thread_count_out_of_reason_refuses_every_form_alike(corpus, tmp_path, monkeypatch, form):
+    """`LDM_UPDATE_THREADS=0` was refused under auto and fused only (off and on never read it): every form checks it
+    at the start, in one line, before anything is written."""
+    monkeypatch.setenv("LDM_UPDATE_THREADS", "0")
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--max_train_steps", "1", "--flat_update", form, "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: LDM_UPDATE_THREADS must be a whole number of threads from 1 to 1024, not '0'"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

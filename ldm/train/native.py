@@ -50,7 +50,10 @@ def resolve_flat_update(requested: str) -> str | None:
     - auto: fused on a CPU when it compiles, else flat. Measured on a 2-core CPU (docs/benchmarks.md,
       `scripts/bench_update.py`): 0.20-0.21 of the per-tensor update's time, flat 0.83-0.84. On a GPU the flat
       form: there the per-tensor update is bound by its thousands of kernel launches, which it makes a few (not
-      measured here)."""
+      measured here).
+
+    `LDM_UPDATE_THREADS` is checked whatever the form: a value out of reason is refused alike by every form."""
+    update_threads()
     if requested == "off":
         return None
     import paddle
