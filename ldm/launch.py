@@ -56,6 +56,8 @@ import threading
 import time
 
 from ldm.runtime.distributed import PR_SET_CHILD_SUBREAPER, prctl, terminate_with_parent
+from ldm.runtime.errors import UserError
+from ldm.runtime.home import writable_caches
 from ldm.runtime.supervisor import PEER_LOST, RESTARTS_ENV, STATUS_ENV, read_try
 
 MAX_PAUSE_SECONDS = 300
@@ -64,6 +66,11 @@ GAVE_UP = 3  # the restarts given were spent
 CRASH_LOOP = 4  # the same failure twice in a row
 # "Container rank 1 status failed cmd [...] code -9 log ...": how Paddle's launcher names the rank that failed
 FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .* code (-?\d+) ")
+
+
+# Paddle's launcher where HOME cannot hold Paddle's cache: `import paddle` would fail in it (`ldm.runtime.home`)
+PADDLE_LAUNCHER_ASIDE = ("import runpy; from ldm.runtime.home import writable_caches; writable_caches(); "
+                         "runpy.run_module('paddle.distributed.launch', run_name='__main__', alter_sys=True)")
 
 
 class LaunchError(Exception):
@@ -294,11 +301,14 @@ class Supervisor:
         self.restarts: list[dict] = []
         self.signalled: int | None = None
         self.current: Try | None = None
+        # where HOME cannot hold the caches, the ranks inherit PaddleNLP's and the kernels' (and move Paddle's)
+        self.caches = writable_caches(import_now=False)
 
     def command(self, attempt: int) -> list[str]:
         script_args = self.script_args if attempt == 0 else \
             with_flag(self.script_args, "--resume_from_checkpoint", "auto")
-        return [sys.executable, "-m", "paddle.distributed.launch", *self.launcher_flags, self.script, *script_args]
+        launcher = ["-m", "paddle.distributed.launch"] if self.caches is None else ["-c", PADDLE_LAUNCHER_ASIDE]
+        return [sys.executable, *launcher, *self.launcher_flags, self.script, *script_args]
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -582,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"{script}: no such training script (relative to {os.getcwd()})")
         supervisor = Supervisor(args, launcher_flags, script, script_args)
         lock = lock_log_dir(supervisor.log_dir)
-    except LaunchError as e:
+    except (LaunchError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with lock:

@@ -18,6 +18,7 @@ from typing import Optional
 from ldm.runtime.cli import unknown_flags_message
 from ldm.runtime.device import VAE_DTYPES
 from ldm.runtime.errors import UserError
+from ldm.runtime.home import writable_caches_or_exit
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -429,6 +430,7 @@ def trainer_arguments():
 def parse(dataclass_types, argv: list[str] | None = None):
     """Parse flags into the dataclasses; `--config FILE` (or a lone FILE.json/.yaml) adds the flags of a YAML or
     JSON file, the command line's winning. A user error exits 2 with one line."""
+    writable_caches_or_exit()  # before the first import of Paddle, which a read-only HOME fails
     from ldm.config.record import expand_config
     from ldm.runtime.compat import readable_strategy
 
