@@ -75,19 +75,18 @@ def register() -> None:
         json.dump({"pid": os.getpid(), "host": os.uname().nodename}, f)
 
 
-def process_end(pid: int) -> tuple[bool, int | None]:
-    """(whether `pid` has ended, its exit code while its parent has not yet collected it: -N for signal N)."""
+def process_state(pid: int) -> tuple[str, int | None]:
+    """`pid`'s state as Linux's /proc has it ("R", "S", "T" stopped, ..., "Z" ended and not yet collected by its
+    parent, "" gone), and its exit code while it is "Z" (-N: killed by signal N)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+            fields = f.read().rpartition(")")[2].split()  # after "pid (command)"
     except OSError:
-        return True, None  # gone: ended, and collected
-    if fields[0] != "Z":
-        return False, None
-    status = int(fields[49]) if len(fields) > 49 else None  # field 52, exit_code: the status waitpid gives
-    if status is None:
-        return True, None
-    return True, -(status & 0x7F) if status & 0x7F else status >> 8
+        return "", None
+    if fields[0] != "Z" or len(fields) < 50:
+        return fields[0], None
+    status = int(fields[49])  # field 52, exit_code: the status waitpid would give
+    return "Z", -(status & 0x7F) if status & 0x7F else status >> 8
 
 
 def peers_seen() -> dict[str, dict]:
@@ -99,7 +98,7 @@ def peers_seen() -> dict[str, dict]:
     pids = {}
     for name in os.listdir(folder):
         stem, _, kind = name.partition(".")
-        if kind != "pid" or stem == f"rank-{_rank()}" or not stem[5:].isdigit():
+        if kind != "pid" or not stem.startswith("rank-") or stem == f"rank-{_rank()}":
             continue
         with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(folder, name)) as f:
             told = json.load(f)
@@ -107,19 +106,12 @@ def peers_seen() -> dict[str, dict]:
                 pids[stem[5:]] = int(told["pid"])
     seen, deadline = {}, time.monotonic() + SETTLE_SECONDS
     for rank, pid in sorted(pids.items()):
-        while True:
-            ended, code = process_end(pid)
-            if ended or time.monotonic() > deadline or _stopped(pid):
-                break
+        state, code = process_state(pid)
+        while state not in ("", "Z", "T", "t") and time.monotonic() < deadline:
             time.sleep(0.02)
-        seen[rank] = {"alive": not ended, "exit_code": code}
+            state, code = process_state(pid)
+        seen[rank] = {"alive": state not in ("", "Z"), "exit_code": code}
     return seen
-
-
-def _stopped(pid: int) -> bool:
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] in ("T", "t")
-    return False
 
 
 def outlast_peers() -> None:
