@@ -56,6 +56,8 @@ import threading
 import time
 
 from ldm.runtime.distributed import PR_SET_CHILD_SUBREAPER, prctl, terminate_with_parent
+from ldm.runtime.errors import UserError
+from ldm.runtime.home import writable_caches
 from ldm.runtime.supervisor import PEER_LOST, RESTARTS_ENV, STATUS_ENV, read_try
 
 MAX_PAUSE_SECONDS = 300
@@ -64,6 +66,11 @@ GAVE_UP = 3  # the restarts given were spent
 CRASH_LOOP = 4  # the same failure twice in a row
 # "Container rank 1 status failed cmd [...] code -9 log ...": how Paddle's launcher names the rank that failed
 FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .* code (-?\d+) ")
+
+
+# Paddle's launcher where HOME cannot hold Paddle's cache: `import paddle` would fail in it (`ldm.runtime.home`)
+PADDLE_LAUNCHER_ASIDE = ("import runpy; from ldm.runtime.home import writable_caches; writable_caches(); "
+                         "runpy.run_module('paddle.distributed.launch', run_name='__main__', alter_sys=True)")
 
 
 class LaunchError(Exception):
@@ -124,6 +131,11 @@ def describe_exit(code: int | None) -> str:
     if code == 124:
         return "stopped by the data watchdog (no batch for --data_timeout seconds)"
     return f"exit {code}"
+
+
+def own_update(report: dict) -> int | None:
+    """The update a rank was in when it ended: the one after the last it finished (None: before its first)."""
+    return report["step"] + 1 if report.get("step") is not None else None
 
 
 def who(failure: dict) -> str:
@@ -289,11 +301,14 @@ class Supervisor:
         self.restarts: list[dict] = []
         self.signalled: int | None = None
         self.current: Try | None = None
+        # where HOME cannot hold the caches, the ranks inherit PaddleNLP's and the kernels' (and move Paddle's)
+        self.caches = writable_caches(import_now=False)
 
     def command(self, attempt: int) -> list[str]:
         script_args = self.script_args if attempt == 0 else \
             with_flag(self.script_args, "--resume_from_checkpoint", "auto")
-        return [sys.executable, "-m", "paddle.distributed.launch", *self.launcher_flags, self.script, *script_args]
+        launcher = ["-m", "paddle.distributed.launch"] if self.caches is None else ["-c", PADDLE_LAUNCHER_ASIDE]
+        return [sys.executable, *launcher, *self.launcher_flags, self.script, *script_args]
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -409,11 +424,11 @@ class Supervisor:
         return None
 
     def failure(self, code: int, reports: dict[int, dict]) -> dict:
-        """The rank that failed, its exit code, the cause and the update it was in (None: before its first). A rank
-        whose collective failed because a peer was gone (`PEER_LOST`) is a victim: the rank that stopped answering
-        is named instead."""
+        """The rank that failed, its exit code, the cause and the update it was in (its own last update + 1; None:
+        before its first). A rank whose collective failed because a peer was gone (`PEER_LOST`) is a victim: the
+        rank that stopped answering is named instead."""
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
-        update = max(steps) + 1 if steps else None
+        update = max(steps) + 1 if steps else None  # no rank to name: the furthest any rank went
         crashed = [rank for rank, r in reports.items() if r["exit_code"] not in (None, 0, 130, 143)]
         silent = [rank for rank, r in reports.items() if r["exit_code"] is None]
         named = [self.current.global_rank(local, reports) for local in self.current.failed]
@@ -431,22 +446,35 @@ class Supervisor:
         else:
             return {"rank": None, "exit_code": code, "cause": f"the launcher exited {code}", "update": update}
         report = reports.get(rank, {})
-        victim = report.get("cause") or ""
-        if victim.startswith(PEER_LOST):  # (Paddle's launcher names the first failed rank in rank order, not in time)
+        if (report.get("cause") or "").startswith(PEER_LOST):  # (the launcher names the first in rank order)
             culprit = self.unresponsive(reports)
             if culprit is not None and culprit != rank:
-                other = reports[culprit]
-                if other["cause"]:
-                    cause = other["cause"]
-                elif re.search(r"timeout|timed out", victim, re.IGNORECASE):
-                    cause = f"stopped answering after update {other['step']}: rank {rank}'s collective waited for it " \
-                            "and timed out"
-                else:  # its peers saw its connections close: it died without a word
-                    cause = describe_exit(other["exit_code"])
-                return {"rank": culprit, "exit_code": other["exit_code"], "cause": cause, "update": update}
+                return self.culprit(culprit, rank, reports)
         exit_code = report.get("exit_code") if report.get("exit_code") is not None else launcher_code
         return {"rank": rank, "exit_code": exit_code, "cause": report.get("cause") or describe_exit(exit_code),
-                "update": update}
+                "update": own_update(report)}
+
+    @staticmethod
+    def culprit(rank: int, victim: int, reports: dict[int, dict]) -> dict:
+        """The failure of `rank`, which `victim`'s collective lost. Its own report first; else what its peers saw
+        of it then: ended (its exit code, a signal's, when Linux still held it), or alive, so it stopped answering;
+        only a peer on another node, which no rank here could see, is judged by gloo's words."""
+        other, said = reports[rank], reports[victim]["cause"]
+        seen = [r["peers"][str(rank)] for r in reports.values() if str(rank) in (r.get("peers") or {})]
+        ended = [s["exit_code"] for s in seen if not s["alive"]]
+        timed_out = re.search(r"timeout|timed out", said, re.IGNORECASE)
+        exit_code = other["exit_code"]
+        if other["cause"]:
+            cause = other["cause"]
+        elif ended:
+            exit_code = next((code for code in ended if code is not None), None)
+            cause = describe_exit(exit_code)
+        elif seen or timed_out:
+            cause = (f"stopped answering after update {other['step']}: rank {victim}'s collective "
+                     f"{'waited for it and timed out' if timed_out else 'lost it'}")
+        else:  # its peers saw its connections close: it died without a word
+            cause = describe_exit(exit_code)
+        return {"rank": rank, "exit_code": exit_code, "cause": cause, "update": own_update(other)}
 
     @staticmethod
     def unresponsive(reports: dict[int, dict]) -> int | None:
@@ -564,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"{script}: no such training script (relative to {os.getcwd()})")
         supervisor = Supervisor(args, launcher_flags, script, script_args)
         lock = lock_log_dir(supervisor.log_dir)
-    except LaunchError as e:
+    except (LaunchError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with lock:

@@ -3,6 +3,7 @@ and the Kubernetes manifests checked for what docs/cluster.md says they hold."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,3 +211,54 @@ def test_the_kubernetes_manifests_parse_and_hold_what_the_docs_name(name):
         assert any(d["kind"] == "Service" and d["spec"]["clusterIP"] == "None" for d in docs)  # the nodes' names
         # a pod that fails is restarted by ldm.launch inside it, and the job itself is not retried blindly
         assert job["spec"]["backoffLimit"] <= 3
+
+
+def read_only_home_runs(tmp_path):
+    """(HOME, the command's prefix) pairs of homes that cannot hold a cache, each meaningful as root too: a regular
+    file (`os.access` calls it writable, so Paddle itself does not step aside), and a read-only folder, read-only
+    for root as well where root's override of file modes is dropped (setpriv)."""
+    as_file = tmp_path / "home-file"
+    as_file.write_text("")
+    read_only = tmp_path / "home-read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    homes = [(as_file, [])]
+    if os.getuid() != 0:
+        homes.append((read_only, []))
+    elif shutil.which("setpriv"):
+        caps = "-dac_override,-dac_read_search"
+        homes.append((read_only, ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]))
+    return homes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # fresh interpreters: the import under the home is what is tested
+def test_a_run_under_a_read_only_home_starts_with_the_caches_moved_aside_in_one_line(tmp_path, vocab_dir):
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    runs = [(home, [*prefix, sys.executable], form)
+            for (home, prefix), form in zip(read_only_home_runs(tmp_path), ("fused", "auto"), strict=False)]
+    runs.append((tmp_path / "home-file", [sys.executable, "-m", "ldm.launch", "--max_restarts", "0",
+                                          "--nproc_per_node", "2", "--log_dir", str(tmp_path / "logs")], "auto"))
+    for i, (home, runner, form) in enumerate(runs):
+        out = tmp_path / f"run-{i}"
+        command = [*runner, str(ROOT / "train_txt2img_laion400m_no_trainer.py"),
+                   "--pretrained_model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--file_list", listing,
+                   "--tokenizer_name", vocab_dir, "--model_max_length", "16", "--resolution", "32",
+                   "--train_batch_size", "2", "--max_train_steps", "1", "--num_workers", "0", "--report_to", "none",
+                   "--progress", "none", "--flat_update", form, "--output_dir", str(out)]
+        env = {key: value for key, value in os.environ.items() if key not in ("PPNLP_HOME", "LDM_KERNEL_CACHE")}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                                env={**env, "HOME": str(home), "TMPDIR": str(temporary), "PYTHONPATH": str(ROOT)})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        said = result.stdout + result.stderr  # Paddle's launcher passes rank 0's output on to its stdout
+        notes = [line for line in said.splitlines() if line.startswith(f"note: HOME ({home})")]
+        assert len(notes) == 1 and "Traceback" not in said, said[-3000:]
+        folder = temporary / f"ldm-caches-{os.getuid()}"
+        assert notes[0].startswith(f"note: HOME ({home}) cannot hold the caches of Paddle, VisualDL, PaddleNLP and "
+                                   "the fused kernel (") and f"they go to {folder} for this run" in notes[0], notes[0]
+        assert latest_checkpoint(str(out)) is not None
+        if form == "fused":
+            assert "one fused pass" in result.stderr and list((folder / "ldm" / "kernels").glob("*.so"))
+    assert not any((tmp_path / "home-read-only").iterdir())

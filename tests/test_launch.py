@@ -128,6 +128,27 @@ def test_the_verdict_on_how_the_ranks_ended(tmp_path):
     assert supervisor.verdict(0, {}) == 0 and supervisor.verdict(143, {}) == 143  # a stop asked for: never restarted
 
 
+def test_a_lost_peer_is_judged_by_what_its_peers_saw_of_it_not_by_gloos_words(tmp_path):
+    """Rank 0 lost rank 1 in a collective: rank 1 already ended (a signal's exit code, if Linux still held it) is a
+    death, whatever gloo called it; alive, it stopped answering. The update is rank 1's own heartbeat + 1."""
+    from ldm.launch import Supervisor, Try
+
+    args, launcher, script, script_args = parse(["t.py", "--output_dir", str(tmp_path)])
+    supervisor = Supervisor(args, launcher, script, script_args)
+    supervisor.current = Try.__new__(Try)
+    supervisor.current.failed = {0: 1}  # Paddle's launcher saw rank 0 fail first
+    for words in ("TIMEOUT", "closed by peer"):
+        lost = f"lost its peers ({words} in a collective): another rank or its launcher stopped first; its log says why"
+        for seen, cause, code in (({"alive": False, "exit_code": -9}, "killed by SIGKILL", -9),
+                                  ({"alive": False, "exit_code": None}, "ended without a report (killed, or its node "
+                                                                        "lost)", None),
+                                  ({"alive": True, "exit_code": None}, "stopped answering after update 6: rank 0's "
+                                   f"collective {'waited for it and timed out' if words == 'TIMEOUT' else 'lost it'}",
+                                   None)):
+            reports = {0: {**report(1, 7, 0, lost), "peers": {"1": seen}}, 1: report(None, 6, 1)}
+            assert supervisor.failure(1, reports) == {"rank": 1, "exit_code": code, "cause": cause, "update": 7}
+
+
 def test_logs_inside_the_run_folder_are_refused(tmp_path):
     with pytest.raises(LaunchError, match="inside --output_dir"):
         parse(["--log_dir", str(tmp_path / "run" / "logs"), "t.py", "--output_dir", str(tmp_path / "run")])
@@ -200,7 +221,7 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
                 if pid is not None:
                     os.kill(pid, signal.SIGSTOP)  # no further update on any rank: the one it failed in is known
                     time.sleep(0.5)
-                    killed.append((attempt, max(r["step"] for r in read_try(status).values())))
+                    killed.append((attempt, read_try(status)[1]["step"]))
                     os.kill(pid, signal.SIGKILL)
                     break
                 time.sleep(0.05)
@@ -212,13 +233,9 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
     run = json.loads((out / "run.json").read_text())
     restarts = run["restarts"]
     assert [r["restart"] for r in restarts] == [1, 2] and {r["rank"] for r in restarts} == {1}, restarts
-    # as Paddle's launcher saw it die, or, when rank 0 (whose collective with it failed) failed too by the launcher's
-    # next look and is named first, by its silence (stopped, then killed: gloo may say either)
-    assert all((r["cause"], r["exit_code"]) == ("killed by SIGKILL", -9) or (
-        r["exit_code"] is None and r["cause"] in ("ended without a report (killed, or its node lost)",
-                                                  f"stopped answering after update {r['update'] - 1}: rank 0's "
-                                                  "collective waited for it and timed out"))
-               for r in restarts), restarts
+    # as Paddle's launcher saw it die, or, when rank 0 (whose collective with it failed) is named first, as rank 0
+    # saw it then: ended, by SIGKILL (stopped, then killed: gloo may call it a timeout or a closed connection)
+    assert all((r["cause"], r["exit_code"]) == ("killed by SIGKILL", -9) for r in restarts), restarts
     assert [r["update"] for r in restarts] == [step + 1 for _, step in killed]
     for r in restarts:
         assert r["resumed_from"] <= r["update"] - 1 and r["updates_lost"] == r["update"] - 1 - r["resumed_from"]
@@ -462,3 +479,116 @@ def test_a_hung_rank_is_named_not_the_peer_whose_collective_timed_out_waiting_fo
     first = read_try(status)
     assert first[0]["exit_code"] == 1 and first[0]["cause"].startswith("lost its peers (")
     assert first[1]["exit_code"] is None
+
+
+# Gloo's all_reduce at every update; at one update per try (MOMENTS, by the try's number) the ranks named by the
+# moment sit before their collective, so that rank 1's kill finds each rank where the moment says: "waiting" (rank 0
+# in the collective, rank 1 before it: rank 0 sees the connection close at once), "computing" (both before it),
+# "alone" (rank 1 in the collective, rank 0 before it: rank 0 sees nothing until its launcher stops it).
+KILLED = """
+import json, os, sys, time
+import paddle
+import paddle.distributed as dist
+from ldm.runtime import supervisor
+from ldm.runtime.distributed import run_main
+
+def main():
+    dist.init_parallel_env()
+    out = sys.argv[sys.argv.index("--output_dir") + 1]
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(out, "run.json")):
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump({"created": "stand-in"}, f)
+    supervisor.started(0)
+    moment, at = os.environ["MOMENTS"].split(",")[int(os.environ["LDM_LAUNCH_RESTARTS"])].split(":")
+    before = {"waiting": {1}, "computing": {0, 1}, "alone": {0}}[moment]
+    x = paddle.ones([4])
+    for step in range(1, int(at) + 1):
+        if step == int(at) and dist.get_rank() in before:
+            time.sleep(600)  # ended by the kill, or by its launcher
+        dist.all_reduce(x)
+        supervisor.beat(step)
+    return 0
+
+run_main(main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)  # four tries of two real ranks
+def test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first(tmp_path):
+    """SIGKILL of rank 1 at several moments of a real gloo run: whichever rank Paddle's launcher sees fail first, and
+    whether gloo says the connection closed or timed out, the restart names rank 1, killed by SIGKILL, at the
+    update it was in (its own heartbeat + 1); the same kill at the same update twice is a crash loop."""
+    (tmp_path / "killed.py").write_text(KILLED)
+    (tmp_path / "out").mkdir()
+    logs = tmp_path / "logs"
+    moments = [("waiting", 3), ("computing", 4), ("alone", 5), ("waiting", 5)]
+    command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "5", "--restart_pause", "0", "--stop_grace", "60",
+               "--nproc_per_node", "2", "--log_dir", str(logs), "killed.py", "--output_dir", "out"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MOMENTS": ",".join(f"{m}:{at}" for m, at in moments)}
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killed = []
+    try:
+        for attempt, (_, at) in enumerate(moments):
+            status = str(logs / "ldm-launch" / f"try-{attempt}")
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and job.poll() is None:
+                reports = read_try(status)
+                if len(reports) == 2 and all(r["step"] == at - 1 for r in reports.values()):
+                    time.sleep(0.5)  # each rank where the moment puts it: in its collective, or before it
+                    os.kill(rank_pid(status, 1), signal.SIGKILL)
+                    killed.append(attempt)
+                    break
+                time.sleep(0.05)
+        _, err = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert killed == [0, 1, 2, 3], err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last == ("error: ldm.launch: the run failed twice at update 5 (rank 1: killed by SIGKILL): not restarted "
+                    "again (a crash loop: the same failure would repeat)"), err[-3000:]
+    assert job.returncode == 4
+    restarts = json.loads((tmp_path / "out" / "run.json").read_text())["restarts"]
+    assert [(r["rank"], r["exit_code"], r["cause"], r["update"]) for r in restarts] == [
+        (1, -9, "killed by SIGKILL", at) for _, at in moments[:3]], restarts
+    assert [r["updates_lost"] for r in restarts] == [at - 1 for _, at in moments[:3]]
+
+
+# Rank 1 a heartbeat ahead of rank 0 when rank 0 dies by a signal, as a rank that passed the update's vote while
+# its peer faulted in the optimizer step after it (no collective follows the vote).
+SEGFAULT = """
+import os, signal, sys, time
+from ldm.runtime import supervisor
+from ldm.runtime.distributed import run_main
+
+def main():
+    rank = int(os.environ["PADDLE_TRAINER_ID"])
+    supervisor.started(0)
+    for step in range(1, 5 + (rank == 1)):
+        supervisor.beat(step)
+    if rank == 1:
+        time.sleep(120)  # ended by the launcher
+    status = os.environ["LDM_LAUNCH_STATUS"]
+    while supervisor.read_try(status).get(1, {}).get("step") != 5:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+run_main(main)
+"""
+
+
+@pytest.mark.distributed
+def test_the_failed_update_is_the_failed_ranks_own(tmp_path):
+    """Rank 0 dies in update 5 (its heartbeat 4) while rank 1 finished update 5: update 5 is named, not 6, and the
+    updates done again are counted from it."""
+    (tmp_path / "segv.py").write_text(SEGFAULT)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run.json").write_text(json.dumps({"created": "stand-in"}))
+    result = launch(tmp_path, ["segv.py", "--output_dir", "out"], "--max_restarts", "2", "--restart_pause", "0")
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: ldm.launch: the run failed twice at update 5 (rank 0: killed by SIGSEGV): not restarted again (a "
+        "crash loop: the same failure would repeat)"), result.stderr[-3000:]
+    restart, = json.loads((tmp_path / "out" / "run.json").read_text())["restarts"]
+    assert (restart["rank"], restart["exit_code"], restart["update"], restart["updates_lost"]) == (0, -11, 5, 4)

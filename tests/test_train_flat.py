@@ -522,3 +522,109 @@ def test_a_cc_that_is_no_command_falls_back_with_its_reason(monkeypatch, tmp_pat
         assert load_kernel() == (None, "$CC is not a command (No closing quotation)")
     finally:
         load_kernel.cache_clear()
+
+
+def load_in_a_process(cache, **env) -> str:
+    """`ldm.train.native.load()` in a new process (a process keeps the library it loaded): "loaded", or why not."""
+    import subprocess
+    import sys
+
+    code = "from ldm.train.native import load; kernel, why = load(); print('loaded' if kernel else why)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "LDM_KERNEL_CACHE": str(cache), **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def libraries(cache) -> list[str]:
+    return sorted(name for name in os.listdir(cache) if name.endswith(".so"))
+
+
+def test_the_kernel_cache_tells_compilers_apart_and_rebuilds_once_what_does_not_load_here(tmp_path):
+    """Two compilers under one name (`cc`, two releases) build two libraries. A library under the right name that
+    needs a shared object this node lacks (built on another node of a shared home) is built again once, under a name
+    that holds this node's, and that one loads from then on."""
+    import subprocess
+
+    cache, other = tmp_path / "kernels", tmp_path / "other-release"
+    assert load_in_a_process(cache) == "loaded"
+    (ours,) = libraries(cache)
+    other.mkdir()  # the same compiler, saying it is another release
+    (other / "cc").write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "cc (Other) 99.1"; exit 0; }}\n'
+                              f'exec {shutil.which("cc")} "$@"\n')
+    (other / "cc").chmod(0o755)
+    assert load_in_a_process(cache, PATH=f"{other}:{os.environ['PATH']}") == "loaded"
+    assert len(libraries(cache)) == 2
+
+    # a library that needs libgone.so, which this node does not have, put where `ours` was
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "gone.c").write_text("int ldm_gone(void) { return 1; }\n")
+    (build / "needs.c").write_text("int ldm_gone(void);\nint ldm_needs(void) { return ldm_gone(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(build / "libgone.so"), str(build / "gone.c")], check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(build / "needs.so"), str(build / "needs.c"), "-L", str(build),
+                    "-lgone"], check=True)
+    from ldm.train.native import digest
+
+    foreign = cache / f"{ours.rpartition('-')[0]}-{digest(build / 'needs.so')}.so"
+    shutil.copy(build / "needs.so", foreign)
+    os.unlink(cache / ours)
+    before = set(libraries(cache))
+    assert load_in_a_process(cache) == "loaded"
+    (mine,) = set(libraries(cache)) - before  # built for this node; the foreign one stays for the nodes it suits
+    assert foreign.exists() and mine != foreign.name
+    assert load_in_a_process(cache) == "loaded" and set(libraries(cache)) == before | {mine}  # not built again
+
+
+def test_a_compiler_that_writes_nothing_and_a_killed_compile_leave_nothing_that_blocks_the_cache(tmp_path):
+    """`CC=/bin/true` exits 0 and writes no library: said, and nothing cached (a 0-byte library failed "file too
+    short" forever). A compile killed midway leaves its partial output, removed by the next compile on this node
+    once its process is gone; another node's, once it is older than any compile."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "kernels"
+    for _ in range(2):
+        assert load_in_a_process(cache, CC="/bin/true") == "/bin/true made no shared library (exit code 0, 0 bytes " \
+                                                           "written)"
+    assert libraries(cache) == [] and not list(cache.glob("*.partial"))
+
+    slow = tmp_path / "slow-cc"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] || [ "$1" = -dumpmachine ] || sleep 600\n'
+                    f'exec {shutil.which("cc")} "$@"\n')
+    slow.chmod(0o755)
+    code = "from ldm.train.native import load; load()"
+    compiling = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                 env={**os.environ, "LDM_KERNEL_CACHE": str(cache), "CC": str(slow)})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob("*.so.partial")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.killpg(compiling.pid, signal.SIGKILL)
+        compiling.wait()
+    (killed,) = cache.glob("*.so.partial")
+    elsewhere = [cache / f"flat_update-0.4242@another-node.x{age}.so.partial" for age in ("old", "new")]
+    for path in elsewhere:
+        path.write_bytes(b"")
+    os.utime(elsewhere[0], (time.time() - 3600, time.time() - 3600))
+    assert load_in_a_process(cache, CC=str(slow).replace("slow-cc", "missing-cc")) == (
+        f"no C compiler ({tmp_path / 'missing-cc'}; $CC names another) on the PATH")  # no compile, nothing removed
+    assert killed.exists()
+    assert load_in_a_process(cache) == "loaded"
+    assert sorted(cache.glob("*.so.partial")) == [elsewhere[1]]
+
+
+@pytest.mark.parametrize("form", ["off", "on", "auto", "fused"])
+def test_a_thread_count_out_of_reason_refuses_every_form_alike(corpus, tmp_path, monkeypatch, form):
+    """`LDM_UPDATE_THREADS=0` was refused under auto and fused only (off and on never read it): every form checks it
+    at the start, in one line, before anything is written."""
+    monkeypatch.setenv("LDM_UPDATE_THREADS", "0")
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", corpus + [
+        "--max_train_steps", "1", "--flat_update", form, "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: LDM_UPDATE_THREADS must be a whole number of threads from 1 to 1024, not '0'"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

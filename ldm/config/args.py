@@ -18,6 +18,7 @@ from typing import Optional
 from ldm.runtime.cli import unknown_flags_message
 from ldm.runtime.device import VAE_DTYPES
 from ldm.runtime.errors import UserError
+from ldm.runtime.home import writable_caches_or_exit
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -324,11 +325,12 @@ class RunArguments:
                                     "updates (data, forward, backward, sync, clip, vote, optimizer, ema, checkpoint, "
                                     "other): train/phase_<name>, rank 0's; waits for the device at each phase")
     flat_update: str = arg("auto", "on: the trained weights, their gradients, AdamW moments and EMA live in flat "
-                                   "buffers, and the norm, clip, AdamW and EMA run a few kernels over them; fused "
-                                   "(a CPU): and the clip, AdamW and EMA run as one pass on several threads, "
-                                   "compiled with the machine's C compiler; off: a kernel or several per tensor; "
-                                   "auto: fused on a CPU, on elsewhere (docs/benchmarks.md). Checkpoints are the "
-                                   "same either way")
+                                   "buffers, and the norm, clip, AdamW and EMA run a few of Paddle's kernels over "
+                                   "them (an adamw_ and a lerp_ per span); fused (a CPU): the same buffers, and the "
+                                   "clip, AdamW and EMA run as one pass on several threads, compiled with the "
+                                   "machine's C compiler; off: a kernel or several per tensor; auto: fused on a CPU "
+                                   "when the kernel builds on every rank, else on; on on a GPU (docs/training.md). "
+                                   "Checkpoints are the same either way")
     profile_steps: Optional[str] = arg(None, "A-B: Paddle's profiler over updates A to B (each rank's trace for "
                                              "Perfetto or VisualDL, its table of operators and where the updates' "
                                              "time went, in <output_dir>/profile/)")
@@ -428,6 +430,7 @@ def trainer_arguments():
 def parse(dataclass_types, argv: list[str] | None = None):
     """Parse flags into the dataclasses; `--config FILE` (or a lone FILE.json/.yaml) adds the flags of a YAML or
     JSON file, the command line's winning. A user error exits 2 with one line."""
+    writable_caches_or_exit()  # before the first import of Paddle, which a read-only HOME fails
     from ldm.config.record import expand_config
     from ldm.runtime.compat import readable_strategy
 

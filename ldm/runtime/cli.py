@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ldm.runtime.home import writable_caches_or_exit
+
 # A setting both entry points have, under the other path's name: the Trainer path takes PaddleNLP's.
 OTHER_PATH_NAMES = {
     "--per_device_train_batch_size": "--train_batch_size", "--max_steps": "--max_train_steps",
@@ -43,6 +45,7 @@ class ToolParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
+        writable_caches_or_exit()  # before the tool's first import of Paddle, which a read-only HOME fails
         args = sys.argv[1:] if args is None else [str(a) for a in args]
         # before argparse: its "required: --file_list" would otherwise hide the typo that caused it
         known = self._flags_of(args)

@@ -79,6 +79,7 @@ def run_main(main) -> NoReturn:
 
     if launched_world_size() > 1:
         stop_with_launcher()
+        supervisor.register()
     try:
         code = main()
     except SystemExit as e:
@@ -95,7 +96,8 @@ def run_main(main) -> NoReturn:
             raise
         # the victim of another rank's end: one line, not gloo's traceback, which would read as the cause
         print(f"error: rank {os.environ.get('PADDLE_TRAINER_ID', '0')} {lost}", file=sys.stderr)
-        supervisor.report_exit(1, lost)
+        supervisor.report_exit(1, lost, supervisor.peers_seen())
+        supervisor.outlast_peers()
         exit_process(1)
     supervisor.report_exit(code)
     exit_process(code)

@@ -7,6 +7,12 @@ its run has started it writes `rank-k.start`: the update it resumed from (0: fro
 records as the checkpoint really resumed (a damaged newer one is set aside by the rank, not by a look at file sizes).
 At its exit it writes `rank-k.json`: `{"exit_code", "cause", "step"}`. A rank killed by a signal, or one whose node
 is lost, writes no `rank-k.json`: that silence is itself what `ldm.launch` reads.
+
+A rank whose collective failed because a peer is gone or silent (`PEER_LOST`) also says what it saw of each peer on
+its node at that moment (`peers`: `{"k": {"alive", "exit_code"}}`, from `/proc` and the pid the peer left in
+`rank-k.pid` at its start): a peer already ended died first, and Linux keeps its exit status (a signal: -N) until its
+parent collects it; one still alive stopped answering. Paddle's launcher names only the first failed rank in rank
+order, and gloo may call a closed connection a timeout, so neither tells a killed rank from a hung one.
 Outside `ldm.launch` (no `LDM_LAUNCH_STATUS`) every function here does nothing.
 """
 
@@ -16,6 +22,9 @@ import contextlib
 import json
 import os
 import re
+import signal
+import sys
+import time
 
 from ldm.runtime.files import atomic_write
 
@@ -32,6 +41,8 @@ _PEER_GONE = re.compile(r"closed by peer|reset by peer|connection refused|broken
 _PEER_SILENT = re.compile(r"timeout|timed out", re.IGNORECASE)
 
 _state: dict = {"fd": None, "step": None, "cause": None}
+SETTLE_SECONDS = 1.0  # how long a peer seen alive is watched: one whose connections just closed may still be exiting
+OUTLAST_SECONDS = 5.0  # a rank that lost its peers outlives them this long: Paddle's launcher looks once a second
 
 
 def peer_lost(error: BaseException) -> str | None:
@@ -53,6 +64,66 @@ def _folder() -> str | None:
 
 def _rank() -> int:
     return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+
+def register() -> None:
+    """`rank-k.pid`: this rank's process and node, for the peers that look at it when it stops answering."""
+    folder = _folder()
+    if folder is None:
+        return
+    with contextlib.suppress(OSError), atomic_write(os.path.join(folder, f"rank-{_rank()}.pid"), "w") as f:
+        json.dump({"pid": os.getpid(), "host": os.uname().nodename}, f)
+
+
+def process_state(pid: int) -> tuple[str, int | None]:
+    """`pid`'s state as Linux's /proc has it ("R", "S", "T" stopped, ..., "Z" ended and not yet collected by its
+    parent, "" gone), and its exit code while it is "Z" (-N: killed by signal N)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after "pid (command)"
+    except OSError:
+        return "", None
+    if fields[0] != "Z" or len(fields) < 50:
+        return fields[0], None
+    status = int(fields[49])  # field 52, exit_code: the status waitpid would give
+    return "Z", -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def peers_seen() -> dict[str, dict]:
+    """What this rank sees of the other ranks of its node: {"k": {"alive", "exit_code"}}. A peer alive and not
+    stopped is watched for `SETTLE_SECONDS`: the kernel closes a killed process's connections before it ends."""
+    folder = _folder()
+    if folder is None:
+        return {}
+    pids = {}
+    for name in os.listdir(folder):
+        stem, _, kind = name.partition(".")
+        if kind != "pid" or not stem.startswith("rank-") or stem == f"rank-{_rank()}":
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(folder, name)) as f:
+            told = json.load(f)
+            if told["host"] == os.uname().nodename:
+                pids[stem[5:]] = int(told["pid"])
+    seen, deadline = {}, time.monotonic() + SETTLE_SECONDS
+    for rank, pid in sorted(pids.items()):
+        state, code = process_state(pid)
+        while state not in ("", "Z", "T", "t") and time.monotonic() < deadline:
+            time.sleep(0.02)
+            state, code = process_state(pid)
+        seen[rank] = {"alive": state not in ("", "Z"), "exit_code": code}
+    return seen
+
+
+def outlast_peers() -> None:
+    """After a lost peer: stay alive a few seconds (or until the launcher's stop), so that Paddle's launcher, which
+    names the first failed rank in rank order, sees the peer that ended first as the failed one."""
+    if _folder() is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(OUTLAST_SECONDS)
 
 
 def beat(step: int) -> None:
@@ -85,12 +156,15 @@ def note_cause(cause: str) -> None:
     _state["cause"] = " ".join(cause.split())[:500]
 
 
-def report_exit(code: int, cause: str | None = None) -> None:
-    """The rank's last word: its exit code, why, and the last update it finished."""
+def report_exit(code: int, cause: str | None = None, peers: dict | None = None) -> None:
+    """The rank's last word: its exit code, why, the last update it finished, and (`peers_seen`) what it saw of its
+    peers when they were lost."""
     folder = _folder()
     if folder is None:
         return
     report = {"exit_code": code, "cause": cause or _state["cause"], "step": _state["step"]}
+    if peers:
+        report["peers"] = peers
     with contextlib.suppress(OSError), atomic_write(os.path.join(folder, f"rank-{_rank()}.json"), "w") as f:
         json.dump(report, f)
 
@@ -104,14 +178,14 @@ def restarts_so_far() -> dict[str, float]:
 def read_try(folder: str) -> dict[int, dict]:
     """Each rank's report of one try (`ldm.launch`'s side): {global rank: {"exit_code" (None: no report), "cause",
     "step", "local_rank", "started" (the update its run started at, None before), "beat_at" (its last beat's
-    time)}}."""
+    time), "peers" (what it saw of its node's other ranks when it lost them, `peers_seen`; {} else)}}."""
     ranks: dict[int, dict] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         stem, _, kind = name.partition(".")
         if not stem.startswith("rank-") or not stem[5:].isdigit() or kind not in ("step", "json", "start"):
             continue
         entry = ranks.setdefault(int(stem[5:]), {"exit_code": None, "cause": None, "step": None, "local_rank": None,
-                                                 "started": None, "beat_at": None})
+                                                 "started": None, "beat_at": None, "peers": {}})
         try:
             path = os.path.join(folder, name)
             with open(path) as f:

@@ -13,8 +13,9 @@ read and not used: it packs the moments and master weights into one buffer for o
 or XPU; it asserts on a CPU), still runs one `adamw_` kernel per tensor, and leaves weights and gradients where they
 are. Its Adam's `use_multi_tensor` (`merged_adam_`) has L2 decay, not AdamW's decoupled one.
 
-On a CPU (`FlatAdamW.fuse`, `--flat_update fused`, the CPU's default) the clip's factor, AdamW and the EMA are one
-pass of a compiled kernel over the buffers, on several threads, and the norm another (`ldm.train.native`).
+On a CPU (`FlatAdamW.fuse`, `--flat_update fused`, and `auto`'s choice where it builds) the clip's factor, AdamW
+and the EMA are one pass of a compiled kernel over the buffers, on several threads, and the norm another
+(`ldm.train.native`).
 
 What keeps a parameter a view (checked by `tests/test_train_flat.py`): `set_value`, `set_state_dict`,
 `paddle.assign(..., output=)`, broadcasts and in-place kernels write into its storage. What breaks it: Paddle's

@@ -4,11 +4,12 @@ and loaded with ctypes; and the choice of the update's form (`--flat_update`).
 Paddle has no kernel that steps AdamW, the clip's scale and the EMA in one pass, and its CPU update kernels run on
 one thread; a custom Paddle operator would need Paddle's headers and a C++ build of a minute per Paddle version, where
 these two plain C functions over raw fp32 pointers compile in well under a second. The library is cached by the
-hash of its source, compiler command and machine and by its own digest (`$LDM_KERNEL_CACHE`, default
-`~/.cache/ldm/kernels`): written under a temporary name and linked into place only if absent, so ranks or nodes
-compiling at once never load a half-written file nor replace one another's, and checked against its digest before
-each load (a truncated library crashes the dynamic loader). Without a compiler (or OpenMP) `load` returns None with
-the reason, and the flat update runs Paddle's kernels instead."""
+hash of its source, compiler command, machine, C library and compiler (what `--version` and `-dumpmachine` say) and
+by its own digest (`$LDM_KERNEL_CACHE`, default `~/.cache/ldm/kernels`, which may be shared by unlike nodes): written
+under a temporary name of its process and node and linked into place only if absent and a shared object, so ranks
+or nodes compiling at once never load a half-written file nor replace one another's, and checked against its digest
+before each load (a truncated library crashes the dynamic loader). Without a compiler (or OpenMP) `load` returns
+None with the reason, and the flat update runs Paddle's kernels instead."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 
 import numpy as np
 
@@ -47,7 +50,10 @@ def resolve_flat_update(requested: str) -> str | None:
     - auto: fused on a CPU when it compiles, else flat. Measured on a 2-core CPU (docs/benchmarks.md,
       `scripts/bench_update.py`): 0.20-0.21 of the per-tensor update's time, flat 0.83-0.84. On a GPU the flat
       form: there the per-tensor update is bound by its thousands of kernel launches, which it makes a few (not
-      measured here)."""
+      measured here).
+
+    `LDM_UPDATE_THREADS` is checked whatever the form: a value out of reason is refused alike by every form."""
+    update_threads()
     if requested == "off":
         return None
     import paddle
@@ -144,12 +150,16 @@ class FusedKernel:
                                    beta1, beta2, step, eps, ema_weight, self.threads)
 
 
-def compile_into(command: list[str], stem: str) -> str:
-    """Compile the source into `stem`-<digest>.so (the digest of the library itself, checked before each load: a
-    damaged library is never handed to the dynamic loader, which may crash on one); "" or why it failed."""
-    folder = os.path.dirname(stem)
+def compile_into(command: list[str], prefix: str) -> str:
+    """Compile the source into `prefix`-<digest>.so (the digest of the library itself, checked before each load: a
+    damaged library is never handed to the dynamic loader, which may crash on one); "" or why it failed. The
+    output is written under a name of its own (this process's pid and node) and linked into place only if it is a
+    shared library: a "compiler" that exits 0 and writes nothing leaves nothing behind."""
+    folder = os.path.dirname(prefix)
     os.makedirs(folder, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=folder)
+    remove_stale_partials(folder)
+    fd, partial = tempfile.mkstemp(prefix=f"{os.path.basename(prefix)}.{os.getpid()}@{os.uname().nodename}.",
+                                   suffix=".so.partial", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run([*command, SOURCE, "-o", partial], capture_output=True, text=True, timeout=120)
@@ -157,12 +167,34 @@ def compile_into(command: list[str], stem: str) -> str:
             said = done.stderr.strip().splitlines()
             said = next((line for line in said if "error" in line), said[-1] if said else "")
             return f"{command[0]} failed ({said or f'exit code {done.returncode}'})"
+        if not is_library(partial):
+            return f"{command[0]} made no shared library (exit code 0, {os.path.getsize(partial)} bytes written)"
         os.chmod(partial, 0o755)  # other users of a shared cache load it too
         with contextlib.suppress(FileExistsError):  # only if absent: a library another process loaded stays
-            os.link(partial, f"{stem}-{digest(partial)}.so")
+            os.link(partial, f"{prefix}-{digest(partial)}.so")
         return ""
     finally:
-        os.unlink(partial)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+PARTIAL = re.compile(r"\.(\d+)@(.+)\.[^.]+\.so\.partial$")  # <prefix>.<pid>@<node>.<random>.so.partial
+STALE_PARTIAL_SECONDS = 600  # a compile is given 120 s: a partial file this old was left by a process killed
+
+
+def remove_stale_partials(folder: str) -> None:
+    """Remove the partial outputs of compiles that were killed: this node's whose process is gone, and any node's
+    older than `STALE_PARTIAL_SECONDS` (a shared cache: another node's pids mean nothing here)."""
+    node = os.uname().nodename
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.so.partial")):
+        match = PARTIAL.search(os.path.basename(path))
+        with contextlib.suppress(OSError):
+            if match and match.group(2) == node:
+                stale = not os.path.exists(f"/proc/{match.group(1)}") if os.path.isdir("/proc") else False
+            else:
+                stale = False
+            if stale or time.time() - os.path.getmtime(path) > STALE_PARTIAL_SECONDS:
+                os.unlink(path)
 
 
 def digest(path: str) -> str:
@@ -170,19 +202,56 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def cached(stem: str) -> str | None:
-    """A library built for `stem` whose content is its name's digest; damaged ones are removed."""
-    for path in sorted(glob.glob(f"{glob.escape(stem)}-*.so")):
-        if path.endswith(f"-{digest(path)}.so"):
-            return path
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return None
+def is_library(path: str) -> bool:
+    """Whether `path` starts as a shared object does (ELF)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"\x7fELF"
+
+
+def cached(prefix: str, any_compiler: bool = False) -> list[str]:
+    """The libraries built under `prefix` (`any_compiler`: under `prefix`-<any compiler>) whose content is their
+    name's digest; damaged ones are removed."""
+    found = []
+    for path in sorted(glob.glob(glob.escape(prefix) + ("-*" if any_compiler else "") + "-*.so")):
+        if not re.fullmatch(r"[0-9a-f]{16}", path[:-3].rpartition("-")[2]):
+            continue
+        if path.endswith(f"-{digest(path)}.so") and is_library(path):
+            found.append(path)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return found
+
+
+def compiler_identity(compiler: list[str]) -> str:
+    """What the compiler says it is (`--version`, `-dumpmachine`): two releases, or two targets, under one name
+    build libraries that need different runtimes (libgomp)."""
+    said = []
+    for flag in ("--version", "-dumpmachine"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            said.append(subprocess.run([*compiler, flag], capture_output=True, text=True, timeout=30).stdout.strip())
+    return "\n".join(said)
+
+
+def c_library() -> str:
+    """The C library's name and version (a library built against a newer glibc does not load with an older one)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):
+        return " ".join(platform.libc_ver())
+
+
+def short_hash(*parts: str | bytes) -> str:
+    return hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts)).hexdigest()[:16]
 
 
 @functools.cache
 def load() -> tuple[FusedKernel | None, str]:
-    """(the kernel, "") or (None, why not): compiled once per source, compiler command and machine, then cached."""
+    """(the kernel, "") or (None, why not): compiled once per source, compiler command, machine, C library and
+    compiler (what it says it is), then cached as `flat_update-<those>-<the compiler>-<digest>.so`. Where no compiler
+    is on the PATH, any compiler's library for the rest that loads here is taken. A library that does not load here
+    (it needs a shared object this node lacks, on a cache shared by unlike nodes) is built once more, under a name
+    that also holds this node's."""
     try:
         compiler = shlex.split(os.environ.get("CC") or "cc") or ["cc"]
     except ValueError as error:
@@ -191,19 +260,30 @@ def load() -> tuple[FusedKernel | None, str]:
         with open(SOURCE, "rb") as f:
             source = f.read()
         command = [*compiler, *FLAGS, *arithmetic_flags()]
-        key = hashlib.sha256(source + " ".join([platform.machine(), *command]).encode()).hexdigest()[:16]
-        stem = os.path.join(cache_dir(), f"flat_update-{key}")
-        path = cached(stem)
-        if path is None:
-            if not shutil.which(compiler[0]):
-                return None, f"no C compiler ({compiler[0]}; $CC names another) on the PATH"
-            failed = compile_into(command, stem)
-            if failed:
-                return None, failed
-            path = cached(stem)
-            if path is None:
-                return None, f"{compiler[0]} made no library in {cache_dir()}"
-        library = ctypes.CDLL(path)
+        stem = os.path.join(cache_dir(), f"flat_update-{short_hash(source, platform.machine(), *command, c_library())}")
+        if not shutil.which(compiler[0]):
+            for path in cached(stem, any_compiler=True):
+                with contextlib.suppress(OSError):
+                    return FusedKernel(ctypes.CDLL(path), update_threads()), ""
+            return None, f"no C compiler ({compiler[0]}; $CC names another) on the PATH"
+        identity = compiler_identity(compiler)
+        failed = ""
+        for prefix in (f"{stem}-{short_hash(identity)}", f"{stem}-{short_hash(identity, os.uname().nodename)}"):
+            found = cached(prefix)
+            if not found:
+                why = compile_into(command, prefix)
+                if why:
+                    return None, why
+                found = cached(prefix)
+                if not found:
+                    return None, f"{compiler[0]} made no library in {cache_dir()}"
+            try:
+                library = ctypes.CDLL(found[0])
+            except OSError as error:  # built on another node: built again, under this node's name
+                failed = f"{failed}; then {error}" if failed else str(error)
+                logger.info("flat update: the cached kernel does not load here (%s): building it for this node", error)
+                continue
+            return FusedKernel(library, update_threads()), ""
+        return None, f"the kernel does not load here ({failed})"
     except (OSError, TypeError, subprocess.SubprocessError) as error:
         return None, f"building or loading the kernel in {cache_dir()} ($LDM_KERNEL_CACHE) failed: {error}"
-    return FusedKernel(library, update_threads()), ""
