@@ -424,7 +424,7 @@ def kernel_with_other_arithmetic(folder) -> FusedKernel:
     other = ["-mavx2"] if "-DLDM_FMA" in arithmetic_flags() else ["-mavx2", "-mfma", "-DLDM_FMA"]
     stem = str(folder / "other")
     assert compile_into(["cc", *FLAGS, *other], stem) == ""
-    return FusedKernel(ctypes.CDLL(cached(stem)), 1)
+    return FusedKernel(ctypes.CDLL(cached(stem)[0]), 1)
 
 
 # Paddle's adamw_ runs its Adam kernel for an undecayed span
