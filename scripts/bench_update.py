@@ -99,7 +99,7 @@ class Form:
             if kernel is None:
                 sys.exit(f"the fused kernel: {why}")
             threads = int(name.split("@")[1]) if "@" in name else kernel.threads
-            assert self.optimizer.fuse(FusedKernel(kernel.library, threads), self.ema.flat)
+            assert self.optimizer.fuse(FusedKernel(kernel.library, threads), [self.ema.flat])
         self.clipped = False
 
     def refill(self, seed: int) -> None:
