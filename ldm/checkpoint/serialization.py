@@ -60,15 +60,17 @@ class LiveTensor:
     that waits for its writing (`--async_save false`) or an export holds no host copy of the whole state beside it.
     Shape, dtype and size are known without a copy (the safetensors header comes first)."""
 
-    def __init__(self, tensor):
-        self.tensor = tensor
+    def __init__(self, tensor, dtype: str | None = None):
+        """`dtype`: written cast to it (numpy's name), one tensor at a time."""
+        self.tensor, self.cast = tensor, dtype
         self.shape = tuple(tensor.shape)
         name = str(tensor.dtype).replace("paddle.", "")
-        self.dtype = np.dtype("uint16" if name == "bfloat16" else name)  # bfloat16 as its raw 16 bits
+        self.dtype = np.dtype(dtype or ("uint16" if name == "bfloat16" else name))  # bfloat16 as its raw 16 bits
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def array(self) -> np.ndarray:
-        return host_array(self.tensor)
+        array = host_array(self.tensor)
+        return array.astype(self.cast) if self.cast else array
 
 
 def on_host(value) -> np.ndarray:

@@ -27,6 +27,7 @@ from ldm.models.ema import EMA
 from ldm.runtime.errors import UserError
 
 MAX_SIGMA_REL = math.sqrt(1 / 12)  # γ = 0: the plain average of every update so far
+SNAPSHOT_DTYPES = ("auto", "float32", "float16")  # auto: the trained weights' own
 
 
 class PosthocEMAError(UserError, ValueError):
@@ -117,3 +118,35 @@ def parse_sigma_rels(text: str | None) -> list[float]:
     if len({profile_name(v) for v in values}) != len(values):
         raise PosthocEMAError(f"--ema_sigma_rels {text}: a width is given twice")
     return values
+
+
+class EMAProfiles:
+    """A run's post-hoc EMA: one `PowerEMA` per width of `--ema_sigma_rels`, and when to snapshot them
+    (`snapshot_steps`: every that many updates and at the last one; 0: never) in which dtype (`snapshot_dtype`:
+    auto is the trained weights' own). Each profile is a part of the checkpoints (`ldm.checkpoint.manager`)."""
+
+    def __init__(self, model, sigma_rels, snapshot_steps: int = 0, snapshot_dtype: str = "auto"):
+        self.profiles = [PowerEMA(model, sigma_rel) for sigma_rel in sigma_rels]
+        self.snapshot_steps = snapshot_steps
+        trained = [p for p in model.parameters() if not p.stop_gradient]
+        weights = str(trained[0].dtype).replace("paddle.", "") if trained else "float32"
+        self.dtype = weights if snapshot_dtype == "auto" else snapshot_dtype
+        if self.dtype not in ("float32", "float16"):  # bfloat16 weights: numpy, and so the snapshot, has no such type
+            self.dtype = "float32"
+        self.elements = sum(int(p.numel()) for p in trained)
+
+    def updated(self, skipped: bool) -> None:
+        """After an update: each profile averages its weights in, or counts it (`skipped`)."""
+        for profile in self.profiles:
+            profile.skip() if skipped else profile.update()
+
+    def snapshot_due(self, step: int, *, last: bool, stopping: bool) -> bool:
+        """Every `snapshot_steps` updates, and at the run's last (not at a stop: the resumed run goes on)."""
+        return bool(self.snapshot_steps) and (step % self.snapshot_steps == 0 or (last and not stopping))
+
+    def describe(self) -> dict:
+        """The profiles and the snapshots' disk cost, for the run's record."""
+        size = self.elements * (2 if self.dtype == "float16" else 4) * len(self.profiles)
+        return {"sigma_rels": [p.sigma_rel for p in self.profiles], "gammas": [p.gamma for p in self.profiles],
+                "snapshot_steps": self.snapshot_steps, "snapshot_dtype": self.dtype, "snapshot_bytes": size,
+                "bytes_per_1000_updates": size * 1000 // self.snapshot_steps if self.snapshot_steps else 0}
