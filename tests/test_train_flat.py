@@ -454,8 +454,9 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
                              1.0, 0.01, decay, False, 1000, False, False, False)
         ema.lerp_(p, 1.0 - 0.99)
         profile.lerp_(p, 1.0 - 0.7)
-        kernel.adamw_ema(*mine[:4], mine[4:], grad_scale=1.0, decay_rate=float(f32(1e-3) * f32(1) * f32(0.01)) * decay, beta1=0.9,
-                         beta2=0.999, step=float(-(f32(1e-3) * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
+        kernel.adamw_ema(*mine[:4], mine[4:], grad_scale=1.0,
+                         decay_rate=float(f32(1e-3) * f32(1) * f32(0.01)) * decay, beta1=0.9, beta2=0.999,
+                         step=float(-(f32(1e-3) * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
                          eps=float(f32(1e-8) * np.sqrt(f32(1) - b2p)), ema_weights=[1.0 - 0.99, 1.0 - 0.7])
         assert not mine[1].numpy().any()  # the gradient zeroed once read
         paddle.assign(paddle.to_tensor(values[1]), output=mine[1])

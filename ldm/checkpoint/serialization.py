@@ -328,6 +328,32 @@ def state_arrays(folder: str, name: str, wanted=None) -> Iterator[tuple[str, np.
     return _read_arrays(folder, _stored(folder, name, wanted)[1])
 
 
+class StoredArrays:
+    """The arrays of a stored state (those `wanted(key)` accepts), each read by key when asked for: the structure and
+    each file's header are read once, so that a caller reading one array of many states at a time (a post-hoc EMA's
+    reconstruction, tensor by tensor over its snapshots) holds one array of each at most."""
+
+    def __init__(self, folder: str, name: str, wanted=None):
+        self.folder = folder
+        structure, by_file = _stored(folder, name, wanted)
+        self.structure = structure
+        self.file_of = {key: file for file, keys in by_file.items() for key in keys}
+        self._headers: dict[str, tuple[dict, int]] = {}
+
+    def keys(self) -> list[str]:
+        return sorted(self.file_of)
+
+    def read(self, key: str) -> np.ndarray:
+        file = self.file_of.get(key)
+        if file is None:
+            raise StateFormatError(f"{self.folder} holds no array {key!r}")
+        path = os.path.join(self.folder, file)
+        with open(path, "rb") as f:
+            if file not in self._headers:
+                self._headers[file] = _safetensors_header(f, path)
+            return _read_array(f, path, key, *self._headers[file])
+
+
 def _read_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:
     """Each array read by name with plain reads into memory of its own (safetensors' `safe_open` maps the whole file,
     whose pages then count as the process's resident memory until it is closed)."""

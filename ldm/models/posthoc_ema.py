@@ -105,18 +105,18 @@ def profile_name(sigma_rel: float) -> str:
     return f"ema_sigma_rel-{float(sigma_rel):g}"
 
 
-def parse_sigma_rels(text: str | None) -> list[float]:
+def parse_sigma_rels(text: str | None, flag: str = "--ema_sigma_rels") -> list[float]:
     """`--ema_sigma_rels 0.05,0.10`: the widths, each a power function's, distinct by their names."""
     if not text:
         return []
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise PosthocEMAError(f"--ema_sigma_rels takes widths separated by commas (0.05,0.10), not {text!r}") from None
+        raise PosthocEMAError(f"{flag} takes widths separated by commas (0.05,0.10), not {text!r}") from None
     for value in values:
         exponent(value)
     if len({profile_name(v) for v in values}) != len(values):
-        raise PosthocEMAError(f"--ema_sigma_rels {text}: a width is given twice")
+        raise PosthocEMAError(f"{flag} {text}: a width is given twice")
     return values
 
 
