@@ -12,7 +12,7 @@ import paddle
 import pytest
 from conftest import ROOT
 from corpus import write_corpus
-from entry import part_weights, run_entry, run_python
+from entry import launch_report, part_weights, run_entry, run_python
 from tolerance import UNIT_ROUNDOFF
 
 from ldm.checkpoint.run_folder import checkpoint_problem
@@ -51,7 +51,7 @@ def test_a_width_is_a_power_functions_only_below_the_plain_average():
     for sigma_rel in (0.01, 0.05, 0.1, 0.2, 0.28):
         assert exponent(sigma_rel) > 0
         assert relative_width(exponent(sigma_rel)) == pytest.approx(sigma_rel, rel=1e-12)
-    assert MAX_SIGMA_REL == pytest.approx(relative_width(0.0))
+    assert relative_width(0.0) == pytest.approx(MAX_SIGMA_REL)
     for sigma_rel in (0.0, -0.1, 0.2887, 0.3):
         with pytest.raises(PosthocEMAError, match="outside what a power-function EMA can have"):
             exponent(sigma_rel)
@@ -244,3 +244,27 @@ def test_the_trainer_path_tracks_and_snapshots_the_profiles_in_half_precision_if
                           tmp_path / "rebuilt", "--json"])
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     assert json.loads(rebuilt.stdout.strip().splitlines()[-1])["step"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_profiles_are_snapshotted_in_each_ranks_shard_and_reconstructed_whole(corpus, tmp_path):
+    """Under --sharding stage1 each rank keeps and writes its share of every profile (an index names the shard of
+    every average, as for the EMA); a snapshot is still the checkpoint's profiles, and a reconstruction reads it
+    whole."""
+    out = tmp_path / "run"
+    args = corpus[:corpus.index("--max_train_steps")] + ["--max_train_steps", "4", "--num_workers", "0",
+                                                         "--sharding", "stage1", "--output_dir", str(out)]
+    result = run_entry(LOOP, args, launch=True, cwd=tmp_path)
+    assert result.returncode == 0, launch_report(result, tmp_path)
+    snapshot = out / "ema_snapshots" / "step-000004"
+    index = json.loads((snapshot / "ema_sigma_rel-0.05.index.json").read_text())
+    assert index["world_size"] == 2 and len(set(index["weight_map"].values())) == 2
+    for sigma_rel in WIDTHS:
+        in_snapshot, in_checkpoint = profile_arrays(snapshot, sigma_rel), profile_arrays(out / "checkpoint-3",
+                                                                                          sigma_rel)
+        assert in_snapshot.keys() == in_checkpoint.keys()
+    rebuilt = run_python(["-m", "ldm.ema", "reconstruct", out, "--sigma_rel", "0.05", "--output",
+                          tmp_path / "rebuilt", "--json"])
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert json.loads(rebuilt.stdout.strip().splitlines()[-1])["coefficients"][-2] == pytest.approx(1, abs=1e-6)
