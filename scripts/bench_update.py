@@ -6,6 +6,7 @@ flat buffers) and fused (`fused`, a CPU's default: the norm, then the clip's fac
     .venv/bin/python scripts/bench_update.py [--width 64 --text_layers 2] [--rounds 7]     # about 50 M weights
     .venv/bin/python scripts/bench_update.py --width 320 --text_layers 12 --rounds 3 --memory   # ldm-12layer
     .venv/bin/python scripts/bench_update.py --forms per_tensor flat fused fused@1   # the kernel on one thread too
+    .venv/bin/python scripts/bench_update.py --ema_profiles 2     # with the post-hoc EMA's two profiles too
 
 The model is the 12-layer preset (`ldm-12layer`: UNet and LDMBert, a 64-token vocabulary, 16 positions) with the
 UNet's channels cut to --width and LDMBert cut to --text_layers (320 and 12: the preset itself); one backward pass
@@ -76,10 +77,11 @@ class Form:
     """One form of the update over `model`: "per_tensor" (`--flat_update off`), "flat" (`on`), "fused" or "fused@N"
     (N threads)."""
 
-    def __init__(self, model, name: str, max_norm: float):
+    def __init__(self, model, name: str, max_norm: float, profiles: int = 0):
         import paddle
 
         from ldm.models.ema import EMA
+        from ldm.models.posthoc_ema import EMAProfiles
         from ldm.train.flat import FlatAdamW, FlatEMA
         from ldm.train.native import FusedKernel, load
 
@@ -92,14 +94,18 @@ class Form:
         self.optimizer = (FlatAdamW if flat else paddle.optimizer.AdamW)(1e-6, parameters=self.trained,
                                                                           weight_decay=0.02)
         self.ema = EMA(model)
+        self.profiles = EMAProfiles(model, (0.05, 0.10, 0.15, 0.2)[:profiles])  # `--ema_sigma_rels`
+        averages = [self.ema, *self.profiles.profiles]
         if flat:
-            FlatEMA.adopt(self.ema, self.optimizer.flatten())
+            flat_weights = self.optimizer.flatten()
+            for ema in averages:
+                FlatEMA.adopt(ema, flat_weights)
         if name.startswith("fused"):
             kernel, why = load()
             if kernel is None:
                 sys.exit(f"the fused kernel: {why}")
             threads = int(name.split("@")[1]) if "@" in name else kernel.threads
-            assert self.optimizer.fuse(FusedKernel(kernel.library, threads), self.ema.flat)
+            assert self.optimizer.fuse(FusedKernel(kernel.library, threads), [ema.flat for ema in averages])
         self.clipped = False
 
     def refill(self, seed: int) -> None:
@@ -129,6 +135,7 @@ class Form:
         self.optimizer.clear_grad()
         times["optimizer"], start = time.perf_counter() - start, time.perf_counter()
         self.ema.update()
+        self.profiles.updated(False)
         times["ema"] = time.perf_counter() - start
         return times
 
@@ -176,7 +183,7 @@ def one_form(args) -> None:
     """--form: one form alone in this process; prints a JSON line."""
     model = build(args.width, args.text_layers)
     before = peak_gib()
-    form = Form(model, args.form, args.max_grad_norm)
+    form = Form(model, args.form, args.max_grad_norm, args.ema_profiles)
     rounds = []
     for i in range(args.rounds + 1):  # the first round makes the moments: not counted
         form.refill(i)
@@ -215,6 +222,8 @@ def main() -> None:
     parser.add_argument("--text_layers", type=int, default=2, help="LDMBert's layers (12: ldm-12layer)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--max_grad_norm", type=float, default=1e-3, help="small: every update clips")
+    parser.add_argument("--ema_profiles", type=int, default=0, choices=range(5),
+                        help="post-hoc EMA profiles stepped beside the EMA (--ema_sigma_rels' count)")
     parser.add_argument("--memory", action="store_true", help="each form alone in its own process, with its peak "
                                                               "resident memory")
     parser.add_argument("--forms", nargs="+", default=["per_tensor", "flat", "fused"], type=form_name,
@@ -233,7 +242,8 @@ def main() -> None:
         for form in args.forms:
             out = guarded([sys.executable, __file__, "--form", form, "--width", str(args.width), "--text_layers",
                            str(args.text_layers), "--rounds", str(args.rounds), "--max_grad_norm",
-                           str(args.max_grad_norm)], args.keep_available_gib)
+                           str(args.max_grad_norm), "--ema_profiles", str(args.ema_profiles)],
+                          args.keep_available_gib)
             results[form] = json.loads(out.strip().splitlines()[-1])
         print(f"width {args.width}, {args.text_layers} text layers, each form in its own process (in the order "
               f"{' '.join(args.forms)}), medians of {args.rounds} updates")
@@ -249,7 +259,8 @@ def main() -> None:
 
     import paddle
 
-    forms = {name: Form(build(args.width, args.text_layers), name, args.max_grad_norm) for name in args.forms}
+    forms = {name: Form(build(args.width, args.text_layers), name, args.max_grad_norm, args.ema_profiles)
+             for name in args.forms}
     first = next(iter(forms.values()))
     print(f"width {args.width}, {args.text_layers} text layers: {len(first.trained)} weight tensors, "
           f"{sum(p.size for p in first.trained) / 1e6:.1f} M trained weights, "

@@ -61,7 +61,7 @@ def run(flat: bool, updates: int = 20, *, accumulation: int = 2, max_norm: float
     ema = EMA(model, 0.99)
     if flat:
         FlatEMA.adopt(ema, optimizer.flatten())
-        assert not fused or optimizer.fuse(fused_kernel(threads), ema.flat)
+        assert not fused or optimizer.fuse(fused_kernel(threads), [ema.flat])
     for i in range(updates):
         for x in batch(i, accumulation):
             (model(x) ** 2).mean().backward()
@@ -440,7 +440,8 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
 
     kernel, n = fused_kernel() if arithmetic == "this machine's" else kernel_with_other_arithmetic(tmp_path), 100_000
     rng = np.random.default_rng(0)
-    values = [rng.normal(size=n).astype("float32") * s for s in (1e-3, 1.0, 0.0, 0.0, 1e-3)]  # p, g, m1, m2, ema
+    # p, g, m1, m2 and two averages (the EMA and a post-hoc EMA's profile, stepped in the one pass)
+    values = [rng.normal(size=n).astype("float32") * s for s in (1e-3, 1.0, 0.0, 0.0, 1e-3, 1e-3)]
     values[1][: n // 2] *= 1e-9
     mine = [paddle.to_tensor(v) for v in values]
     paddles = [paddle.to_tensor(v) for v in values]
@@ -448,24 +449,26 @@ def test_the_pass_is_paddles_adamw_and_lerp_and_its_norm_the_same_on_any_threads
     steps = 3
     for _ in range(steps):
         b1p, b2p = f32(pow1.item()), f32(pow2.item())
-        p, g, m1, m2, ema = paddles
+        p, g, m1, m2, ema, profile = paddles
         paddle._C_ops.adamw_(p, g, lr, m1, m2, None, pow1.clone(), pow2.clone(), None, None, 0.9, 0.999, 1e-8,
                              1.0, 0.01, decay, False, 1000, False, False, False)
         ema.lerp_(p, 1.0 - 0.99)
-        kernel.adamw_ema(*mine, grad_scale=1.0, decay_rate=float(f32(1e-3) * f32(1) * f32(0.01)) * decay, beta1=0.9,
-                         beta2=0.999, step=float(-(f32(1e-3) * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
-                         eps=float(f32(1e-8) * np.sqrt(f32(1) - b2p)), ema_weight=1.0 - 0.99)
+        profile.lerp_(p, 1.0 - 0.7)
+        kernel.adamw_ema(*mine[:4], mine[4:], grad_scale=1.0,
+                         decay_rate=float(f32(1e-3) * f32(1) * f32(0.01)) * decay, beta1=0.9, beta2=0.999,
+                         step=float(-(f32(1e-3) * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
+                         eps=float(f32(1e-8) * np.sqrt(f32(1) - b2p)), ema_weights=[1.0 - 0.99, 1.0 - 0.7])
         assert not mine[1].numpy().any()  # the gradient zeroed once read
         paddle.assign(paddle.to_tensor(values[1]), output=mine[1])
         pow1, pow2 = pow1 * 0.9, pow2 * 0.999
     exact = arithmetic == "this machine's" and "avx512f" in cpu_identity()[1]
-    for name, a, b in zip(("weights", "moment1", "moment2", "ema"), (mine[0], *mine[2:]), (paddles[0], *paddles[2:]),
-                          strict=True):
+    for name, a, b in zip(("weights", "moment1", "moment2", "ema", "profile"), (mine[0], *mine[2:]),
+                          (paddles[0], *paddles[2:]), strict=True):
         a, b = a.numpy().astype(np.float64), b.numpy()
         # Same inputs, the same operations in another order or fused: each step rounds each value about 8 times
         # (moments, square root, ε, division, learning rate, decay, subtraction, lerp), 16 allowed. A weight's step
         # is at most the learning rate in size (|m̂ / (√v̂ + ε)| ≤ 1 here: the same gradient every step).
-        size = np.abs(b) + (1e-3 if name in ("weights", "ema") else 0.0)
+        size = np.abs(b) + (1e-3 if name in ("weights", "ema", "profile") else 0.0)
         assert np.array_equal(a, b) if exact else (np.abs(a - b) <= steps * 16 * UNIT_ROUNDOFF * size).all(), name
     starts, sizes = np.array([0, 10, 5000, 40_000]), np.array([10, 4990, 35_000, 60_000])
     sums = [FusedKernel(kernel.library, threads).sum_squares(mine[0], starts, sizes) for threads in (1, 2, 3)]

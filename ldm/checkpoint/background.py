@@ -90,18 +90,22 @@ class HostBuffers:
                 return self._pool[start:start + size].view(dtype).reshape(shape)
         return np.empty(shape, dtype)
 
-    def taker(self, file: str) -> Callable[[str, Any], np.ndarray | LiveTensor]:
-        """`take(key, value)` for `flatten` (`value` numpy or Paddle): copied into the buffer of (`file`, `key`);
-        without `copy`, a Paddle tensor is kept as it is (`LiveTensor`: brought to the host one at a time as it is
-        written)."""
+    def taker(self, file: str, dtype: str | None = None) -> Callable[[str, Any], np.ndarray | LiveTensor]:
+        """`take(key, value)` for `flatten` (`value` numpy or Paddle): copied into the buffer of (`file`, `key`) (cast
+        to `dtype` when given: a buffer of its own); without `copy`, a Paddle tensor is kept as it is (`LiveTensor`:
+        brought to the host one at a time as it is written)."""
+        label = f"{file}@{dtype}" if dtype else file
+
         def take(key: str, value) -> np.ndarray | LiveTensor:
             if not self.copy:
-                return LiveTensor(value) if is_tensor(value) else np.ascontiguousarray(value)
+                if is_tensor(value):
+                    return LiveTensor(value, dtype)
+                return np.ascontiguousarray(value, dtype=dtype)
             array = on_host(value)
-            buffer = self._arrays.get((file, key))
-            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
-                buffer = self._arrays[(file, key)] = self._new(array.shape, array.dtype)
-            np.copyto(buffer, array)
+            buffer = self._arrays.get((label, key))
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != (dtype or array.dtype):
+                buffer = self._arrays[(label, key)] = self._new(array.shape, dtype or array.dtype)
+            np.copyto(buffer, array, casting="same_kind")
             return buffer
         return take
 

@@ -8,6 +8,9 @@ A checkpoint folder (`<output_dir>/checkpoint-<step>/`, see `ldm.checkpoint.run_
   ldm_model.json                 where the frozen autoencoder is (relative to this folder) and its identity; the
                                  same for a frozen text encoder
   ema.json, ema.safetensors      EMA weights and update counter (with --use_ema)
+  ema_sigma_rel-<σ>.json, .safetensors
+                                 each post-hoc EMA profile's averages and update counter (with --ema_sigma_rels;
+                                 an EMA snapshot holds these files alone, with snapshot.json)
   optimizer.json, .safetensors   the optimizer's moments and counters
   training_state.json, .safetensors
                                  step, world size, learning-rate schedule, loss scaler, every rank's data
@@ -55,6 +58,7 @@ from ldm.runtime.files import follow_umask_tree, temporary_folder
 logger = logging.getLogger("ldm.train")
 
 MODEL_JSON = "ldm_model.json"
+SNAPSHOT_RECORD = "snapshot.json"  # an EMA snapshot's step, dtype and profiles (`CheckpointManager.save_ema_snapshot`)
 EMA = "ema"
 OPTIMIZER = "optimizer"
 TRAINING_STATE = "training_state"

@@ -32,7 +32,7 @@ import numpy as np
 import paddle
 
 from ldm.checkpoint.background import BackgroundWriter, FileJob, HostBuffers, read_receipts, write_files
-from ldm.checkpoint.format import EMA, OPTIMIZER, TRAINING_STATE, share_out, weight_jobs
+from ldm.checkpoint.format import EMA, SNAPSHOT_RECORD, TRAINING_STATE, share_out, weight_jobs
 from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import (
     NO_SPACE,
@@ -52,13 +52,13 @@ from ldm.checkpoint.serialization import (
     to_paddle,
     write_state_index,
 )
+from ldm.models.posthoc_ema import profile_name
 from ldm.runtime.compat import sharding_owners
 from ldm.runtime.distributed import Distributed, rank_seed, weights_checksum
 from ldm.runtime.errors import NonFiniteStop
 
 logger = logging.getLogger("ldm.train")
 
-OWN_FILES = (OPTIMIZER, EMA)  # parts written to a file of their own (inference reads the EMA alone)
 WEIGHTS = "weights"  # under sharding, every rank also writes a share of the trained weights
 
 
@@ -77,6 +77,11 @@ class Part:
     # a part that may be held in shards (a sharded optimizer's state, a sharded EMA): asked at each save and load,
     # it says which of the state's arrays (by key) this rank holds, or None when this rank holds them all
     owned: Callable[[], Callable[[str], bool] | None] | None = None
+    # written to files of its own (the optimizer state, the EMA, the post-hoc EMA's profiles: inference and the
+    # EMA snapshots read them alone), not into the training state; `flag`: what asks for it, said when a
+    # checkpoint lacks it
+    own_file: bool = False
+    flag: str = ""
 
 
 def stateful(obj, set_name: str = "set_state_dict", tensors: bool = False) -> Part:
@@ -113,11 +118,12 @@ def optimizer_part(optimizer: Callable[[], Any]) -> Part:
         return lambda key: parameter_of(key, every) in mine
 
     return Part(lambda: optimizer().state_dict(), lambda tree: optimizer().set_state_dict(to_paddle(tree)),
-                owned=owned)
+                owned=owned, own_file=True)
 
 
-def ema_part(ema) -> Part:
-    """The EMA; sharded (`EMA.shard`), each rank saves and reads the averages it keeps."""
+def ema_part(ema, flag: str = "--use_ema") -> Part:
+    """The EMA, or a post-hoc EMA's profile; sharded (`EMA.shard`), each rank saves and reads the averages it
+    keeps."""
     part = stateful(ema, "load_state_dict")
 
     def owned():
@@ -125,7 +131,7 @@ def ema_part(ema) -> Part:
             return None
         return lambda key: key.startswith("shadow.") and key[len("shadow."):] in ema.shadow
 
-    return Part(part.state, part.load, owned=owned)
+    return Part(part.state, part.load, owned=owned, own_file=True, flag=flag)
 
 
 def scaler_part(scaler) -> Part:
@@ -141,10 +147,10 @@ def scaler_part(scaler) -> Part:
 
 
 def state_jobs(file: str, tree: Any, buffers: HostBuffers, mine: Callable[[str], bool] | None = None,
-               ) -> tuple[list[FileJob], list[str]]:
+               dtype: str | None = None) -> tuple[list[FileJob], list[str]]:
     """A state tree (or the arrays of it `mine` accepts) as the files `<file>.json` and `<file>.safetensors`, its
-    arrays copied into `buffers`; and the keys of those arrays."""
-    structure, arrays = split_state(tree, buffers.taker(file), mine)
+    arrays copied into `buffers` (cast to `dtype` when given); and the keys of those arrays."""
+    structure, arrays = split_state(tree, buffers.taker(file, dtype), mine)
     files = [FileJob(f"{file}.json", data=structure)] + ([FileJob(f"{file}.safetensors", arrays)] if arrays else [])
     return files, sorted(arrays)
 
@@ -199,6 +205,7 @@ class PendingSave:
     temp: str
     final: str
     started: float  # when `save` was called
+    kind: str = "checkpoint"  # or "snapshot": an EMA snapshot (`save_ema_snapshot`)
     snapshot_seconds: float = 0.0  # the snapshot alone (after any wait for the previous save)
     stall_seconds: float = 0.0
     phase: str = "write"
@@ -224,7 +231,7 @@ def snapshot_bytes(memory: dict, rank: int, world_size: int) -> int:
     mine = memory["ranks"][rank]
     sharded = memory.get("sharding_degree", 1) > 1
     weights = mine["weights"] // world_size
-    kept = mine["optimizer"] + mine["ema"]
+    kept = mine["optimizer"] + mine["ema"] + mine.get("ema_profiles", 0)
     return weights + (kept if sharded else kept // world_size)
 
 
@@ -257,6 +264,9 @@ class CheckpointManager:
         }
         if objective.ema is not None:
             self.parts[EMA] = ema_part(objective.ema)
+        self.profiles = getattr(objective, "ema_profiles", None)
+        for profile in self.profiles.profiles if self.profiles is not None else ():
+            self.parts[profile_name(profile.sigma_rel)] = ema_part(profile, "--ema_sigma_rels")
         self.async_save = async_save
         self.buffers = HostBuffers(copy=async_save)  # the snapshot's, reused from save to save
         if async_save and record and record.get("memory"):
@@ -269,6 +279,11 @@ class CheckpointManager:
         self.sealed: PendingSave | None = None  # the newest save this run completed
         self._finished: list[dict] = []  # metrics of sealed saves, for `take_metrics`
 
+    @property
+    def averaging_parts(self) -> list[str]:
+        """The names of the EMA's and the post-hoc EMA profiles' parts."""
+        return [name for name, part in self.parts.items() if part.flag]
+
     def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
         return step % self.save_steps == 0 or last or stopping
 
@@ -279,7 +294,7 @@ class CheckpointManager:
 
     def has(self, step: int) -> bool:
         """Whether checkpoint-<step> was saved (or is being saved) by this run, or is complete on disk."""
-        if self.pending is not None and self.pending.step == step:
+        if self.pending is not None and self.pending.step == step and self.pending.kind == "checkpoint":
             return True
         folder = self.run_dir.path(f"checkpoint-{step}")
         return self.dist.from_main(lambda: checkpoint_problem(folder, checksums=False) is None)
@@ -293,44 +308,101 @@ class CheckpointManager:
         configurations, indexes, the run's record). The files are then written in the background and the
         checkpoint is sealed once every rank wrote its own (`settle`); with `async_save` off, here. Returns the
         checkpoint's path (complete once sealed: `self.last`)."""
-        started = time.perf_counter()
-        if self.pending is not None and self.writer.busy:
-            logger.info("checkpoint-%d waits for %s, still being written", step, self.in_flight)
-        self.wait()
+        started = self._wait_for_the_save_in_flight(f"checkpoint-{step}")
         snapshot_started = time.perf_counter()
         gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
-        temp = self.dist.from_main(lambda: self.run_dir.begin_save(step))
+        return self._write(PendingSave(step, "", self.run_dir.path(f"checkpoint-{step}"), started),
+                           lambda: self.run_dir.begin_save(step), lambda: self._snapshot(step, gathered),
+                           lambda temp, final, keys: self._write_small_files(temp, final, step, keys, also),
+                           snapshot_started)
+
+    def save_ema_snapshot(self, step: int) -> str:
+        """`ema_snapshots/step-<step>/`: every post-hoc EMA profile (`ldm.models.posthoc_ema`), each a part's files
+        as a checkpoint holds them, in the snapshot's dtype, and `snapshot.json`; written and sealed as a checkpoint
+        is (every rank its share, in the background, a manifest last), outside rotation."""
+        started = self._wait_for_the_save_in_flight(f"the EMA snapshot of update {step}")
+        snapshot_started = time.perf_counter()
+        names = [profile_name(profile.sigma_rel) for profile in self.profiles.profiles]
+        dtype = self.profiles.dtype
+
+        def files():
+            jobs, keys = [], {}
+            for name in names:
+                jobs_of_part, keys[name] = self._part_files(name, self.parts[name], dtype)
+                jobs += jobs_of_part
+            return jobs, keys
+
+        def record(temp: str, final: str, keys: list[dict]) -> None:
+            self._write_indexes(temp, names, keys)
+            write_json(os.path.join(temp, SNAPSHOT_RECORD), {
+                "step": step, "dtype": dtype, "world_size": self.dist.world_size,
+                "profiles": [{"name": name, "sigma_rel": p.sigma_rel, "gamma": p.gamma, "num_updates": p.num_updates}
+                             for name, p in zip(names, self.profiles.profiles, strict=True)]})
+
+        return self._write(PendingSave(step, "", self.run_dir.snapshot_path(step), started, kind="snapshot"),
+                           lambda: self.run_dir.begin_snapshot(step), files, record, snapshot_started)
+
+    def _wait_for_the_save_in_flight(self, what: str) -> float:
+        """Every rank together: the previous save sealed (at most one in flight); when this save was asked for."""
+        started = time.perf_counter()
+        if self.pending is not None and self.writer.busy:
+            logger.info("%s waits for %s, still being written", what, self.in_flight)
+        self.wait()
+        return started
+
+    def _write(self, pending: PendingSave, begin, files, small_files, snapshot_started: float) -> str:
+        """A save on every rank: the temporary folder (`begin()`, rank 0's), this rank's files (`files()`: jobs and
+        the keys of the parts it writes a share of) snapshot into host buffers, rank 0's small files
+        (`small_files(temp, final, every rank's keys)`), then the writing in the background (waited for without
+        `async_save`)."""
+        temp = self.dist.from_main(begin)
         rank, world = self.dist.rank, self.dist.world_size
         try:
-            jobs, keys = self._snapshot(step, gathered)
+            jobs, keys = files()
             outcome = ("ok", keys)
         except Exception as e:  # noqa: BLE001 - every rank's outcome goes to rank 0, which raises the first
             outcome = ("error", readable(e))
         outcomes = self.dist.gather(outcome)
-        final = self.run_dir.path(f"checkpoint-{step}")
         errors = [value for kind, value in outcomes if kind == "error"]
 
-        def small_files() -> None:
+        def write_small_files() -> None:
             if errors:
                 remove(temp)
                 raise errors[0]
             try:
-                self._write_small_files(temp, final, step, [keys for _, keys in outcomes], also)
+                small_files(temp, pending.final, [keys for _, keys in outcomes])
             except BaseException:
                 remove(temp)
                 raise
 
-        with self.run_dir.no_space_ends_the_run(final):
-            self.dist.from_main(small_files)
+        with self.run_dir.no_space_ends_the_run(pending.final):
+            self.dist.from_main(write_small_files)
         now = time.perf_counter()
-        pending = self.pending = PendingSave(step, temp, final, started, now - snapshot_started, written_from=now)
-        self.writer.start(f"checkpoint-{step}", lambda: write_files(temp, jobs, rank, world))
+        pending.temp, pending.snapshot_seconds, pending.written_from = temp, now - snapshot_started, now
+        self.pending = pending
+        self.writer.start(os.path.basename(pending.final), lambda: write_files(temp, jobs, rank, world))
         if self.async_save:
-            pending.stall_seconds = time.perf_counter() - started
+            pending.stall_seconds = time.perf_counter() - pending.started
         else:
             self.wait()  # its stall is all of it (`_done`)
-        return final
+        return pending.final
+
+    def _part_files(self, name: str, part: Part, dtype: str | None = None) -> tuple[list[FileJob], list | None]:
+        """This rank's files of a part written to files of its own (its arrays cast to `dtype` when given): its own
+        shard where the part is sharded, else a share of the state every rank holds; and the keys of the arrays it
+        writes (None on one rank)."""
+        rank, world = self.dist.rank, self.dist.world_size
+        tree = part.state()
+        if part.owned is not None and part.owned() is not None:  # a shard of its own: all of this rank's
+            file, mine = shard_name(name, rank, world), None
+        elif world > 1:  # the same on every rank: each writes its share
+            share = set(share_out(array_sizes(tree), world)[rank])
+            file, mine = shard_name(name, rank, world), share.__contains__
+        else:
+            file, mine = name, None
+        files, arrays = state_jobs(file, tree, self.buffers, mine, dtype)
+        return files, None if world == 1 else arrays
 
     def _snapshot(self, step: int, gathered: dict) -> tuple[list[FileJob], dict]:
         """This rank's files of checkpoint-<step>, their arrays copied into host buffers, and the keys of what it
@@ -344,31 +416,26 @@ class CheckpointManager:
         for name, part in self.parts.items():
             if part.per_rank:
                 continue
-            if name not in OWN_FILES:
+            if not part.own_file:
                 state[name] = part.state()
                 continue
-            tree = part.state()
-            if part.owned is not None and part.owned() is not None:  # a shard of its own: all of this rank's
-                file, mine = shard_name(name, rank, world), None
-            elif world > 1:  # the same on every rank: each writes its share
-                share = set(share_out(array_sizes(tree), world)[rank])
-                file, mine = shard_name(name, rank, world), share.__contains__
-            else:
-                file, mine = name, None
-            files, arrays = state_jobs(file, tree, self.buffers, mine)
+            files, keys[name] = self._part_files(name, part)
             jobs += files
-            keys[name] = None if world == 1 else arrays
         if rank == 0:
             jobs += state_jobs(TRAINING_STATE, state, self.buffers)[0]
         return jobs, keys
+
+    def _write_indexes(self, folder: str, names, keys: list[dict]) -> None:
+        """The index of every part of `names` the ranks wrote in shares (`keys`: each rank's keys by part)."""
+        for name in names:
+            if name in keys[0] and keys[0][name] is not None:
+                write_state_index(folder, name, [k[name] for k in keys])
 
     def _write_small_files(self, folder: str, final: str, step: int, keys: list[dict], also) -> None:
         """Rank 0, at the snapshot: the model's configurations, the indexes of what the ranks write in shares,
         the run's record, `also`'s files."""
         self.objective.save(folder, final, [k[WEIGHTS] for k in keys])
-        for name in OWN_FILES:
-            if name in keys[0] and keys[0][name] is not None:
-                write_state_index(folder, name, [k[name] for k in keys])
+        self._write_indexes(folder, [name for name, part in self.parts.items() if part.own_file], keys)
         if self.record is not None:
             write_json(os.path.join(folder, RUN_CONFIG), {**self.record, "step": step})
         if also is not None:
@@ -378,7 +445,11 @@ class CheckpointManager:
         """Rank 0: the manifest from every rank's receipt, the rename, the rotation; a failure is one line (and the
         temporary folder gone)."""
         try:
-            self.run_dir.seal(pending.step, pending.temp, read_receipts(pending.temp, self.dist.world_size))
+            receipts = read_receipts(pending.temp, self.dist.world_size)
+            if pending.kind == "snapshot":
+                self.run_dir.seal_snapshot(pending.temp, pending.final, receipts)
+            else:
+                self.run_dir.seal(pending.step, pending.temp, receipts)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - what failed is said in one line, as for a failed write
@@ -438,6 +509,11 @@ class CheckpointManager:
         pending, self.pending = self.pending, None
         if not pending.stall_seconds:  # sealed within `save` (waited for): the updates waited for all of it
             pending.stall_seconds = time.perf_counter() - pending.started
+        if pending.kind == "snapshot":
+            if self.dist.is_main:
+                logger.info("saved the EMA snapshot %s (%.2f GiB); the updates waited %.2f s", pending.final,
+                            pending.bytes / 2**30, pending.stall_seconds)
+            return pending
         self.last, self.sealed = pending.final, pending
         if self.dist.is_main:
             self._finished.append({"checkpoint/stall_seconds": pending.stall_seconds,
@@ -482,11 +558,11 @@ class CheckpointManager:
             remove(pending.temp)
             return
         if pending.phase == "seal":
-            self.last = pending.final
+            self.last = pending.final if pending.kind == "checkpoint" else self.last
             return
         try:
             self._seal(pending)
-            self.last = pending.final
+            self.last = pending.final if pending.kind == "checkpoint" else self.last
             logger.warning("sealed %s on the way out", pending.final)
         except Exception as e:  # noqa: BLE001 - the run is ending on another error: this one is reported only
             remove(pending.temp)
@@ -505,10 +581,10 @@ class CheckpointManager:
             part = self.parts.get(name)
             if part is None or part.load is None:
                 continue
-            if name in OWN_FILES:
+            if part.own_file:
                 if not has_state(checkpoint, name):
                     raise CheckpointError(f"{checkpoint} has no {name} state" +
-                                          (" but --use_ema is on" if name == EMA else ""))
+                                          (f" but {part.flag} is on" if part.flag else ""))
                 part.load(load_state(checkpoint, name, part.owned() if part.owned is not None else None))
             elif name not in state and part.missing is not None:
                 part.missing(state)

@@ -5,6 +5,9 @@
       vqvae/                the frozen autoencoder of an LDM run, written once; checkpoints refer to it
       visualdl*/            logs
       checkpoint-<step>/    one resumable state; its manifest.json is written last
+      ema_snapshots/step-<step>/
+                            the post-hoc EMA's profiles at that update (`ldm.models.posthoc_ema`), sealed as a
+                            checkpoint is and never rotated
       pipeline/ or vqvae/   the export at the end
 
 This module is the filesystem and nothing else: it imports nothing of `ldm` but the lock, and what goes into a
@@ -30,7 +33,9 @@ Rules:
   atomic, so such a checkpoint was damaged, and it may be the run's only copy of weeks of training.
 - Resuming from an older checkpoint while newer ones exist (they were skipped as damaged, or the
   user named an older one) renames the newer ones `checkpoint-<step>.abandoned`, so that neither
-  `latest` nor rotation ever mixes the two histories.
+  `latest` nor rotation ever mixes the two histories. EMA snapshots newer than the checkpoint resumed are set aside
+  alike when checkpoints were, and otherwise removed (a crash after them: the resumed run writes them again as it
+  passes their updates), so that a reconstruction never mixes two histories either.
 - Rotation keeps the `limit` newest complete checkpoints and never the one just written; a folder it
   cannot delete is reported.
 - Rank 0 decides, and writes all but the checkpoints' large files (every rank writes its share of those, and rank
@@ -64,6 +69,8 @@ CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"
 VAE_FOLDER = "vqvae"
+SNAPSHOTS = "ema_snapshots"
+SNAPSHOT_PREFIX = "step-"
 
 
 # A disk or quota that is full, or a file-size limit: a save that cannot be completed here.
@@ -351,9 +358,10 @@ class RunFolder:
                     remove(self.path(name))
                 logger.info("%s: emptied %s", self.empty_first, self.output_dir)
             os.makedirs(self.output_dir, exist_ok=True)
-            for name in os.listdir(self.output_dir):
-                if name.startswith(TEMP_PREFIX):  # what a killed save left behind
-                    remove(self.path(name))
+            for folder in (self.output_dir, self.path(SNAPSHOTS)):
+                for name in os.listdir(folder) if os.path.isdir(folder) else []:
+                    if name.startswith(TEMP_PREFIX):  # what a killed save left behind
+                        remove(os.path.join(folder, name))
             if resume is not None:
                 self._abandon_after(resume)
             marker = self.path(RUN_MARKER)
@@ -391,12 +399,27 @@ class RunFolder:
     def _abandon_after(self, resume: str) -> None:
         """Checkpoints of this folder newer than the one resumed belong to another history: set them aside."""
         step = checkpoint_step(resume)
+        if step is None:
+            return
+        abandoned = False
         for folder in checkpoint_dirs(self.output_dir):
-            if step is not None and checkpoint_step(folder) > step:
+            if checkpoint_step(folder) > step:
                 target = folder + ".abandoned"
                 remove(target)
                 os.replace(folder, target)
+                abandoned = True
                 logger.warning("resuming from %s: set the newer %s aside as %s", resume, folder, target)
+        for snapshot_step, folder in snapshot_dirs(self.output_dir):
+            if snapshot_step <= step:
+                continue
+            if abandoned:
+                remove(folder + ".abandoned")
+                os.replace(folder, folder + ".abandoned")
+                logger.warning("resuming from %s: set the newer EMA snapshot %s aside", resume, folder)
+            else:
+                remove(folder)
+                logger.warning("resuming from %s: removed the newer EMA snapshot %s (this run writes it again at "
+                               "update %d)", resume, folder, snapshot_step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def begin_save(self, step: int) -> str:
@@ -412,6 +435,20 @@ class RunFolder:
             write_manifest(folder, known)
         fsync_path(self.output_dir)
         self.rotate(keep=final)
+        return final
+
+    def snapshot_path(self, step: int) -> str:
+        return self.path(SNAPSHOTS, f"{SNAPSHOT_PREFIX}{step:06d}")
+
+    def begin_snapshot(self, step: int) -> str:
+        """The temporary folder of the EMA snapshot of update `step`, which every rank fills before `seal_snapshot`."""
+        return temporary_sibling(self.snapshot_path(step))
+
+    def seal_snapshot(self, folder: str, final: str, known: dict[str, dict] | None = None) -> str:
+        """The EMA snapshot `final` from the temporary `folder`, as `seal` does a checkpoint, outside rotation."""
+        with self.no_space_ends_the_run(final), atomic_folder(final, folder) as folder:
+            write_manifest(folder, known)
+        fsync_path(os.path.dirname(final))
         return final
 
     @contextmanager
@@ -452,6 +489,17 @@ class RunFolder:
         for folder in folders[:folders.index(oldest_kept)]:
             if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
                 remove(folder)
+
+
+def snapshot_dirs(output_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of the EMA snapshots of a run folder, complete or not, oldest first."""
+    folder = os.path.join(output_dir, SNAPSHOTS)
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        step = name[len(SNAPSHOT_PREFIX):]
+        if name.startswith(SNAPSHOT_PREFIX) and step.isdigit() and os.path.isdir(os.path.join(folder, name)):
+            found.append((int(step), os.path.join(folder, name)))
+    return sorted(found)
 
 
 def failure_of(output_dir: str) -> str | None:

@@ -60,15 +60,17 @@ class LiveTensor:
     that waits for its writing (`--async_save false`) or an export holds no host copy of the whole state beside it.
     Shape, dtype and size are known without a copy (the safetensors header comes first)."""
 
-    def __init__(self, tensor):
-        self.tensor = tensor
+    def __init__(self, tensor, dtype: str | None = None):
+        """`dtype`: written cast to it (numpy's name), one tensor at a time."""
+        self.tensor, self.cast = tensor, dtype
         self.shape = tuple(tensor.shape)
         name = str(tensor.dtype).replace("paddle.", "")
-        self.dtype = np.dtype("uint16" if name == "bfloat16" else name)  # bfloat16 as its raw 16 bits
+        self.dtype = np.dtype(dtype or ("uint16" if name == "bfloat16" else name))  # bfloat16 as its raw 16 bits
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def array(self) -> np.ndarray:
-        return host_array(self.tensor)
+        array = host_array(self.tensor)
+        return array.astype(self.cast) if self.cast else array
 
 
 def on_host(value) -> np.ndarray:
@@ -324,6 +326,32 @@ def state_arrays(folder: str, name: str, wanted=None) -> Iterator[tuple[str, np.
     """The arrays of the state `save_state` wrote (those `wanted(key)` accepts), as (key, array), read one at a time
     as they are asked for: a caller that uses each and lets it go (an export applying the EMA) holds one at a time."""
     return _read_arrays(folder, _stored(folder, name, wanted)[1])
+
+
+class StoredArrays:
+    """The arrays of a stored state (those `wanted(key)` accepts), each read by key when asked for: the structure and
+    each file's header are read once, so that a caller reading one array of many states at a time (a post-hoc EMA's
+    reconstruction, tensor by tensor over its snapshots) holds one array of each at most."""
+
+    def __init__(self, folder: str, name: str, wanted=None):
+        self.folder = folder
+        structure, by_file = _stored(folder, name, wanted)
+        self.structure = structure
+        self.file_of = {key: file for file, keys in by_file.items() for key in keys}
+        self._headers: dict[str, tuple[dict, int]] = {}
+
+    def keys(self) -> list[str]:
+        return sorted(self.file_of)
+
+    def read(self, key: str) -> np.ndarray:
+        file = self.file_of.get(key)
+        if file is None:
+            raise StateFormatError(f"{self.folder} holds no array {key!r}")
+        path = os.path.join(self.folder, file)
+        with open(path, "rb") as f:
+            if file not in self._headers:
+                self._headers[file] = _safetensors_header(f, path)
+            return _read_array(f, path, key, *self._headers[file])
 
 
 def _read_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:

@@ -79,6 +79,14 @@ class ModelArguments:
     attention: str = arg("default", "UNet attention: default (ppdiffusers') or sdpa (Paddle's fused "
                                     "scaled_dot_product_attention: FlashAttention on a GPU in fp16/bf16)")
     ema_decay: float = arg(0.9999, "maximum EMA decay (warm-up (1+n)/(10+n) below it)")
+    ema_sigma_rels: Optional[str] = arg(None, "post-hoc EMA (EDM2): track one power-function EMA per relative width "
+                                              "given, e.g. 0.05,0.10 (each below sqrt(1/12) = 0.2887); any other width "
+                                              "is reconstructed after training from --ema_snapshot_steps' snapshots "
+                                              "(python -m ldm.ema)")
+    ema_snapshot_steps: int = arg(0, "post-hoc EMA: write a snapshot of every profile every N updates (and at the "
+                                     "last) to <output_dir>/ema_snapshots/ (0: none)")
+    ema_snapshot_dtype: str = arg("auto", "post-hoc EMA: the snapshots' dtype, auto (the trained weights'), float32 "
+                                          "or float16 (half the disk)")
     vae_dtype: str = arg("float32", "precision of the frozen autoencoder's encode: float32, or float16/bfloat16 under "
                                     "autocast on a GPU (its weights stay float32; float32 where unsupported)")
     init_from_checkpoint: Optional[str] = arg(
@@ -106,6 +114,17 @@ class ModelArguments:
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
         _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")
+        from ldm.models.posthoc_ema import SNAPSHOT_DTYPES, PosthocEMAError, parse_sigma_rels
+
+        try:
+            parse_sigma_rels(self.ema_sigma_rels)
+        except PosthocEMAError as e:
+            raise ArgumentError(str(e)) from None
+        _check(self.ema_snapshot_steps >= 0, "--ema_snapshot_steps must be >= 0")
+        _check(not self.ema_snapshot_steps or bool(self.ema_sigma_rels),
+               "--ema_snapshot_steps snapshots the post-hoc EMA's profiles: pass --ema_sigma_rels too (e.g. 0.05,0.10)")
+        _check(self.ema_snapshot_dtype in SNAPSHOT_DTYPES,
+               f"--ema_snapshot_dtype must be one of {', '.join(SNAPSHOT_DTYPES)}, not {self.ema_snapshot_dtype!r}")
         _check(self.attention in ("default", "sdpa"), f"--attention must be default or sdpa, not {self.attention!r}")
         _check(self.vae_dtype in VAE_DTYPES,
                f"--vae_dtype must be one of {', '.join(VAE_DTYPES)}, not {self.vae_dtype!r}")

@@ -93,15 +93,20 @@ def load_tokenizer_of(family: TextFamily, folder: str):
         raise CheckpointError(str(e)) from None
 
 
+def averaged_parameters(unet, text_encoder) -> dict:
+    """The parts' parameters by the keys an EMA's state names them (`shadow.unet.*`, `shadow.text_encoder.*`: the
+    training wrapper's names)."""
+    return {f"shadow.{prefix}.{name}": parameter for prefix, model in (("unet", unet), ("text_encoder", text_encoder))
+            for name, parameter in model.named_parameters()}
+
+
 def apply_ema(path: str, unet, text_encoder) -> bool:
     """Write the EMA weights of checkpoint `path` (named `unet.*` / `text_encoder.*` after the training wrapper) into
     the parts, read one at a time (the whole EMA as numpy beside the model would double an export's memory); whether
     it had any."""
     if not has_state(path, EMA):
         return False
-    parameters = {f"shadow.{prefix}.{name}": parameter
-                  for prefix, model in (("unet", unet), ("text_encoder", text_encoder))
-                  for name, parameter in model.named_parameters()}
+    parameters = averaged_parameters(unet, text_encoder)
     with paddle.no_grad():
         for key, array in state_arrays(path, EMA, parameters.__contains__):
             parameter = parameters[key]

@@ -282,7 +282,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         super().__init__(*args, **kwargs)
         self.flat: FlatParameters | None = None
         self.moments: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}  # id(span) -> flat moment 1, 2
-        self.ema: FlatEMA | None = None  # the EMA the fused pass steps with the weights (`fuse`)
+        self.emas: list[FlatEMA] = []  # the averages the fused pass steps with the weights (`fuse`)
         self.host_pows: dict[int, tuple] = {}  # id(span) -> its bias-correction powers, fp32 on the host (`fuse`)
 
     @classmethod
@@ -292,7 +292,7 @@ class FlatAdamW(paddle.optimizer.AdamW):
         if type(optimizer) is not paddle.optimizer.AdamW or optimizer._already_create_accumulator:
             raise TypeError(f"a fresh paddle.optimizer.AdamW becomes a FlatAdamW, not {type(optimizer).__name__}")
         optimizer.__class__ = cls
-        optimizer.flat, optimizer.moments, optimizer.ema, optimizer.host_pows = None, {}, None, {}
+        optimizer.flat, optimizer.moments, optimizer.emas, optimizer.host_pows = None, {}, [], {}
         return optimizer
 
     def flatten(self, parameters=None, owner: dict[str, int] | None = None) -> FlatParameters:
@@ -309,13 +309,13 @@ class FlatAdamW(paddle.optimizer.AdamW):
         self.flat = FlatParameters(parameters, owner, decay)
         return self.flat
 
-    def fuse(self, kernel, ema: FlatEMA | None = None) -> bool:
-        """Step every span with `kernel` (`ldm.train.native.FusedKernel`): the clip's factor, AdamW and `ema`'s
-        update in one pass over the flat buffers. Only where every weight is fp32 and AdamW has no AMSGrad, else
-        False (Paddle's kernels, as before)."""
+    def fuse(self, kernel, emas=()) -> bool:
+        """Step every span with `kernel` (`ldm.train.native.FusedKernel`): the clip's factor, AdamW and the update
+        of each of `emas` (`FlatEMA`s: the EMA, the post-hoc EMA's profiles) in one pass over the flat buffers. Only
+        where every weight is fp32 and AdamW has no AMSGrad, else False (Paddle's kernels, as before)."""
         if any(span.dtype != paddle.float32 for span in self.flat.spans) or self._amsgrad:
             return False
-        self.flat.kernel, self.ema = kernel, ema
+        self.flat.kernel, self.emas = kernel, [ema for ema in emas if ema is not None]
         return True
 
     def _add_moments_pows(self, p):
@@ -408,10 +408,10 @@ class FlatAdamW(paddle.optimizer.AdamW):
         host too: the pass reads no tensor)."""
         f32 = np.float32
         lr = f32(self.get_lr())  # the value Paddle's learning-rate tensor holds, from the schedule
-        ema, decay = self.ema, None
-        if ema is not None:
-            decay = ema.ema.decay(ema.ema.num_updates + 1)  # the decay of the EMA's coming update
-            ema.applied = (decay, set())
+        decays = []
+        for ema in self.emas:
+            decays.append(ema.ema.decay(ema.ema.num_updates + 1))  # the decay of the EMA's coming update
+            ema.applied = (decays[-1], set())
         for span in spans:
             moment1, moment2 = self.moments[id(span)]
             pow1, pow2 = self._span_pows(span)
@@ -419,17 +419,18 @@ class FlatAdamW(paddle.optimizer.AdamW):
                 self.host_pows[id(span)] = (f32(pow1.item()), f32(pow2.item()))
             b1p, b2p = self.host_pows[id(span)]
             lr_ratio = f32(1.0 if self._lr_ratio is None else self._lr_ratio(span.params[0]))
-            average = ema.buffer_of(span) if ema is not None else None
+            stepped = [(ema, ema.buffer_of(span), 1.0 - decay) for ema, decay in zip(self.emas, decays, strict=True)]
+            stepped = [entry for entry in stepped if entry[1] is not None]
             with paddle.profiler.RecordEvent("ldm fused adamw + ema"):
                 self.flat.kernel.adamw_ema(
-                    self.flat.weight(span), self.flat.grad(span), moment1, moment2, average,
+                    self.flat.weight(span), self.flat.grad(span), moment1, moment2, [b for _, b, _ in stepped],
                     grad_scale=self.flat.pending_scale,
                     decay_rate=float(lr * lr_ratio * f32(self._weight_decay)) if span.decay else 0.0,
                     beta1=beta1, beta2=beta2, step=float(-(lr * (np.sqrt(f32(1) - b2p) / (f32(1) - b1p)))),
                     eps=float(f32(self._epsilon) * np.sqrt(f32(1) - b2p)),
-                    ema_weight=1.0 - decay if average is not None else 0.0)  # as `lerp_` is given it
+                    ema_weights=[w for _, _, w in stepped])  # as `lerp_` is given them
             self.flat.zeroed.add(id(span))
-            if average is not None:
+            for ema, _, _ in stepped:
                 ema.applied[1].add(id(span))
             scale_in_place(pow1, beta1)
             scale_in_place(pow2, beta2)

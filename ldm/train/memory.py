@@ -1,7 +1,9 @@
 """What each rank holds, in bytes, before activations: the trained weights and their gradients (on every rank), the
-AdamW moments and the EMA (the owned share under sharding, else every weight's), and the frozen parts.
+AdamW moments, the EMA and the post-hoc EMA's profiles (the owned share under sharding, else every weight's), and
+the frozen parts.
 
-Recorded in `run.json` as `memory: {"ranks": [{"weights", "gradients", "optimizer", "ema", "frozen"}, ...]}` and the
+Recorded in `run.json` as `memory: {"ranks": [{"weights", "gradients", "optimizer", "ema", "frozen"}, ...]}` (and
+"ema_profiles" with --ema_sigma_rels) and the
 largest rank's total logged at start, so that a layout can be sized before the cards are rented
 (docs/hardware.md). The partition is the sharding optimizer's own when it exists (the loop), else the same rule
 fleet uses (largest first to the least loaded rank; the Trainer path makes its optimizer after the record).
@@ -36,8 +38,9 @@ def fleet_partition(sizes: list[tuple[str, int]], degree: int) -> dict[str, int]
 
 
 def memory_by_rank(model, *, world_size: int, sharding_degree: int = 1, stage: int = 1, ema: bool = False,
-                   owners: dict[str, int] | None = None) -> dict:
-    """The bytes every rank holds of `model`'s state (see the module's doc). `owners`: the sharding optimizer's
+                   owners: dict[str, int] | None = None, ema_profiles: int = 0) -> dict:
+    """The bytes every rank holds of `model`'s state (see the module's doc); `ema_profiles`: post-hoc EMA profiles,
+    each an fp32 average of every trained weight, sharded as the EMA is. `owners`: the sharding optimizer's
     {parameter name: sharding rank}; global rank g is sharding rank g % degree (fleet's order puts the sharding
     axis inside data parallel). `stage` 2 shards the gradients too, 3 the weights as well."""
     trained = [p for p in model.parameters() if not p.stop_gradient]
@@ -56,6 +59,7 @@ def memory_by_rank(model, *, world_size: int, sharding_degree: int = 1, stage: i
             # moment1 and moment2 in the parameter's dtype, and the two bias-correction scalars (fp32)
             "optimizer": sum(2 * nbytes(p) + 4 * ADAM_SCALARS for p in owned),
             "ema": sum(4 * int(p.numel()) for p in owned) if ema else 0,  # fp32 averages
+            **({"ema_profiles": ema_profiles * sum(4 * int(p.numel()) for p in owned)} if ema_profiles else {}),
             "frozen": frozen,
         })
     return {"ranks": ranks, "sharding_degree": degree, "stage": stage if degree > 1 else 0, "partition": partition}

@@ -129,7 +129,7 @@ class FusedKernel:
         library.ldm_sum_squares.restype = None
         library.ldm_sum_squares.argtypes = [p, p, p, i64, p, ctypes.c_int]
         library.ldm_adamw_ema.restype = None
-        library.ldm_adamw_ema.argtypes = [p, p, p, p, p, i64, f, f, f, f, f, f, f, ctypes.c_int]
+        library.ldm_adamw_ema.argtypes = [p, p, p, p, p, p, i64, i64, f, f, f, f, f, f, ctypes.c_int]
 
     def sum_squares(self, tensor, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """The sum of squares of each segment [starts[k], starts[k] + sizes[k]) of `tensor`, in double."""
@@ -139,15 +139,19 @@ class FusedKernel:
                                      out.ctypes.data, self.threads)
         return out
 
-    def adamw_ema(self, weight, grad, moment1, moment2, average, *, grad_scale: float, decay_rate: float,
-                  beta1: float, beta2: float, step: float, eps: float, ema_weight: float) -> None:
-        """One pass of AdamW (and the EMA into `average`, unless None) over flat buffers of equal length; `grad` is
+    def adamw_ema(self, weight, grad, moment1, moment2, averages=(), *, grad_scale: float, decay_rate: float,
+                  beta1: float, beta2: float, step: float, eps: float, ema_weights=()) -> None:
+        """One pass of AdamW, and of each average of `averages` with its weight of `ema_weights` (the EMA's and the
+        post-hoc EMA's profiles: the weights are read once for all), over flat buffers of equal length; `grad` is
         zero after it."""
         n = weight.shape[0]
-        assert all(t.shape[0] == n for t in (grad, moment1, moment2) + ((average,) if average is not None else ()))
+        assert len(averages) == len(ema_weights)
+        assert all(t.shape[0] == n for t in (grad, moment1, moment2, *averages))
+        pointers = (ctypes.c_void_p * max(1, len(averages)))(*(a.data_ptr() for a in averages))
+        weights = (ctypes.c_float * max(1, len(averages)))(*ema_weights)
         self.library.ldm_adamw_ema(weight.data_ptr(), grad.data_ptr(), moment1.data_ptr(), moment2.data_ptr(),
-                                   average.data_ptr() if average is not None else None, n, grad_scale, decay_rate,
-                                   beta1, beta2, step, eps, ema_weight, self.threads)
+                                   pointers, weights, len(averages), n, grad_scale, decay_rate, beta1, beta2, step,
+                                   eps, self.threads)
 
 
 def compile_into(command: list[str], prefix: str) -> str:

@@ -33,6 +33,7 @@ from ldm.models.backbone import family_of as backbone_of
 from ldm.models.buckets import BucketError, backbone_buckets, bucket_name, size_step
 from ldm.models.ema import EMA
 from ldm.models.flops import ldm_training_flops
+from ldm.models.posthoc_ema import EMAProfiles, parse_sigma_rels
 from ldm.models.text import text_encoder_identity
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import NullWriter
@@ -52,6 +53,7 @@ class Objective:
     tokenizer = None  # batches carry `input_ids` when set
     data: DataArguments | None = None  # the data arguments as it resolved them (the caption length); None: as given
     ema: EMA | None = None
+    ema_profiles: EMAProfiles | None = None  # the post-hoc EMA's (`--ema_sigma_rels`)
     latents_of: str | None = None  # trains on latent shards of this autoencoder (fingerprint); None: images only
     buckets: tuple[tuple[int, int], ...] | None = None  # its --aspect_buckets, for its model's size step; None: squares
     latent_scale = 8  # the autoencoder's downsampling
@@ -140,6 +142,9 @@ class TextToImage(Objective):
             self.model.keep_empty_caption(CaptionTokenizer(self.tokenizer, data.model_max_length)(""))
         self.text_folder = None
         self.ema = EMA(self.model, model_args.ema_decay) if model_args.use_ema else None
+        sigma_rels = parse_sigma_rels(model_args.ema_sigma_rels)
+        self.ema_profiles = EMAProfiles(self.model, sigma_rels, model_args.ema_snapshot_steps,
+                                        model_args.ema_snapshot_dtype) if sigma_rels else None
         self.init_source = model_args.init_from_checkpoint
         self.vae_identity = autoencoder_identity(self.components.vae)
         self.latents_of, self.autoencoder_source = fingerprint(self.vae_identity), self.components.vae_source

@@ -30,7 +30,7 @@ import paddle
 
 from ldm.checkpoint.manager import CheckpointManager, Part, optimizer_part, scaler_part, stateful
 from ldm.checkpoint.resume import Resume
-from ldm.checkpoint.run_folder import RunFolder
+from ldm.checkpoint.run_folder import SNAPSHOTS, RunFolder
 from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.models.flops import throughput_metrics
@@ -44,7 +44,7 @@ from ldm.train.elastic import SampleClock
 from ldm.train.flat import FlatAdamW, FlatEMA
 from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
-from ldm.train.memory import check_host_memory, log_largest, memory_by_rank
+from ldm.train.memory import check_host_memory, log_largest, memory_by_rank, readable
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.native import agreed_flat_update
 from ldm.train.native import load as load_kernel
@@ -141,6 +141,22 @@ class Deferred:
         return lambda *args: getattr(self._get(), name)(*args)
 
 
+def describe_profiles(profiles, run_dir: RunFolder) -> dict:
+    """The post-hoc EMA's profiles and their snapshots' disk cost (the run's record), said once in the log."""
+    described = profiles.describe()
+    widths = ", ".join(f"{s:g} (gamma {g:.2f})" for s, g in zip(described["sigma_rels"], described["gammas"],
+                                                                  strict=True))
+    if profiles.snapshot_steps:
+        logger.info("post-hoc EMA: profiles of sigma_rel %s; a snapshot every %d updates in %s, %s each (%s), %s per "
+                    "1,000 updates", widths, profiles.snapshot_steps, run_dir.path(SNAPSHOTS),
+                    readable(described["snapshot_bytes"]), profiles.dtype,
+                    readable(described["bytes_per_1000_updates"]))
+    else:
+        logger.warning("post-hoc EMA: profiles of sigma_rel %s, in the checkpoints only: without "
+                       "--ema_snapshot_steps no other width can be reconstructed", widths)
+    return described
+
+
 def shard_ema(ema, model, optimizer) -> None:
     """Under sharding, the EMA follows the optimizer's partition: each rank keeps the averages of the weights whose
     optimizer state it keeps (`ldm.models.ema.EMA.shard`). Nothing to do unsharded or without EMA."""
@@ -201,20 +217,27 @@ class TrainingRun:
         `FlatAdamW` lays the weights out flat here, each rank's share together (`ldm.train.flat`), and the EMA and
         the gradients' norm, clip and all-reduce follow (`gradients`)."""
         self.optimizer = optimizer
-        shard_ema(self.objective.ema, self.objective.model, optimizer)
+        averages = self.averages
+        for ema in averages:
+            shard_ema(ema, self.objective.model, optimizer)
         inner = innermost_optimizer(optimizer)
         if isinstance(inner, FlatAdamW) and inner.flat is None:
             shards = sharding_owners(optimizer)
             self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
             route_clear_grad(optimizer, self.gradients.clear)
-            if self.objective.ema is not None:
-                FlatEMA.adopt(self.objective.ema, self.gradients)
-            ema = self.objective.ema.flat if self.objective.ema is not None else None
-            fused = self.flat_update == "fused" and inner.fuse(load_kernel()[0], ema)
+            for ema in averages:
+                FlatEMA.adopt(ema, self.gradients)
+            fused = self.flat_update == "fused" and inner.fuse(load_kernel()[0], [ema.flat for ema in averages])
             if self.flat_update == "fused" and not fused:  # weights of several dtypes, or AMSGrad
                 logger.warning("flat update: Paddle's kernels, not the fused one (it steps fp32 AdamW only)")
             logger.info("flat update: %d trained tensors in %d spans%s", len(self.trained), len(self.gradients.spans),
                         f", one fused pass on {self.gradients.kernel.threads} thread(s)" if fused else "")
+
+    @property
+    def averages(self) -> list:
+        """The EMA and the post-hoc EMA's profiles: every average of the weights the update steps."""
+        profiles = self.objective.ema_profiles
+        return [ema for ema in (self.objective.ema, *(profiles.profiles if profiles else ())) if ema is not None]
 
     def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
         """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
@@ -239,10 +262,14 @@ class TrainingRun:
         leaves nothing behind."""
         plan, dist, objective = self.plan, self.dist, self.objective
         owners = sharding_owners(self.optimizer) if self.optimizer is not None else None
+        profiles = objective.ema_profiles
         self.record["memory"] = memory_by_rank(objective.model, world_size=dist.world_size, sharding_degree=self.shards,
                                                stage=self.stage, ema=objective.ema is not None,
-                                               owners=owners[0] if owners else None)
+                                               owners=owners[0] if owners else None,
+                                               ema_profiles=len(profiles.profiles) if profiles else 0)
         log_largest(self.record["memory"])
+        if profiles is not None:
+            self.record["ema_profiles"] = describe_profiles(profiles, self.run_dir)
         # before any work: a host that cannot hold the state and the snapshot's reservation ends here in one line
         check_host_memory(self.record["memory"], dist, async_save=self.run_args.async_save,
                           on_host=all(p.place.is_cpu_place() for p in self.trained[:1]))
@@ -390,6 +417,8 @@ class TrainingRun:
             self.clock.advance()
             if self.objective.ema is not None:
                 self.objective.ema.update()
+        if self.objective.ema_profiles is not None:
+            self.objective.ema_profiles.updated(skipped)
         self.phases.lap("ema")
 
     def window_metrics(self, logs: dict, with_loss: bool = True) -> dict:
@@ -433,6 +462,11 @@ class TrainingRun:
             self.log(evaluate(self.objective, self.dist, step, self.eval_clock, self.batches), step)
         if self.plan.image_logging_steps and step % self.plan.image_logging_steps == 0:
             self.objective.log_images(self.writer, step, batch)  # every rank: a sharded EMA is gathered first
+        profiles = self.objective.ema_profiles
+        if profiles is not None and profiles.snapshot_due(step, last=last, stopping=self.stop.agreed):
+            self.phases.lap("other")
+            self.manager.save_ema_snapshot(step)
+            self.phases.lap("checkpoint")
         if not drives and self.manager.due(step, last=last, stopping=self.stop.agreed):
             self.save(step)
         if not drives:

@@ -138,7 +138,7 @@ class LDMTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         self.run.adopt(self.optimizer)  # made (and under sharding wrapped) by the Trainer now
         if checkpoint:
-            self.run.restore(["optimizer", "lr_scheduler", "scaler", "ema"], weights=False)
+            self.run.restore(["optimizer", "lr_scheduler", "scaler", *self.run.manager.averaging_parts], weights=False)
 
     def _load_rng_state(self, checkpoint):
         """Restored at `on_train_begin` with the rest (PaddleNLP calls this only when it replays data)."""

@@ -11,10 +11,12 @@ multiply-adds of `phi/kernels/funcs/jit/gen/adamw.cc`), else its reference kerne
     m2' = beta2 * m2 + (1 - beta2) * g * g            (the JIT kernel: (1 - beta2) * (g * g))
     p'' = p' + step * (m1' / (sqrt(m2') + eps))       step = -lr * (sqrt(1 - beta2^t) / (1 - beta1^t)),
                                                       eps = epsilon * sqrt(1 - beta2^t)
-    ema' = ema + ema_weight * (p'' - ema)             Paddle's lerp_, ema_weight = 1 - decay
+    ema' = ema + ema_weight * (p'' - ema)             Paddle's lerp_, ema_weight = 1 - decay, for each average
 
 with g the gradient times `grad_scale` (the clip's factor, applied here instead of in a pass of its own). The
-gradient is zeroed once read: the next backward accumulates into it, with no pass to clear it. */
+gradient is zeroed once read: the next backward accumulates into it, with no pass to clear it. Several averages (the
+EMA and the post-hoc EMA's profiles) are each stepped over a run of CHUNK weights just written, while the run is in
+the core's cache: the weights are read from memory once for all of them. */
 
 #include <math.h>
 #include <stdint.h>
@@ -66,29 +68,25 @@ static inline float adamw(float *p, float g, float *m1, float *m2, float decay_r
   return MUL_ADD(step, a / (sqrtf(b) + eps), decayed);
 }
 
-void ldm_adamw_ema(float *p, float *g, float *m1, float *m2, float *ema, int64_t n, float grad_scale,
-                   float decay_rate, float beta1, float beta2, float step, float eps, float ema_weight,
-                   int threads) {
+/* `count` averages, averages[k] stepped with ema_weights[k] (count 0: AdamW alone). */
+void ldm_adamw_ema(float *p, float *g, float *m1, float *m2, float *const *averages, const float *ema_weights,
+                   int64_t count, int64_t n, float grad_scale, float decay_rate, float beta1, float beta2, float step,
+                   float eps, int threads) {
   const float one_minus_beta1 = 1.0f - beta1, one_minus_beta2 = 1.0f - beta2;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t start = 0; start < n; start += CHUNK) {
     const int64_t end = start + CHUNK < n ? start + CHUNK : n;
-    if (ema) {
 #pragma omp simd
-      for (int64_t i = start; i < end; ++i) {
-        const float w = adamw(p + i, g[i] * grad_scale, m1 + i, m2 + i, decay_rate, beta1, beta2, one_minus_beta1,
-                              one_minus_beta2, step, eps);
-        g[i] = 0.0f;
-        p[i] = w;
-        ema[i] = ema[i] + ema_weight * (w - ema[i]);
-      }
-    } else {
+    for (int64_t i = start; i < end; ++i) {
+      p[i] = adamw(p + i, g[i] * grad_scale, m1 + i, m2 + i, decay_rate, beta1, beta2, one_minus_beta1,
+                   one_minus_beta2, step, eps);
+      g[i] = 0.0f;
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      float *ema = averages[k];
+      const float weight = ema_weights[k];
 #pragma omp simd
-      for (int64_t i = start; i < end; ++i) {
-        p[i] = adamw(p + i, g[i] * grad_scale, m1 + i, m2 + i, decay_rate, beta1, beta2, one_minus_beta1,
-                     one_minus_beta2, step, eps);
-        g[i] = 0.0f;
-      }
+      for (int64_t i = start; i < end; ++i) ema[i] = ema[i] + weight * (p[i] - ema[i]);
     }
   }
 }
