@@ -34,7 +34,7 @@ def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
     try:
         for record in metrics_records(os.path.join(run_folder, METRICS_FILE)):
             for name in ("eval/fid", "eval/clip_score"):
-                if name in record:
+                if isinstance(record.get(name), int | float):  # null: not finite at that evaluation
                     found[name] = (int(record["step"]), float(record[name]))
     except OSError:
         pass
