@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
     tokenize = CaptionTokenizer(tokenizer, prompt_length(text_encoder, tokenizer))
+    warn_cut_prompts(tokenize, [*prompts, args.negative_prompt])
     repeated = [p for p in prompts for _ in range(args.num_images_per_prompt)]
     try:
         latent_size(unet, vae, args.height, args.width)
@@ -94,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     save_image(labeled_grid(images, prompts, args.grid_cell), os.path.join(args.output_dir, "grid.png"))
     print(f"wrote {len(images)} images and grid.png to {args.output_dir}")
     return 0
+
+
+def warn_cut_prompts(tokenize, prompts: list[str]) -> None:
+    """One line per prompt longer than the caption length the model was trained with, whose end is left out (as
+    diffusers' pipelines say of theirs)."""
+    for prompt in dict.fromkeys(prompts):
+        tokenize(prompt)
+        if tokenize.cut:
+            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+            print(f"warning: the prompt {shown!r} is longer than the {tokenize.max_length} tokens this model was "
+                  f"trained with: its last {tokenize.cut} tokens are left out", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ zeroes the UNet's output layers, which would make its prediction 0 whatever the 
     .venv/bin/python tests/interop_models.py FOLDER --sd    writes FOLDER/ppdiffusers, the seeded sd-tiny pipeline
     .venv/bin/python tests/interop_models.py FOLDER --sd3   writes FOLDER/diffusers, the seeded sd3-tiny pipeline
     .venv/bin/python tests/interop_models.py FOLDER --pixart   writes FOLDER/diffusers, the seeded pixart-tiny one
+    .venv/bin/python tests/interop_models.py FOLDER --objective PRESET PREDICTION   writes FOLDER/ppdiffusers, the
+        seeded tiny PRESET (ldm-tiny, sd-tiny, pixart-tiny, sd3-tiny) trained for PREDICTION (epsilon,
+        v_prediction, flow_matching)
 """
 
 from __future__ import annotations
@@ -156,6 +159,33 @@ def tiny_t5_model(folder: str) -> str:
     return root
 
 
+def tiny_objective_pipeline(folder: str, preset: str, prediction_type: str) -> str:
+    """The seeded tiny pipeline of `preset` with the noise schedule a run of `--prediction_type prediction_type`
+    (flow matching: `--flow_shift 3`) trains, in ppdiffusers' layout: what `ldm.export --format diffusers` converts
+    in the model-card checks (tests/reference/run_model_cards.py, tests/test_inference_export.py)."""
+    sys.path.insert(0, ROOT)
+    from ldm.data.tokenize import load_tokenizer, write_vocab
+    from ldm.inference.export import export_pipeline
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components
+    from ldm.models.noise import scheduler_config
+
+    flow_shift = 3.0 if prediction_type == "flow_matching" else None
+    if preset == "ldm-tiny":  # at diffusers' 77 tokens, which its LDMTextToImagePipeline always gives LDMBert
+        write_vocab(WORDS, os.path.join(folder, "vocab"))
+        tokenizer = load_tokenizer(os.path.join(folder, "vocab"), 77)
+        c = build_components(preset, vocab_size=tokenizer.vocab_size, model_max_length=77,
+                             prediction_type=prediction_type, flow_shift=flow_shift)
+    else:
+        c = build_components(preset, prediction_type=prediction_type, flow_shift=flow_shift)
+        tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))
+        tokenizer.model_max_length = MAX_LENGTH
+    for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
+        fill_seeded(part, 100 + seed)
+    return export_pipeline(c.unet, c.text_encoder, c.vae, tokenizer, scheduler_config(c.noise_scheduler),
+                           os.path.join(folder, "ppdiffusers"))
+
+
 def plant_code(weights_file, key: str, marker) -> None:
     """Replace a torch `.bin` by one whose unpickling runs `echo PWNED > marker`: what a malicious download holds."""
     import pickle
@@ -170,7 +200,9 @@ def plant_code(weights_file, key: str, marker) -> None:
 
 
 if __name__ == "__main__":
-    if "--sd3" in sys.argv[2:]:
+    if "--objective" in sys.argv[2:]:
+        print(tiny_objective_pipeline(sys.argv[1], *sys.argv[3:5]))
+    elif "--sd3" in sys.argv[2:]:
         print(tiny_sd3_pipeline(sys.argv[1]))
     elif "--pixart" in sys.argv[2:]:
         print(tiny_pixart_pipeline(sys.argv[1]))

@@ -58,12 +58,12 @@ def corpus(tmp_path_factory):
     return write_corpus(str(folder), num_records=60, records_per_shard=7, kinds=("jpeg", "png", "rgba"), bad_every=9)
 
 
-def make_stream(corpus, vocab_dir, state=None, num_workers=2, **kw):
+def make_stream(corpus, vocab_dir, state=None, num_workers=2, length=16, **kw):
     options = dict(batch_size=4, caption_dropout_prob=0.1, seed=3, shuffle_buffer=8)
     options.update(kw)
     return CaptionImageStream(
         read_file_list(corpus),
-        tokenize=CaptionTokenizer(load_tokenizer(vocab_dir), 16),
+        tokenize=CaptionTokenizer(load_tokenizer(vocab_dir), length),
         transform=ImageTransform(32),
         num_workers=num_workers,
         state=state,
@@ -83,6 +83,18 @@ def consume(loader, tracker, n):
     finally:
         stop_loader(iterator)  # no reader thread may outlive its loader: later loaders fork workers
     return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_captions_cut_to_the_caption_length_are_counted_across_workers(corpus, vocab_dir, num_workers):
+    """Every corpus caption ('photo N') is at least two tokens: at 3 ([CLS] one [SEP]) each is cut, at 64 none is.
+    The count crosses from the loader's workers with the stream state, as the skipped records' do."""
+    for length, cut in ((3, True), (64, False)):
+        tracker = StreamState(num_workers)
+        stream = make_stream(corpus, vocab_dir, num_workers=num_workers, length=length, caption_dropout_prob=0.0)
+        consume(build_dataloader(stream, num_workers), tracker, 10)
+        counts = tracker.counts()
+        assert counts["ok"] == 40 and counts["truncated_captions"] == (40 if cut else 0), counts
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -278,6 +278,24 @@ def test_generate_samples_from_a_diffusers_folder(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["000-00-a-red-circle-on-a-blue-background.png", "grid.png"]
 
 
+def test_generate_warns_of_a_prompt_it_cuts_and_wraps_its_label_in_the_grid(tmp_path, capsys):
+    """A 560-word prompt (the fixture's model reads 16 tokens): one warning naming what is left out, and a grid whose
+    label column stays `LABEL_WIDTH` wide (it was as wide as the prompt written out: 22,268 px)."""
+    from PIL import Image
+
+    from ldm.generate import main
+    from ldm.inference.sampling import LABEL_WIDTH
+
+    long = " ".join(["a red circle on a blue background"] * 80)
+    main(["--model", str(FIXTURES / "diffusers-bin"), "--prompt", long, "--prompt", PROMPT,
+          "--num_inference_steps", "1", "--output_dir", str(tmp_path)])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "longer than the 16 tokens" in warnings[0], warnings
+    assert f"its last {80 * 7 - 14} tokens are left out" in warnings[0]  # 560 words, 14 kept between [CLS] and [SEP]
+    grid = Image.open(tmp_path / "grid.png")
+    assert grid.width <= LABEL_WIDTH + 24 + 128 and grid.height == 2 * 128
+
+
 def test_an_export_never_replaces_a_folder_that_is_not_a_pipeline_nor_what_it_reads(tmp_path, monkeypatch):
     """`--output` is replaced whole: a run folder given by mistake, or the folder being exported, stays as it is;
     an earlier export is replaced."""

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from ldm.models.text import T5, TextEncoderError, load_text_tokenizer
 
@@ -71,6 +72,32 @@ def test_a_t5_tokenizer_saved_as_tokenizer_json_alone_tokenizes_as_its_spiece_mo
         np.testing.assert_array_equal(ids, expected(prompt, max_length=16, padding="max_length",
                                                     truncation=True)["input_ids"])
     assert read.convert_tokens_to_ids("<extra_id_0>") == len(read) - 1
+
+
+def test_the_tokenizer_json_written_of_a_spiece_model_is_transformers_and_reads_back_as_it(tmp_path):
+    """What an export writes beside spiece.model for a library without sentencepiece (`t5_tokenizer_json`): the model,
+    special tokens and character map transformers' converter writes (the rest as transformers 5 writes it, which
+    tests/reference/check_t5_tokenizer_json.py found byte-equal and tokenizing as SentencePiece:
+    tests/fixtures/t5_tokenizer_json.json), and read alone it tokenizes as the spiece.model."""
+    from ldm.models.text import t5_tokenizer_json
+
+    slow, fast = write_t5_tokenizers(str(tmp_path))
+    written = t5_tokenizer_json(slow)
+    with open(os.path.join(fast, "tokenizer.json"), encoding="utf-8") as f:
+        converted = json.load(f)
+    assert written["model"] == converted["model"] and written["added_tokens"] == converted["added_tokens"]
+    assert written["normalizer"] == converted["normalizer"]["normalizers"][0]
+    assert written["post_processor"]["single"] == converted["post_processor"]["single"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "tokenizer.json").write_text(json.dumps(written, ensure_ascii=False), encoding="utf-8")
+    expected, read = load_text_tokenizer(T5, slow), load_text_tokenizer(T5, str(alone))
+    for prompt in PROMPTS:
+        assert read(prompt)["input_ids"] == expected(prompt)["input_ids"]
+    with open(os.path.join(ROOT, "tests", "fixtures", "t5_tokenizer_json.json")) as f:
+        checked = json.load(f)
+    assert checked["equals_the_file_transformers_writes"] and checked["tokenizers_ids_equal_sentencepiece"]
+    assert checked["transformers_reading_tokenizer_json_alone_equal_sentencepiece"]
 
 
 def test_a_t5_tokenizer_json_that_is_not_sentencepiece_is_refused_in_one_line(tmp_path):

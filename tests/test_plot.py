@@ -81,3 +81,22 @@ def test_timesteps_are_ordered_by_number_and_patterns_keep_their_order():
     names = ["eval/loss_t875", "eval/loss_t5", "eval/loss_t125", "eval/loss", "train/loss"]
     assert matching(names, ["eval/loss_t*"]) == ["eval/loss_t5", "eval/loss_t125", "eval/loss_t875"]
     assert matching(names, ["train/*", "eval/loss"]) == ["train/loss", "eval/loss"]
+
+
+def test_the_metrics_file_is_strict_json_with_null_for_nan_and_inf(tmp_path):
+    import json
+
+    import pytest
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    run = write_run(tmp_path / "run", range(1, 4), nan_at=(2,))
+    metrics = MetricsFile(run)
+    metrics.write(4, {"train/loss": float("inf"), "train/loss_q1": float("-inf")})
+    metrics.close()
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        records = [json.loads(line, parse_constant=refuse) for line in f]
+    assert records[1]["train/loss"] is None and records[3]["train/loss"] is None
+    assert records[3]["train/loss_q1"] is None and records[0]["train/loss"] == pytest.approx(1.0)
+    assert read_metrics(run)["train/loss"][0] == [1, 3]  # null is left out of the curves as NaN was

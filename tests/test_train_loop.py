@@ -1204,3 +1204,17 @@ def test_a_bin_carrying_code_given_to_init_from_checkpoint_is_one_line_and_never
         result.stderr[-3000:]
     assert "can run code" in result.stderr and not marker.exists()
     assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == []
+
+
+def test_captions_cut_to_the_caption_length_are_counted_and_said_once_at_the_end(corpus, tmp_path):
+    """The corpus's captions ('photo N') are at least two tokens: at --model_max_length 3 ([CLS] one [SEP]) each is
+    cut, which the run counts (data_truncated_captions beside data_ok) and says in one line at its end."""
+    args = [*corpus, "--model_max_length", "3", "--max_train_steps", "2", "--logging_steps", "1", "--num_workers",
+            "0", "--caption_dropout_prob", "0", "--output_dir", str(tmp_path / "run")]
+    result = run(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f if "train/data_ok" in line][-1]
+    assert last["train/data_truncated_captions"] == last["train/data_ok"] >= 8, last
+    said = [line for line in result.stderr.splitlines() if "longer than the 3 tokens" in line]
+    assert len(said) == 1 and f"{int(last['train/data_ok'])} of the {int(last['train/data_ok'])} captions" in said[0]

@@ -365,6 +365,20 @@ def _read_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[s
                 yield key, _read_array(f, path, key, header, start)
 
 
+def file_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The arrays of safetensors files (`by_file`: file name in `folder` -> the keys to read from it), one at a time
+    as `state_arrays` reads them."""
+    return _read_arrays(folder, by_file)
+
+
+def safetensors_entries(path: str) -> dict[str, tuple[np.dtype | None, tuple[int, ...]]]:
+    """{name: (numpy dtype, None for one numpy has not, such as bfloat16; shape)} of a safetensors file's header."""
+    with open(path, "rb") as f:
+        header, _ = _safetensors_header(f, path)
+    return {name: (NUMPY_DTYPE.get(entry.get("dtype")), tuple(entry.get("shape", ())))
+            for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)}
+
+
 NUMPY_DTYPE = {name: numpy for numpy, name in SAFETENSORS_DTYPE.items()}
 
 

@@ -38,7 +38,7 @@ from ldm.data.readers import count_records as shard_records
 from ldm.data.record import ImageTransform, SkipRecord, sample_rng
 from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError
-from ldm.data.stream import PHASE_END, Record, SlotStream
+from ldm.data.stream import PHASE_END, TRUNCATED_CAPTIONS, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 from ldm.runtime.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.runtime.supervisor import RESTARTS_ENV
@@ -231,9 +231,10 @@ class CaptionImageStream(IterableDataset):
         self.first_role = state["batches"] % self.workers
         self.resumes_exactly = True
 
-    def make_sample(self, record: Record) -> tuple[np.ndarray, Any]:
+    def make_sample(self, record: Record, counts: Counter | None = None) -> tuple[np.ndarray, Any]:
         """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states, how many of
         their tokens are real and whether its caption was dropped): the record's kind is read from its content.
+        `counts`: the stream's, which count a caption cut to the tokenizer's length (`truncated_captions`).
 
         A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
         its image is decoded."""
@@ -269,7 +270,12 @@ class CaptionImageStream(IterableDataset):
                                      "with --text_embeddings, or none of it")
         if cached is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
             return sample, (*cached, dropped)
-        return sample, self.tokenize(caption) if self.tokenize else None
+        if not self.tokenize:
+            return sample, None
+        ids = self.tokenize(caption)
+        if counts is not None and getattr(self.tokenize, "cut", 0):
+            counts[TRUNCATED_CAPTIONS] += 1
+        return sample, ids
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
@@ -303,7 +309,8 @@ class CaptionImageStream(IterableDataset):
         # restored groups may be full now (buckets turned off or changed, a smaller batch): sent before reading on
         while (taken := groups.take_full()) is not None:
             yield batch(taken)
-        for sample in stream.samples(lambda r: (*self.make_sample(r), r), phase_ends=self.bucketed):
+        # a held record was counted when first read: only the stream's own records count
+        for sample in stream.samples(lambda r: (*self.make_sample(r, stream.counts), r), phase_ends=self.bucketed):
             if sample is PHASE_END:
                 while (taken := groups.take_oldest()) is not None:
                     stream.counts["short_batch_records"] += len(taken)

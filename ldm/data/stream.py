@@ -32,7 +32,8 @@ logger = logging.getLogger("ldm.data")
 
 LOGGED_PER_REASON = 5
 MAX_EMPTY_PASSES = 1000
-NOT_PROBLEMS = ("ok", "short_batch_records")  # counts that are not skipped records
+TRUNCATED_CAPTIONS = "truncated_captions"  # records trained on whose caption the tokenizer's length cut short
+NOT_PROBLEMS = ("ok", "short_batch_records", TRUNCATED_CAPTIONS)  # counts that are not skipped records
 PHASE_END = None  # what `records(phase_ends=True)` yields when a phase is read to its end
 
 

@@ -38,21 +38,25 @@ def load_tokenizer(name_or_path: str, model_max_length: int = 77):
 
 
 class CaptionTokenizer:
-    """caption -> int64 [max_length] token ids, without attention mask (LDMBert takes none)."""
+    """caption -> int64 [max_length] token ids, without attention mask (LDMBert takes none). `cut`: how many tokens
+    the last caption lost to the length (its end is dropped, as diffusers' pipelines do, which warn of it)."""
 
     def __init__(self, tokenizer, max_length: int = 77):
         self.tokenizer, self.max_length = tokenizer, max_length
+        self.cut = 0
 
     def __call__(self, caption: str) -> np.ndarray:
-        ids = self.tokenizer(
+        encoded = self.tokenizer(
             caption,
             max_length=self.max_length,
             padding="max_length",
             truncation=True,
             return_attention_mask=False,
             return_token_type_ids=False,
-        )["input_ids"]
-        return np.asarray(ids, dtype=np.int64)
+            return_overflowing_tokens=True,
+        )
+        self.cut = max(0, int(encoded.get("num_truncated_tokens", 0)))  # negative: the room left
+        return np.asarray(encoded["input_ids"], dtype=np.int64)
 
 
 def write_vocab(words: Iterable[str], folder: str) -> str:

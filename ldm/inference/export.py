@@ -16,8 +16,9 @@ from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_f
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import sampling_scheduler
-from ldm.models.backbone import PipelineError, text_to_image_pipeline
-from ldm.models.text import LDMBERT, family_of, prompt_length, text_parts
+from ldm.models.backbone import PipelineError, pipeline_class_name, text_to_image_pipeline
+from ldm.models.noise import is_flow
+from ldm.models.text import LDMBERT, family_of, prompt_length, t5_tokenizer_json, text_parts
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -52,6 +53,23 @@ def check_diffusers_context(text_encoder) -> None:
             "with --format ppdiffusers and samples with python -m ldm.generate")
 
 
+# diffusers' pipelines that scale their first latents by `scheduler.init_noise_sigma` (and call `scale_model_input`),
+# which its FlowMatchEulerDiscreteScheduler has not: a flow-matching model fails there at its first call. Its
+# `LDMTextToImagePipeline` and `StableDiffusion3Pipeline` step it (tests/fixtures/model_cards.json: each model card's
+# snippet run in diffusers 0.42, tests/reference/run_model_cards.py)
+NO_FLOW_PIPELINES = ("StableDiffusionPipeline", "PixArtAlphaPipeline")
+
+
+def check_diffusers_sampler(unet, text_encoder, scheduler_config: dict) -> None:
+    """A flow-matching model whose diffusers pipeline cannot step its sampler is refused for diffusers' layout."""
+    pipeline_class = pipeline_class_name(unet, text_encoder)
+    if is_flow(scheduler_config) and pipeline_class in NO_FLOW_PIPELINES:
+        raise CheckpointError(
+            f"--format diffusers: diffusers' {pipeline_class} cannot sample this flow-matching model (it reads "
+            "scheduler.init_noise_sigma, which FlowMatchEulerDiscreteScheduler has not, and fails at its first call): "
+            "export it with --format ppdiffusers and sample it with python -m ldm.generate")
+
+
 class NoPipeline(CheckpointError):
     """A model that no pipeline class samples as it was trained."""
 
@@ -83,6 +101,8 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     pipeline = pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))
     if to_diffusers and family_of(text_encoder) is LDMBERT:
         check_diffusers_context(text_encoder)
+    if to_diffusers:
+        check_diffusers_sampler(unet, text_encoder, scheduler_config)
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         if to_diffusers:
             # ppdiffusers converts the UNet and the autoencoder, and names diffusers' classes in model_index.json
@@ -95,6 +115,8 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
             write_pipeline(pipeline, folder)
         for _, part, _ in text_parts(text_encoder):
             _write_standalone_tokenizer(os.path.join(folder, part), prompt_length(text_encoder, tokenizer))
+            if to_diffusers:
+                _write_fast_tokenizer(os.path.join(folder, part))
         if card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
@@ -187,12 +209,23 @@ def _write_standalone_tokenizer(folder: str, length: int) -> None:
     _rewrite_json(path, change)
 
 
+def _write_fast_tokenizer(folder: str) -> None:
+    """A SentencePiece tokenizer's `tokenizer.json` beside its spiece.model, as transformers and the Hub's folders
+    hold both: transformers 5 without sentencepiece reads only the former (else it fails with "tiktoken is required
+    to read a tiktoken file")."""
+    if os.path.isfile(os.path.join(folder, "spiece.model")):
+        with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(t5_tokenizer_json(folder), f, ensure_ascii=False, indent=2)
+
+
 def export_checkpoint(checkpoint: str, output: str, use_ema: bool = True, to_diffusers: bool = False
                       ) -> tuple[str, bool]:
     """A checkpoint or a pipeline (either layout) exported to `output`; diffusers' layout with a model card."""
     check_output(output, checkpoint)
     unet, text_encoder, vae, tokenizer, scheduler_config, used_ema = load_for_inference(checkpoint, use_ema)
     pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))  # refused before the card
+    if to_diffusers:
+        check_diffusers_sampler(unet, text_encoder, scheduler_config)
     card = model_card(checkpoint, unet, text_encoder, vae, scheduler_config, used_ema,
                       tokens=prompt_length(text_encoder, tokenizer)) if to_diffusers else None
     return export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config, output, to_diffusers,

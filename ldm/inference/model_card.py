@@ -34,7 +34,7 @@ def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
     try:
         for record in metrics_records(os.path.join(run_folder, METRICS_FILE)):
             for name in ("eval/fid", "eval/clip_score"):
-                if name in record:
+                if isinstance(record.get(name), int | float):  # null: not finite at that evaluation
                     found[name] = (int(record["step"]), float(record[name]))
     except OSError:
         pass
@@ -129,7 +129,7 @@ def model_card(source: str, unet, text_encoder, vae, scheduler_config: dict, use
         f"- weights: {'the EMA average' if used_ema else 'the trained weights (no EMA)'}", "",
         "## Training", "", *(_training_lines(record) if config else [f"- {UNKNOWN}"]), "",
         "## Evaluation", "", *score_lines, "",
-        "## Loading", "", *loading_lines(pipeline_class, tokens, is_flow(scheduler_config)),
+        "## Loading", "", *loading_lines(pipeline_class, tokens),
     ]
     return "\n".join(lines)
 
@@ -140,17 +140,15 @@ LDM_GENERATE = ["```bash", f"python -m ldm.generate --model THIS_FOLDER --prompt
                 "```", ""]
 
 
-def loading_lines(pipeline_class: str, tokens: int | None, flow: bool) -> list[str]:
+def loading_lines(pipeline_class: str, tokens: int | None) -> list[str]:
     """How the exported folder loads, in diffusers and in ppdiffusers, for its pipeline class: what each library's
-    pipeline does with the caption length, and what it cannot read."""
+    pipeline does with the caption length, and what it cannot read. (A flow-matching model is exported for diffusers
+    only where its pipeline steps the sampler: `ldm.inference.export.check_diffusers_sampler`.)"""
     def diffusers(call: str) -> list[str]:
         return ["```python", f"from diffusers import {pipeline_class}", "",
                 f'pipeline = {pipeline_class}.from_pretrained("THIS_FOLDER")', f"image = pipeline({call}).images[0]",
                 "```", ""]
 
-    flow_note = (["ppdiffusers' pipelines cannot step its FlowMatchEulerDiscreteScheduler (they read "
-                  "`scheduler.init_noise_sigma`): in PaddlePaddle, sample it with `python -m ldm.generate`.", ""]
-                 if flow else [])
     if pipeline_class == "LDMTextToImagePipeline":
         return ["diffusers (PyTorch; its pipeline gives the text encoder 77 tokens, which this one reads: ldm-laion "
                 "refuses to export a model of fewer for diffusers):", "",
@@ -170,7 +168,7 @@ def loading_lines(pipeline_class: str, tokens: int | None, flow: bool) -> list[s
                 "model; call it without `max_sequence_length`):", "", "```python",
                 "from ppdiffusers import PixArtAlphaPipeline", "",
                 'pipeline = PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)', "```", "",
-                "ldm-laion samples and converts it too:", "", *LDM_GENERATE, *flow_note]
+                "ldm-laion samples and converts it too:", "", *LDM_GENERATE]
     if pipeline_class == "StableDiffusion3Pipeline":
         call = f"{PROMPT}, num_inference_steps=28{f', max_sequence_length={tokens}' if tokens else ''}"
         return ["diffusers (PyTorch). The pipeline pads the CLIP prompts to the tokenizers' `model_max_length` "
@@ -185,4 +183,4 @@ def loading_lines(pipeline_class: str, tokens: int | None, flow: bool) -> list[s
             "caption length this model was trained with; it loads without a safety checker:", "",
             *diffusers(f"{PROMPT}, num_inference_steps=50"),
             "ppdiffusers (PaddlePaddle), with ldm-laion, which reads this layout and writes ppdiffusers' own, which "
-            "ppdiffusers' `StableDiffusionPipeline.from_pretrained` loads:", "", *LDM_GENERATE, *flow_note]
+            "ppdiffusers' `StableDiffusionPipeline.from_pretrained` loads:", "", *LDM_GENERATE]

@@ -133,9 +133,14 @@ def latent_size(unet, vae, height: int | None, width: int | None) -> tuple[int, 
     return height // factor, width // factor
 
 
+# the widest a grid's label column grows: a long prompt wraps within it, and is cut where its row ends
+LABEL_WIDTH = 360
+
+
 def labeled_grid(images: np.ndarray, prompts: list[str], min_cell: int = 128) -> Image.Image:
-    """A grid a person can read: a row per prompt with the prompt written at its left, the images enlarged
-    by a whole factor (nearest neighbour: no invented detail) to at least `min_cell` pixels."""
+    """A grid a person can read: a row per prompt with the prompt written at its left (wrapped within
+    `LABEL_WIDTH` pixels, as many lines as its row holds, the last ending "..." when the prompt goes on), the
+    images enlarged by a whole factor (nearest neighbour: no invented detail) to at least `min_cell` pixels."""
     from PIL import ImageDraw, ImageFont
 
     count, height, width, _ = images.shape
@@ -145,14 +150,43 @@ def labeled_grid(images: np.ndarray, prompts: list[str], min_cell: int = 128) ->
     font = ImageFont.load_default(size=max(12, min(20, height * scale // 6)))
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     margin = 12
-    label_width = int(max(measure.textlength(prompt, font=font) for prompt in prompts)) + 2 * margin
-    out = Image.new("RGB", (label_width + grid.width, grid.height), "white")
-    out.paste(grid, (label_width, 0))
-    draw = ImageDraw.Draw(out)
     row_height = height * scale
-    for row, prompt in enumerate(prompts):
-        draw.text((margin, row * row_height + row_height // 2), prompt, fill="black", font=font, anchor="lm")
+    text_width = min(LABEL_WIDTH, int(max(measure.textlength(prompt, font=font) for prompt in prompts)))
+    line_height = int(font.size * 1.25)
+    fitting = max(1, (row_height - margin) // line_height)
+    labels = [label_lines(prompt, lambda text: measure.textlength(text, font=font), text_width, fitting)
+              for prompt in prompts]
+    out = Image.new("RGB", (text_width + 2 * margin + grid.width, grid.height), "white")
+    out.paste(grid, (text_width + 2 * margin, 0))
+    draw = ImageDraw.Draw(out)
+    for row, lines in enumerate(labels):
+        top = row * row_height + (row_height - line_height * len(lines)) // 2
+        for i, line in enumerate(lines):
+            draw.text((margin, top + i * line_height + line_height // 2), line, fill="black", font=font, anchor="lm")
     return out
+
+
+def label_lines(text: str, length: Callable[[str], float], width: float, most: int) -> list[str]:
+    """`text` wrapped at spaces into lines at most `width` long (`length` measures one; a word longer than a line is
+    broken), at most `most` of them: a text cut short ends its last line with "..."."""
+    lines: list[str] = []
+    words = text.split()
+    while words and len(lines) < most:
+        line = words.pop(0)
+        while length(line) > width and len(line) > 1:  # a word wider than the column: broken where it overflows
+            cut = max(i for i in range(1, len(line) + 1) if i == 1 or length(line[:i]) <= width)
+            lines.append(line[:cut])
+            line = line[cut:]
+        while words and length(f"{line} {words[0]}") <= width:
+            line = f"{line} {words.pop(0)}"
+        lines.append(line)
+    if len(lines) > most or words:
+        lines = lines[:most]
+        last = lines[-1]
+        while last and length(last + "...") > width:
+            last = last[:-1].rstrip()
+        lines[-1] = last + "..."
+    return lines
 
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:

@@ -403,15 +403,60 @@ def spiece_files(folder: str) -> str:
     with open(os.path.join(copy, "spiece.model"), "wb") as f:
         f.write(proto.SerializeToString())
     config_file = os.path.join(copy, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(config_file):
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
+    config = _json_or_empty(config_file)
     # the extra ids the vocabulary ends with, which transformers 5's config no longer names
     config.update(extra_ids=extra, additional_special_tokens=[f"<extra_id_{i}>" for i in range(extra)])
     with open(config_file, "w", encoding="utf-8") as f:
         json.dump(config, f)
     return copy
+
+
+def _json_or_empty(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+METASPACE = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
+
+
+def t5_tokenizer_json(folder: str) -> dict:
+    """The `tokenizer.json` of the T5 tokenizer in `folder` (spiece.model, tokenizer_config.json's `extra_ids`), as
+    transformers 5's `T5Tokenizer` writes it (the reverse of `spiece_files`): a Unigram model of the SentencePiece
+    pieces and scores, then the `<extra_id_N>` in reverse, the precompiled character map as its normalizer. What a
+    library reads when it has no sentencepiece (transformers 5 without it cannot read spiece.model)."""
+    from paddlenlp.transformers import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    with open(os.path.join(folder, "spiece.model"), "rb") as f:
+        proto.ParseFromString(f.read())
+    extra = int(_json_or_empty(os.path.join(folder, "tokenizer_config.json")).get("extra_ids", 0) or 0)
+    vocab = [[piece.piece, piece.score] for piece in proto.pieces]
+    vocab += [[f"<extra_id_{i}>", 0.0] for i in reversed(range(extra))]
+    special = [i for i, piece in enumerate(proto.pieces) if piece.type in (piece.CONTROL, piece.UNKNOWN)]
+    special += range(len(proto.pieces), len(vocab))
+    eos = next(i for i, (piece, _) in enumerate(vocab) if piece == "</s>")
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+
+    def sequence(name: str) -> dict:
+        return {"Sequence": {"id": name, "type_id": 0}}
+
+    end = {"SpecialToken": {"id": "</s>", "type_id": 0}}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": vocab[i][0], "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i in special],
+        "normalizer": ({"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()}
+                       if charsmap else None),
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}, METASPACE]},
+        "post_processor": {"type": "TemplateProcessing", "single": [sequence("A"), end],
+                           "pair": [sequence("A"), end, sequence("B"), end],
+                           "special_tokens": {"</s>": {"id": "</s>", "ids": [eos], "tokens": ["</s>"]}}},
+        "decoder": METASPACE,
+        "model": {"type": "Unigram", "unk_id": proto.trainer_spec.unk_id, "vocab": vocab,
+                  "byte_fallback": proto.trainer_spec.byte_fallback},
+    }
 
 
 def _parts(component) -> list[dict]:

@@ -135,9 +135,12 @@ class TokenizerSet:
         return self.tokenizers[0].vocab_size
 
     def __call__(self, text, max_length=None, **kwargs) -> dict:
-        ids = [np.asarray(t(text, max_length=max_length or self.model_max_length, **kwargs)["input_ids"])
-               for t in self.tokenizers]
-        return {"input_ids": np.concatenate(ids, axis=-1).tolist()}
+        encoded = [t(text, max_length=max_length or self.model_max_length, **kwargs) for t in self.tokenizers]
+        ids = [np.asarray(e["input_ids"]) for e in encoded]
+        result = {"input_ids": np.concatenate(ids, axis=-1).tolist()}
+        if all("num_truncated_tokens" in e for e in encoded):  # asked for: the most any of the three cut
+            result["num_truncated_tokens"] = max(int(e["num_truncated_tokens"]) for e in encoded)
+        return result
 
     def save_pretrained(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)

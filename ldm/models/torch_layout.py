@@ -259,7 +259,82 @@ def load_pretrained(model_class, folder: str):
                                          for name in os.listdir(folder)):
         raise FileNotFoundError(f"{folder} holds no weights (only {', '.join(sorted(os.listdir(folder))) or 'nothing'}"
                                 "): copy or convert the whole pipeline again")
-    return model_class.from_pretrained(folder)
+    streamed = load_paddle_layout(model_class, folder)
+    return streamed if streamed is not None else model_class.from_pretrained(folder)
+
+
+# the stems of the Paddle-layout weights ppdiffusers' and PaddleNLP's `save_pretrained` write (and checkpoints)
+PADDLE_WEIGHT_STEMS = ("diffusion_paddle_model", "model")
+
+
+def paddle_weight_files(folder: str) -> dict[str, str] | None:
+    """{tensor name: file name} of a part folder's Paddle-layout safetensors: one file, or the shards of its index;
+    None when it holds none such (the library's own loader reads what else there is)."""
+    from ldm.checkpoint.serialization import StateFormatError, safetensors_entries
+
+    for stem in PADDLE_WEIGHT_STEMS:
+        name = f"{stem}.safetensors"
+        path, index = os.path.join(folder, name), os.path.join(folder, f"{name}.index.json")
+        if os.path.isfile(path) and safetensors_format(path) not in (None, TORCH_FORMAT):
+            try:
+                return dict.fromkeys(safetensors_entries(path), name)
+            except StateFormatError:
+                return None
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+            return weight_map if isinstance(weight_map, dict) else None
+    return None
+
+
+def load_paddle_layout(model_class, folder: str):
+    """A part from its Paddle-layout safetensors, built without initialising its weights (`paddle.LazyGuard`: no
+    memory until a weight is set) and filled one tensor at a time, read with plain reads: the load holds the model
+    and one tensor, where the libraries' `from_pretrained` build it with fresh weights and then read the file whole
+    beside it (2.5 times the model at its peak). None when the folder's weights are not exactly the model's (a
+    tensor missing, extra or misshapen, or of a dtype numpy has not): the library's loader reads those, and says
+    what does not fit."""
+    import paddle
+    from paddlenlp.transformers.model_utils import no_init_weights
+
+    from ldm.checkpoint.serialization import file_arrays, safetensors_entries
+
+    files = paddle_weight_files(folder)
+    if files is None:
+        return None
+    with paddle.LazyGuard(), no_init_weights(_enable=True):
+        model = _build(model_class, folder)
+    expected = model.state_dict()
+    entries = {}
+    for file in set(files.values()):
+        path = os.path.join(folder, file)
+        if not os.path.isfile(path):
+            return None
+        entries.update({name: entry for name, entry in safetensors_entries(path).items() if files.get(name) == file})
+    parameters = {name for name, _ in model.named_parameters()}
+    if set(entries) - set(expected) or parameters - set(entries) or any(
+            dtype is None or shape != tuple(expected[name].shape) for name, (dtype, shape) in entries.items()):
+        return None
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(entries):
+        by_file.setdefault(files[name], []).append(name)
+    with paddle.no_grad():
+        for name, array in file_arrays(folder, by_file):
+            tensor = expected[name]
+            tensor.set_value(array if array.dtype == paddle_numpy_dtype(tensor) else
+                             array.astype(paddle_numpy_dtype(tensor)))
+    model.eval()
+    return model
+
+
+def paddle_numpy_dtype(tensor) -> np.dtype:
+    import paddle
+
+    return np.dtype({paddle.float32: "float32", paddle.float16: "float16", paddle.float64: "float64",
+                     paddle.int64: "int64", paddle.int32: "int32", paddle.bool: "bool"}.get(tensor.dtype, "float32"))
 
 
 def check_readable(folder: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -110,9 +111,9 @@ class MetricsFile:
 
     def write(self, step: int, values: dict[str, float]) -> None:
         record = {"step": int(step), "time": round(time.time(), 3)}
-        record.update({name: float(value) for name, value in values.items()})
-        # NaN and inf as JSON's common extension (Python, pandas and jq read them)
-        self.file.write(json.dumps(record) + "\n")
+        # NaN and inf (an empty window's quantile, a diverged loss) as null: strict JSON, which every parser reads
+        record.update({name: float(value) if math.isfinite(float(value)) else None for name, value in values.items()})
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
 
     def close(self) -> None:
         self.file.close()

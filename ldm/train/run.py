@@ -33,6 +33,7 @@ from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import SNAPSHOTS, RunFolder
 from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
+from ldm.data.stream import TRUNCATED_CAPTIONS
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import supervisor
 from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
@@ -197,6 +198,7 @@ class TrainingRun:
         self.stop = self.eval_clock = None  # `stoppable`
         self.phases = PhaseClock(False)  # `stoppable`: where the updates' time goes (`--phase_timing`)
         self.step, self.stopped = 0, False  # where the run ended, and whether on a stop (`end`)
+        self.data_counts = {}  # the data path's counts over ranks at the last log (`window_metrics`), for `end`
         self.log_through = None  # the driver's logger of scalars, when it has one (the Trainer's)
         self.closing = []  # what the driver opened that an exit closes (the Trainer's metrics file)
 
@@ -374,6 +376,10 @@ class TrainingRun:
         self.manager.wait()
         self.log_saves(step)
         self.progress.close()
+        if (cut := int(self.data_counts.get(f"data_{TRUNCATED_CAPTIONS}", 0))) and self.dist.is_main:
+            logger.warning("%d of the %d captions read were longer than the %d tokens they are trained at: their ends "
+                           "were cut (data_%s in metrics.jsonl)", cut, int(self.data_counts.get("data_ok", 0)),
+                           self.data.model_max_length, TRUNCATED_CAPTIONS)
 
     def finish(self, batches=None) -> None:
         """The stop's last line, or the objective's export (`batches`: the iterator the driver drew from, which the
@@ -426,6 +432,7 @@ class TrainingRun:
         `--phase_timing`, where the window's time went (this rank's: `ldm.train.phases`); under `python -m ldm.launch`,
         how many times it restarted the job (`restarts`)."""
         logs.update(self.window.read(self.dist, self.batches, with_loss=with_loss))
+        self.data_counts = {name: value for name, value in logs.items() if name.startswith("data_")}
         logs.update(self.guard.read())
         logs.update(self.phases.read())
         logs.update(supervisor.restarts_so_far())
