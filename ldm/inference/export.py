@@ -16,8 +16,8 @@ from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_f
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import sampling_scheduler
-from ldm.models.backbone import PipelineError, text_to_image_pipeline
-from ldm.models.text import LDMBERT, family_of, prompt_length, text_parts
+from ldm.models.families import PipelineError, family_of, text_to_image_pipeline
+from ldm.models.text import prompt_length, text_parts
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -57,7 +57,7 @@ class NoPipeline(CheckpointError):
 
 
 def pipeline_of(unet, text_encoder, vae, tokenizer, scheduler):
-    """The pipeline the model's families export as (`ldm.models.backbone.text_to_image_pipeline`); a model that has
+    """The pipeline the model's family exports as (`ldm.models.families.text_to_image_pipeline`); a model that has
     none is refused in one line."""
     try:
         return text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler)
@@ -81,7 +81,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     `StableDiffusionPipeline` or `PixArtAlphaPipeline`."""
     check_output(output)
     pipeline = pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))
-    if to_diffusers and family_of(text_encoder) is LDMBERT:
+    if to_diffusers and family_of(unet, text_encoder).fixed_diffusers_prompt:
         check_diffusers_context(text_encoder)
     with atomic_folder(output) as folder, writes_failing_as_os_errors(folder):
         if to_diffusers:

@@ -217,7 +217,7 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
 
 
 def unexported_biases(model) -> list[str]:
-    """The biases of ppdiffusers' layer norms without affine weights (`ldm.models.backbone.freeze_unexported`:
+    """The biases of ppdiffusers' layer norms without affine weights (`ModelFamily.freeze_unexported`:
     SD3's transformer), which diffusers' classes do not have: read as zero from a diffusers folder."""
     import paddle
 
