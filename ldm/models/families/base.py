@@ -32,6 +32,11 @@ def diffusers_lines(pipeline_class: str, call: str) -> list[str]:
             "```", ""]
 
 
+def trained_length(tokens: int | None) -> str:
+    """The caption length a model was trained with, as a model card says it."""
+    return f"{tokens} tokens" if tokens else "its tokenizer's `model_max_length`"
+
+
 def parameters(model) -> str:
     return f"{sum(int(p.numel()) for p in model.parameters()) / 1e6:.2f} M parameters"
 

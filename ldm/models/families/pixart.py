@@ -24,6 +24,7 @@ from ldm.models.families.base import (
     no_pipeline,
     parameters,
     per_sample,
+    trained_length,
 )
 from ldm.models.text import LDMBERT, T5
 from ldm.runtime.compat import private
@@ -117,7 +118,7 @@ class PixArtFamily(ModelFamily):
                 f"{c.out_channels} output channels (the first {c.in_channels} sampled)")
 
     def loading_lines(self, tokens, flow):
-        length = f"{tokens} tokens" if tokens else "its tokenizer's `model_max_length`"
+        length = trained_length(tokens)
         call = (f"{PROMPT}, num_inference_steps=20, {f'max_sequence_length={tokens}, ' if tokens else ''}"
                 "use_resolution_binning=False, clean_caption=False")
         return ["diffusers (PyTorch). The pipeline pads prompts to `max_sequence_length` (120 unless given): this "

@@ -17,6 +17,7 @@ from ldm.models.families.base import (
     no_pipeline,
     parameters,
     per_sample,
+    trained_length,
 )
 from ldm.models.text import SD3_TEXT
 from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS, is_set_source
@@ -112,7 +113,7 @@ class SD3Family(ModelFamily):
                 f"{c.pooled_projection_dim}, latents {c.in_channels}x{c.sample_size}x{c.sample_size}")
 
     def loading_lines(self, tokens, flow):
-        length = f"{tokens} tokens" if tokens else "its tokenizer's `model_max_length`"
+        length = trained_length(tokens)
         call = f"{PROMPT}, num_inference_steps=28{f', max_sequence_length={tokens}' if tokens else ''}"
         return ["diffusers (PyTorch). The pipeline pads the CLIP prompts to the tokenizers' `model_max_length` "
                 f"and T5's to `max_sequence_length` (256 unless given): this model was trained on {length} for each "

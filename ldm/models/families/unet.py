@@ -18,6 +18,7 @@ from ldm.models.families.base import (
     diffusers_lines,
     no_pipeline,
     parameters,
+    trained_length,
 )
 from ldm.models.text import CLIP, LDMBERT, T5
 
@@ -114,7 +115,7 @@ class SDFamily(UNetFamily):
                                                    requires_safety_checker=False)
 
     def loading_lines(self, tokens, flow):
-        length = f"{tokens} tokens" if tokens else "its tokenizer's `model_max_length`"
+        length = trained_length(tokens)
         return [f"diffusers (PyTorch). The pipeline pads prompts to the tokenizer's `model_max_length` ({length}), "
                 "the caption length this model was trained with; it loads without a safety checker:", "",
                 *diffusers_lines(self.pipeline_class, f"{PROMPT}, num_inference_steps=50"),
