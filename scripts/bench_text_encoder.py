@@ -69,8 +69,7 @@ def step_times(preset: str, resolution: int, batch: int, steps: int) -> dict[str
         optimizer = paddle.optimizer.AdamW(1e-5, parameters=[p for p in model.parameters() if not p.stop_gradient])
 
         def step():
-            loss = model(None, inputs.get("input_ids"), moments, text_states=inputs.get("text_states"),
-                         text_dropped=inputs.get("text_dropped"))
+            loss = model(None, inputs.get("input_ids"), moments, conditioning=inputs.get("conditioning"))
             loss.backward()
             optimizer.step()
             optimizer.clear_grad()
@@ -78,7 +77,7 @@ def step_times(preset: str, resolution: int, batch: int, steps: int) -> dict[str
         return step
 
     modes = {"joint": (joint, {"input_ids": ids}), "frozen": (frozen, {"input_ids": ids}),
-             "cached": (frozen, {"text_states": states, "text_dropped": dropped})}
+             "cached": (frozen, {"conditioning": {"states": states, "dropped": dropped}})}
     times = {}
     for name, (model, inputs) in modes.items():  # one optimizer's state at a time: a UNet's is gigabytes
         times[name] = seconds(trainer(model.train(), **inputs), steps)  # one warm-up, the median

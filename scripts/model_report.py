@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import time
 
-from ldm.models.backbone import family_of as backbone_of
 from ldm.models.build import (
     PRESETS,
     build_components,
@@ -28,7 +27,7 @@ from ldm.models.build import (
     resolve_source,
 )
 from ldm.models.diffusion import LatentDiffusion
-from ldm.models.flops import forward_flops, ldm_training_flops
+from ldm.models.flops import forward_flops
 from ldm.models.text import text_family
 from ldm.runtime.device import use_fast_cpu_kernels
 
@@ -80,7 +79,9 @@ def main() -> None:
     for preset in args.presets:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as temp:
-            t5 = text_family(resolve_source(preset)).name in ("t5", "sd3")
+            part = os.path.join(resolve_source(preset), t5_part(resolve_source(preset)))
+            # a T5 is counted from copies of 1 and 2 layers
+            t5 = os.path.isfile(os.path.join(part, "config.json")) and read_config(part).get("model_type") == "t5"
             source = few_layers(preset, 1, os.path.join(temp, "1")) if t5 else preset
             components = build_components(source, vocab_size=30522, model_max_length=args.text_length)
             scaled = t5_scaled(preset, args.text_length, temp) if t5 else None
@@ -91,13 +92,13 @@ def main() -> None:
         unused = counts["text_encoder"] - sum(int(p.numel()) for p in encoder.parameters())
         head = (f"(+ unused to_logits head {unused / 1e6:.2f}M)" if unused else
                 f"({components.family.name}, frozen)" if frozen else "")
-        backbone = backbone_of(components.unet).folder
+        backbone = components.model_family.backbone_folder
         print(f"{preset:16s} {backbone} {counts['unet'] / 1e6:8.2f}M  text encoder {text / 1e6:8.2f}M {head}  "
               f"vae {counts['vae'] / 1e6:7.2f}M", flush=True)
         model = LatentDiffusion(components.unet, components.text_encoder, components.vae,
                                 components.noise_scheduler, freeze_text_encoder=frozen)
         resolution = args.resolution or model_resolution(components.unet, components.vae)
-        counted = ldm_training_flops(model, resolution=resolution, text_length=args.text_length)
+        counted = components.model_family.training_flops(model, resolution=resolution, text_length=args.text_length)
         if scaled:
             counted["total"] += scaled[1] - counted["text_encoder"]
             counted["text_encoder"] = scaled[1]

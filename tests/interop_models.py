@@ -105,14 +105,14 @@ def tiny_sd3_pipeline(folder: str) -> str:
 
     from ldm.inference.export import export_pipeline
     from ldm.inference.load import load_tokenizer_of
-    from ldm.models.backbone import freeze_unexported
     from ldm.models.build import build_components
     from ldm.models.noise import scheduler_config
 
     c = build_components("sd3-tiny")
     for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
         fill_seeded(part, 80 + seed)
-    for name in freeze_unexported(c.unet):  # parameters diffusers' SD3 transformer does not have: as it reads them
+    # parameters diffusers' SD3 transformer does not have: as it reads them
+    for name in c.model_family.freeze_unexported(c.unet):
         parameter = dict(c.unet.named_parameters())[name]
         parameter.set_value(paddle.zeros_like(parameter))
     tokenizer = load_tokenizer_of(c.family, os.path.join(c.source, "tokenizer"))

@@ -1,4 +1,4 @@
-"""PixArt-α by composition (`ldm.models.backbone`): ppdiffusers' PixArt `Transformer2DModel` with a frozen T5, trained
+"""PixArt-α by composition (`ldm.models.families`): ppdiffusers' PixArt `Transformer2DModel` with a frozen T5, trained
 from a diffusers `PixArtAlphaPipeline` folder in an aspect-ratio bucket, exported in diffusers' layout and sampled by
 ppdiffusers' `PixArtAlphaPipeline` with its own sampler as by `ldm.generate`; its position embedding on a non-square
 patch grid; the 0.6 B preset's architecture."""
@@ -41,8 +41,9 @@ def test_a_non_square_patch_grid_gets_the_position_embedding_stretched_over_the_
     patches): the sin-cos embedding of token (i, j) is at (i 4/6, j 4/3), both axes spanning the 4 x 4 grid."""
     from ppdiffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
 
-    from ldm.models.backbone import predict
     from ldm.models.build import build_components
+    from ldm.models.conditioning import Conditioning
+    from ldm.models.families import predict
 
     c = build_components("pixart-tiny", seed=0)
     patches = c.unet.pos_embed
@@ -52,7 +53,7 @@ def test_a_non_square_patch_grid_gets_the_position_embedding_stretched_over_the_
     rows, cols = np.meshgrid(np.arange(6) * 4 / 6, np.arange(3) * 4 / 3, indexing="ij")
     expected = get_2d_sincos_pos_embed_from_grid(positions.shape[-1], np.stack([cols, rows]).reshape(2, 1, 6, 3))
     np.testing.assert_allclose(positions, expected, atol=1e-5)
-    prediction = predict(c.unet, latents, paddle.to_tensor([10, 900]), paddle.randn([2, 5, 32]), None)
+    prediction = predict(c.unet, latents, paddle.to_tensor([10, 900]), Conditioning(paddle.randn([2, 5, 32])))
     assert prediction.shape == [2, 4, 12, 6]  # the noise half of the 8 channels learned sigma makes
 
 
@@ -182,7 +183,8 @@ def test_bfloat16_weights_are_read_as_the_float32_they_were_rounded_from_widened
 
 
 def test_a_transformer_without_y_embedding_reads_it_as_zero_and_no_prediction_reads_it():
-    from ldm.models.backbone import PIXART, predict
+    from ldm.models.conditioning import Conditioning
+    from ldm.models.families import PIXART, predict
     from ldm.models.torch_layout import load_pretrained
 
     transformer = load_pretrained(PIXART.model_class(), str(DIFFUSERS_SAVED / "float32" / "pipeline" / "transformer"))
@@ -191,9 +193,9 @@ def test_a_transformer_without_y_embedding_reads_it_as_zero_and_no_prediction_re
     latents, states = paddle.randn([2, 4, 8, 8]), paddle.randn([2, 5, 16])
     mask = paddle.to_tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])  # a caption, and the empty one's end token
     with paddle.no_grad():
-        before = predict(transformer, latents, paddle.to_tensor([10, 900]), states, mask).numpy()
+        before = predict(transformer, latents, paddle.to_tensor([10, 900]), Conditioning(states, mask)).numpy()
         y_embedding.set_value(paddle.randn(y_embedding.shape))
-        after = predict(transformer, latents, paddle.to_tensor([10, 900]), states, mask).numpy()
+        after = predict(transformer, latents, paddle.to_tensor([10, 900]), Conditioning(states, mask)).numpy()
     np.testing.assert_array_equal(before, after)
 
 

@@ -50,12 +50,13 @@ def test_the_encoder_set_encodes_as_stable_diffusion_3s_pipeline_and_latents_are
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
     from ldm.models.autoencoder import scaled_latents, unscaled_latents
-    from ldm.models.text import encode_prompt_pooled
+    from ldm.models.text import encode_prompt
 
     _, text_encoder, vae, tokenizer, _, _ = load_for_inference(pipeline)
     ids = paddle.to_tensor(np.stack([CaptionTokenizer(tokenizer, 16)(p) for p in ("a red circle", "")]))
     assert ids.shape == [2, 48]  # each tokenizer's 16 ids, end to end
-    states, mask, pooled = encode_prompt_pooled(text_encoder, ids)
+    encoded = encode_prompt(text_encoder, ids)
+    states, mask, pooled = encoded.states, encoded.mask, encoded.pooled
     copy = shutil.copytree(pipeline, tmp_path / "copy")  # ppdiffusers writes its conversion beside the weights
     theirs = StableDiffusion3Pipeline.from_pretrained(str(copy), from_diffusers=True)
     expected, _, expected_pooled, _ = theirs.encode_prompt("a red circle", "a red circle", "a red circle",
@@ -162,7 +163,8 @@ def test_a_diffusers_sd3_transformer_lacks_two_layer_norm_biases_of_ppdiffusers_
 
     from safetensors.numpy import save_file
 
-    from ldm.models.backbone import SD3, freeze_unexported, predict
+    from ldm.models.conditioning import Conditioning
+    from ldm.models.families import SD3, predict
     from ldm.models.torch_layout import load_pretrained
 
     folder = shutil.copytree(f"{pipeline}/transformer", tmp_path / "transformer")
@@ -173,18 +175,19 @@ def test_a_diffusers_sd3_transformer_lacks_two_layer_norm_biases_of_ppdiffusers_
     save_file({k: v for k, v in state.items() if k not in lacking}, weights, metadata={"format": "pt"})
     theirs, ours = load_pretrained(SD3.model_class(), str(folder)), load_pretrained(SD3.model_class(),
                                                                                     f"{pipeline}/transformer")
-    assert set(freeze_unexported(theirs)) == lacking
+    assert set(SD3.freeze_unexported(theirs)) == lacking
     parameters = dict(theirs.named_parameters())
     assert all(parameters[name].stop_gradient and not parameters[name].numpy().any() for name in lacking)
     latents, states, pooled = paddle.randn([1, 16, 8, 8]), paddle.randn([1, 5, 96]), paddle.randn([1, 80])
     with paddle.no_grad():
-        np.testing.assert_array_equal(predict(theirs, latents, paddle.to_tensor([500.0]), states, None, pooled).numpy(),
-                                      predict(ours, latents, paddle.to_tensor([500.0]), states, None, pooled).numpy())
+        conditioning = Conditioning(states, pooled=pooled)
+        np.testing.assert_array_equal(predict(theirs, latents, paddle.to_tensor([500.0]), conditioning).numpy(),
+                                      predict(ours, latents, paddle.to_tensor([500.0]), conditioning).numpy())
 
 
 def test_sd3_with_recompute_gives_the_gradients_of_sd3_without():
     """ppdiffusers 0.29's SD3 loop takes a checkpointed block's (text, image) output as the image tokens
-    (`ldm.runtime.compat.sd3_recompute_unpacks` mends it)."""
+    (`ldm.models.families.sd3.sd3_recompute_unpacks` mends it)."""
     from interop_models import fill_seeded
 
     from ldm.models.build import build_components

@@ -134,7 +134,8 @@ def test_a_clip_text_model_with_projection_gives_its_states_and_its_projected_po
     plain = CLIPTextModel(CLIPTextConfig(**config))
     plain.set_state_dict({k: v for k, v in model.state_dict().items() if k.startswith("text_model.")})
     ids = paddle.to_tensor([[599, 5, 6, 7, 600, 600]])
-    states, mask = encode_prompt(loaded, ids)
+    encoded = encode_prompt(loaded, ids)
+    states, mask = encoded.states, encoded.mask
     assert mask is None and states.shape == [1, 6, 32]
     np.testing.assert_allclose(states.numpy(), plain(ids)[0].numpy(), rtol=1e-6)
     pooled = pooled_prompt(loaded, ids)

@@ -192,7 +192,9 @@ def test_pixarts_caption_projection_builds_with_its_unconditional_caption_in_the
     side of the shape as a dtype); with it the buffer diffusers' checkpoints hold is there, of its shape."""
     from ppdiffusers.models import embeddings
 
-    compat.buildable_caption_projection()
+    from ldm.models.families.pixart import buildable_caption_projection
+
+    buildable_caption_projection()
     layer = embeddings.CaptionProjection(32, 16)
     assert tuple(layer.state_dict()["y_embedding"].shape) == (120, 32)
     assert layer.linear_1.weight.shape == [32, 16]

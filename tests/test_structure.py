@@ -233,3 +233,108 @@ def test_the_checkpoint_package_owns_saving_and_resuming():
                                  "ldm.checkpoint.format.recorded_autoencoder",
                                  "ldm.checkpoint.format.recorded_autoencoder_folder"))
     assert readers == []
+
+
+# What names a model family outside `ldm/models`: the families every version had (their names, their parts'
+# classes, their pipelines), and whatever the registry and the text encoders define now (`family_words`)
+KNOWN_FAMILY_WORDS = {"ldm", "sd", "unet", "pixart", "sd3", "ldmbert", "clip", "t5", "UNet2DConditionModel",
+                      "Transformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel", "LDMBertModel",
+                      "LDMBertConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel",
+                      "TextEncoderSet", "LDMTextToImagePipeline", "StableDiffusionPipeline", "PixArtAlphaPipeline",
+                      "StableDiffusion3Pipeline", "UNET", "PIXART", "SD3", "LDM", "SD", "LDMBERT", "CLIP", "T5",
+                      "SD3_TEXT"}
+# attributes only some families' parts have: asking for one asks which family it is
+FAMILY_ATTRIBUTES = {"text_projection", "states_length", "encoders", "tokenizers", "caption_projection", "adaln_single",
+                     "time_text_embed", "to_logits"}
+FAMILY_CLASS_FIELDS = {"name", "backbone_class", "config_names", "pipeline_class"}
+
+
+def family_words() -> set[str]:
+    """The names, classes and pipelines of the families `ldm/models` defines (their modules' `ModelFamily` fields and
+    instances, the text encoders' `TextFamily` instances), and `KNOWN_FAMILY_WORDS`."""
+    words = set(KNOWN_FAMILY_WORDS)
+    models = os.path.join(PACKAGE, "models")
+    paths = [os.path.join(models, "text.py")] + [os.path.join(folder, name) for folder, _, names in
+                                                 os.walk(os.path.join(models, "families")) for name in names
+                                                 if name.endswith(".py")]
+    for path in filter(os.path.isfile, paths):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id in FAMILY_CLASS_FIELDS
+                                                            for t in item.targets):
+                        words |= {c.value for c in ast.walk(item.value)
+                                  if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        for node in tree.body:  # LDM = LDMFamily(), CLIP = TextFamily("clip", ...)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and getattr(
+                    node.value.func, "id", "").endswith("Family"):
+                words |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                if node.value.args and isinstance(node.value.args[0], ast.Constant):
+                    words.add(node.value.args[0].value)
+    return words
+
+
+def terminal_name(node) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def family_branches(path: str, words: set[str]) -> list[str]:
+    """Where a module asks which family a model is: a comparison with a family's name, instance, class or pipeline,
+    an isinstance check or an import of a family's class or instance, a probe of an attribute only some families'
+    parts have, a family's class named (a shim of its library's class)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+
+    def named(node, by_name: bool = False) -> bool:
+        """`node` names a family: an instance or a class (capitalised), or a family's name where `by_name` (a
+        lower-case word, "clip", is also the CLIP score's model)."""
+        values = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return any((isinstance(v, ast.Constant) and v.value in words and (by_name or not v.value.islower()))
+                   or (terminal_name(v) in words and not terminal_name(v).islower()) for v in values)
+
+    def asks_name(node) -> bool:
+        text = ast.unparse(node)
+        return "family" in text or text.endswith(("name", "_class_name", "__name__"))
+
+    for node in ast.walk(tree):
+        where = f"{os.path.relpath(path, ROOT)}:{getattr(node, 'lineno', 0)}"
+        operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+        if any(named(o, any(asks_name(other) for other in operands if other is not o)) for o in operands):
+            found.append(f"{where} compares with a family: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (hits := [a.name for a in node.names if a.name in words]):
+            found.append(f"{where} imports {', '.join(hits)} from {node.module}")
+        elif isinstance(node, ast.Call) and terminal_name(node.func) in ("isinstance", "issubclass") and len(
+                node.args) == 2 and named(node.args[1]):
+            found.append(f"{where} checks a family's class: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and terminal_name(node.func) in ("hasattr", "getattr") and len(
+                node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in FAMILY_ATTRIBUTES:
+            found.append(f"{where} probes a family's part: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
+                "ppdiffusers", "paddlenlp") and node.attr in words:
+            found.append(f"{where} uses a family's class: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and node.value in words and not str(node.value).islower():
+            found.append(f"{where} names a family's class: {node.value!r}")
+    return found
+
+
+def test_the_family_scan_finds_each_kind_of_branch(tmp_path):
+    path = tmp_path / "module.py"
+    path.write_text("from ldm.models.text import LDMBERT\nfrom ppdiffusers import UNet2DConditionModel\n"
+                    "a = family.name == 'sd3'\nb = family is LDMBERT\nc = name in ('t5', 'x')\n"
+                    "d = isinstance(m, UNet2DConditionModel)\ne = hasattr(m, 'text_projection')\n"
+                    "f = ppdiffusers.PixArtAlphaPipeline\ng = family.name == 'other'\n"
+                    "h = getattr(module, 'SD3Transformer2DModel')\n")
+    found = family_branches(str(path), family_words())
+    assert [int(line.split()[0].rsplit(":", 1)[1]) for line in found] == [1, 2, 3, 4, 5, 6, 7, 8, 10], found
+
+
+def test_no_family_branch_stands_outside_the_models_package():
+    """A model family is one object in `ldm/models` (`ldm.models.families`): everything else asks it what to do,
+    and never which family a model is, so that adding a family touches its module and the registry."""
+    words = family_words()
+    found = [line for module, path in sorted(modules().items()) if package_of(module) != "models"
+             for line in family_branches(path, words)]
+    assert found == [], "\n".join(found)

@@ -130,7 +130,8 @@ def test_a_t5_encoders_padding_is_masked_so_only_its_real_tokens_condition_the_u
     model = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, freeze_text_encoder=True)
     tokenize = CaptionTokenizer(load_text_tokenizer(c.family, f"{t5_model}/tokenizer"), 16)
     ids = paddle.to_tensor(np.stack([tokenize("a red circle"), tokenize("the blue square on a green background")]))
-    states, mask = encode_prompt(c.text_encoder, ids)
+    encoded = encode_prompt(c.text_encoder, ids)
+    states, mask = encoded.states, encoded.mask
     lengths = mask.sum(axis=1)
     assert 0 < int(lengths[0]) < int(lengths[1]) < 16
     garbage = states.numpy().copy()
@@ -140,8 +141,8 @@ def test_a_t5_encoders_padding_is_masked_so_only_its_real_tokens_condition_the_u
     losses = []
     for cached in (states.numpy(), garbage):
         paddle.seed(3)
-        losses.append(float(model(None, None, moments, text_states=cached, text_dropped=np.array([False, False]),
-                                  text_lengths=lengths.numpy())))
+        losses.append(float(model(None, None, moments, conditioning={
+            "states": cached, "mask": mask.numpy(), "dropped": np.array([False, False])})))
     assert losses[0] == losses[1]
     paddle.seed(3)
     assert float(model(None, ids, moments)) == pytest.approx(losses[0], rel=1e-6)  # encoding on the fly
@@ -319,7 +320,8 @@ def test_encode_stores_each_encoders_states_and_pooled_vector_with_its_identity(
     out = clip(paddle.to_tensor(captions.parts[0].tokenize("a red circle")[None]), return_dict=True)
     np.testing.assert_allclose(clip_states, out.last_hidden_state[0].numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(pooled, out.text_embeds[0].numpy(), rtol=1e-5, atol=1e-6)
-    states, mask = encode_prompt(t5, paddle.to_tensor(captions.parts[1].tokenize("a red circle")[None]))
+    encoded = encode_prompt(t5, paddle.to_tensor(captions.parts[1].tokenize("a red circle")[None]))
+    states, mask = encoded.states, encoded.mask
     real = int(mask.sum())
     assert t5_real == real < 16 and t5_pooled is None and t5_states.shape == (16, 32)
     np.testing.assert_allclose(t5_states[:real], states[0, :real].numpy(), rtol=1e-5, atol=1e-6)

@@ -27,8 +27,8 @@ def check_against_diffusers(folder: str, family: str, outputs: str = "exported.n
     from ldm.data.tokenize import CaptionTokenizer
     from ldm.inference.load import load_for_inference
     from ldm.inference.sampling import generate, sampling_scheduler
-    from ldm.models.backbone import predict_with_variance
-    from ldm.models.text import encode_prompt_pooled
+    from ldm.models.families import predict_with_variance
+    from ldm.models.text import encode_prompt
 
     reference = json.loads((FIXTURES / family / "reference.json").read_text())
     expected = dict(np.load(FIXTURES / family / outputs))
@@ -40,10 +40,11 @@ def check_against_diffusers(folder: str, family: str, outputs: str = "exported.n
     tokenize = CaptionTokenizer(tokenizer, 16)
     ids = paddle.to_tensor(np.stack([tokenize(p) for p in PROMPTS]))
     with paddle.no_grad():
-        states, mask, pooled = encode_prompt_pooled(text_encoder, ids)
+        conditioning = encode_prompt(text_encoder, ids)
+        states, mask, pooled = conditioning.states, conditioning.mask, conditioning.pooled
         latents = paddle.to_tensor(expected["latents"])
-        prediction, variance = predict_with_variance(unet, latents, paddle.to_tensor(expected["timesteps"]), states,
-                                                     mask, pooled)
+        prediction, variance = predict_with_variance(unet, latents, paddle.to_tensor(expected["timesteps"]),
+                                                     conditioning)
         image = vae.decode(paddle.to_tensor(expected["decode_latents"])).sample
     if variance is not None:  # learned sigma: diffusers' output holds both halves
         prediction = paddle.concat([prediction, variance], axis=1)

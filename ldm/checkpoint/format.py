@@ -533,10 +533,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _resave_part(source: str, target: str) -> None:
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
+    from ldm.models.build import part_class, read_config
 
-    cls = {"unet": UNet2DConditionModel, "bert": LDMBertModel, "vqvae": AutoencoderKL}[os.path.basename(source)]
+    cls = part_class(os.path.basename(source), read_config(source))
     shutil.rmtree(target, ignore_errors=True)  # its configs were linked in with the rest
     cls.from_pretrained(source).save_pretrained(target, safe_serialization=True)
 

@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from ldm.runtime.errors import UserError
+from ldm.runtime.safetensors_files import (
+    SAFETENSORS_DTYPE,
+    StateFormatError,
+    file_arrays,
+    read_array,
+    safetensors_header,
+)
 
 ARRAY = "__array__"
 TUPLE = "__tuple__"
-
-
-class StateFormatError(UserError, ValueError):
-    """A state file that is not what this module writes."""
 
 
 def is_tensor(value) -> bool:
@@ -171,9 +173,6 @@ def writes_failing_as_os_errors(path: str):
 
 # safetensors' order of the arrays in a file: by dtype, widest first (its `Dtype` enum reversed), then by name
 DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
-SAFETENSORS_DTYPE = {np.dtype(numpy): name for numpy, name in (
-    ("uint64", "U64"), ("int64", "I64"), ("float64", "F64"), ("float32", "F32"), ("uint32", "U32"), ("int32", "I32"),
-    ("float16", "F16"), ("uint16", "U16"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"))}
 WRITE_PIECE = 16 << 20  # hashed, then written, a piece at a time: the hash follows the bytes while they are hot
 
 
@@ -319,13 +318,13 @@ def load_state(folder: str, name: str, wanted=None) -> Any:
     """The tree `save_state` wrote (whole, or in every rank's shard), arrays as numpy. `wanted(key)`: read only
     the arrays it accepts (the others' entries are left out), each by name from the file that holds it."""
     structure, by_file = _stored(folder, name, wanted)
-    return unflatten(structure, dict(_read_arrays(folder, by_file)))
+    return unflatten(structure, dict(file_arrays(folder, by_file)))
 
 
 def state_arrays(folder: str, name: str, wanted=None) -> Iterator[tuple[str, np.ndarray]]:
     """The arrays of the state `save_state` wrote (those `wanted(key)` accepts), as (key, array), read one at a time
     as they are asked for: a caller that uses each and lets it go (an export applying the EMA) holds one at a time."""
-    return _read_arrays(folder, _stored(folder, name, wanted)[1])
+    return file_arrays(folder, _stored(folder, name, wanted)[1])
 
 
 class StoredArrays:
@@ -350,63 +349,8 @@ class StoredArrays:
         path = os.path.join(self.folder, file)
         with open(path, "rb") as f:
             if file not in self._headers:
-                self._headers[file] = _safetensors_header(f, path)
-            return _read_array(f, path, key, *self._headers[file])
-
-
-def _read_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:
-    """Each array read by name with plain reads into memory of its own (safetensors' `safe_open` maps the whole file,
-    whose pages then count as the process's resident memory until it is closed)."""
-    for file, keys in by_file.items():
-        path = os.path.join(folder, file)
-        with open(path, "rb") as f:
-            header, start = _safetensors_header(f, path)
-            for key in keys:
-                yield key, _read_array(f, path, key, header, start)
-
-
-def file_arrays(folder: str, by_file: dict[str, list[str]]) -> Iterator[tuple[str, np.ndarray]]:
-    """The arrays of safetensors files (`by_file`: file name in `folder` -> the keys to read from it), one at a time
-    as `state_arrays` reads them."""
-    return _read_arrays(folder, by_file)
-
-
-def safetensors_entries(path: str) -> dict[str, tuple[np.dtype | None, tuple[int, ...]]]:
-    """{name: (numpy dtype, None for one numpy has not, such as bfloat16; shape)} of a safetensors file's header."""
-    with open(path, "rb") as f:
-        header, _ = _safetensors_header(f, path)
-    return {name: (NUMPY_DTYPE.get(entry.get("dtype")), tuple(entry.get("shape", ())))
-            for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)}
-
-
-NUMPY_DTYPE = {name: numpy for numpy, name in SAFETENSORS_DTYPE.items()}
-
-
-def _safetensors_header(f, path: str) -> tuple[dict, int]:
-    """A safetensors file's header ({name: {"dtype", "shape", "data_offsets"}}) and where its data begins."""
-    try:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    except (struct.error, ValueError) as e:
-        raise StateFormatError(f"{path} is not a safetensors file ({e})") from None
-    if not isinstance(header, dict):
-        raise StateFormatError(f"{path} is not a safetensors file (its header is not a table)")
-    return header, 8 + length
-
-
-def _read_array(f, path: str, key: str, header: dict, start: int) -> np.ndarray:
-    entry = header.get(key)
-    try:
-        dtype, shape, (begin, end) = NUMPY_DTYPE[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise StateFormatError(f"{path} holds no readable array {key!r}") from None
-    array = np.empty(shape, dtype)
-    if end - begin != array.nbytes:
-        raise StateFormatError(f"{path}: array {key!r} has {end - begin} bytes for its shape's {array.nbytes}")
-    f.seek(start + begin)
-    if array.nbytes and f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != array.nbytes:
-        raise StateFormatError(f"{path} ends inside array {key!r}")
-    return array
+                self._headers[file] = safetensors_header(f, path)
+            return read_array(f, path, key, *self._headers[file])
 
 
 def _stored(folder: str, name: str, wanted) -> tuple[Any, dict[str, list[str]]]:

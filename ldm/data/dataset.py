@@ -232,8 +232,8 @@ class CaptionImageStream(IterableDataset):
         self.resumes_exactly = True
 
     def make_sample(self, record: Record, counts: Counter | None = None) -> tuple[np.ndarray, Any]:
-        """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states, how many of
-        their tokens are real and whether its caption was dropped): the record's kind is read from its content.
+        """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states, their mask,
+        pooled vector and whether its caption was dropped): the record's kind is read from its content.
         `counts`: the stream's, which count a caption cut to the tokenizer's length (`truncated_captions`).
 
         A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
@@ -328,12 +328,13 @@ class CaptionImageStream(IterableDataset):
         if self.tokenize:
             texts = [text for _, text, _ in taken]
             cached = [isinstance(text, tuple) for text in texts]
-            if all(cached):
-                batch["text_states"] = np.stack([states for states, _, _, _ in texts])
-                batch["text_lengths"] = np.array([length for _, length, _, _ in texts], np.int64)
-                batch["text_dropped"] = np.array([dropped for _, _, _, dropped in texts])
-                if texts[0][2] is not None:  # the pooled vectors a backbone reads (SD3's)
-                    batch["text_pooled"] = np.stack([pooled for _, _, pooled, _ in texts])
+            if all(cached):  # the fields of the model's conditioning record (`ldm.models.conditioning`)
+                states, masks, pooled, dropped = zip(*texts, strict=True)
+                batch["conditioning"] = {"states": np.stack(states), "dropped": np.array(dropped)}
+                if masks[0] is not None:  # a masked encoder's
+                    batch["conditioning"]["mask"] = np.stack(masks)
+                if pooled[0] is not None:  # the pooled vectors a backbone reads (SD3's)
+                    batch["conditioning"]["pooled"] = np.stack(pooled)
             elif any(cached):
                 record = taken[cached.index(False)][2]
                 raise LatentMismatch(f"{record.shard}:{record.line_number} has no cached text states and other records "

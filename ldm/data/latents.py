@@ -343,12 +343,17 @@ class LatentTransform:
         return out
 
     def text_states(self, payload: tuple[bytes, LatentMeta, bytes | None]
-                    ) -> tuple[np.ndarray, int, np.ndarray | None] | None:
+                    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
         """The record's cached text states (float32 [tokens, width], a compact record's padded with zeros to its
-        `length`), how many tokens are real and the pooled vector (None unless the meta has one: SD3's encoder set),
-        when the run takes them; None: it encodes the caption itself."""
+        `length`), their mask (int64, 1 for a real token) where the encoder masks its padding (a compact record's:
+        None for another) and the pooled vector (None unless the meta has one: SD3's encoder set), when the run takes
+        them; None: it encodes the caption itself."""
         parts = self.encoder_states(payload)  # one encoder's record (a run refuses another encoder's at its check)
-        return None if parts is None else parts[0]
+        if parts is None:
+            return None
+        states, real, pooled = parts[0]
+        masked = "length" in text_parts(payload[1].text)[0]
+        return states, (np.arange(len(states)) < real).astype(np.int64) if masked else None, pooled
 
 
 def text_fingerprint(identity: dict) -> str:

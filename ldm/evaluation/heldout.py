@@ -24,8 +24,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ldm.models.backbone import predict
-from ldm.models.text import encode_prompt_pooled
+from ldm.models.families import predict
+from ldm.models.text import encode_prompt
 
 logger = logging.getLogger("ldm.train")
 
@@ -122,12 +122,12 @@ class HeldOut:
             np.random.default_rng([NOISE_SEED, i]).standard_normal(latents.shape[1:]).astype("float32")
             for i in indices]))
         ids = paddle.to_tensor(np.stack([self.records[p]["input_ids"] for p in chunk]))
-        states, mask, pooled = encode_prompt_pooled(model.text_encoder, ids)
+        conditioning = encode_prompt(model.text_encoder, ids)
         sums = []
         for t in self.timesteps:
             timesteps = paddle.full([len(indices)], t, dtype="int64" if model.flow is None else "float32")
             noisy, target = model.noised(latents, noise, timesteps)
-            prediction = predict(model.unet, noisy, timesteps, states, mask, pooled).astype("float32")
+            prediction = predict(model.unet, noisy, timesteps, conditioning).astype("float32")
             loss = F.mse_loss(prediction, target.astype("float32"), reduction="none").mean(axis=[1, 2, 3])
             sums.append(float(loss.astype("float64").sum()))
         return np.array(sums)

@@ -239,12 +239,10 @@ def check_betas(state: dict[str, np.ndarray], schedule: dict) -> None:
 def convert_compvis(checkpoint: str, config_path: str, tokenizer_folder: str, output: str, use_ema: bool = True,
                     to_diffusers: bool = False) -> tuple[str, bool]:
     """A pipeline folder from a CompVis txt2img checkpoint and its YAML; (folder, whether EMA weights were used)."""
-    from ppdiffusers import AutoencoderKL, UNet2DConditionModel
-    from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
-
     from ldm.data.tokenize import TokenizerError, load_tokenizer
     from ldm.inference.export import export_pipeline
     from ldm.inference.model_card import model_card
+    from ldm.models.build import part_class
     from ldm.models.pickled import PickleError, read_pickled_weights
     from ldm.models.torch_layout import TorchLayoutError, set_torch_state
 
@@ -261,9 +259,10 @@ def convert_compvis(checkpoint: str, config_path: str, tokenizer_folder: str, ou
     scale = float(state["scale_factor"]) if "scale_factor" in state else params.get("scale_factor", 1.0)
     parts, used_ema = split_checkpoint(state, unet_params["num_res_blocks"],
                                        len(first_stage["ddconfig"]["ch_mult"]), use_ema)
-    models = {"unet": UNet2DConditionModel.from_config(unet_config(unet_params)),
-              "vqvae": AutoencoderKL.from_config(vae_config(first_stage, scale)),
-              "bert": LDMBertModel(LDMBertConfig(**bert_config(cond)))}
+    bert, unet = part_class("bert"), unet_config(unet_params)
+    models = {"unet": part_class("unet", unet).from_config(unet),
+              "vqvae": part_class("vqvae").from_config(vae_config(first_stage, scale)),
+              "bert": bert(bert.config_class(**bert_config(cond)))}
     for name, model in models.items():
         try:
             set_torch_state(model, parts[name], f"{checkpoint} ({name})", config_path)

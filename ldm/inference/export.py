@@ -16,9 +16,9 @@ from ldm.checkpoint.serialization import LiveTensor, write_safetensors, writes_f
 from ldm.inference.load import is_pipeline, load_for_inference
 from ldm.inference.model_card import model_card
 from ldm.inference.sampling import sampling_scheduler
-from ldm.models.backbone import PipelineError, pipeline_class_name, text_to_image_pipeline
+from ldm.models.families import PipelineError, family_of, text_to_image_pipeline
 from ldm.models.noise import is_flow
-from ldm.models.text import LDMBERT, family_of, prompt_length, t5_tokenizer_json, text_parts
+from ldm.models.text import prompt_length, t5_tokenizer_json, text_parts
 from ldm.models.torch_layout import save_torch_layout
 
 
@@ -53,19 +53,13 @@ def check_diffusers_context(text_encoder) -> None:
             "with --format ppdiffusers and samples with python -m ldm.generate")
 
 
-# diffusers' pipelines that scale their first latents by `scheduler.init_noise_sigma` (and call `scale_model_input`),
-# which its FlowMatchEulerDiscreteScheduler has not: a flow-matching model fails there at its first call. Its
-# `LDMTextToImagePipeline` and `StableDiffusion3Pipeline` step it (tests/fixtures/model_cards.json: each model card's
-# snippet run in diffusers 0.42, tests/reference/run_model_cards.py)
-NO_FLOW_PIPELINES = ("StableDiffusionPipeline", "PixArtAlphaPipeline")
-
-
 def check_diffusers_sampler(unet, text_encoder, scheduler_config: dict) -> None:
-    """A flow-matching model whose diffusers pipeline cannot step its sampler is refused for diffusers' layout."""
-    pipeline_class = pipeline_class_name(unet, text_encoder)
-    if is_flow(scheduler_config) and pipeline_class in NO_FLOW_PIPELINES:
+    """A flow-matching model whose diffusers pipeline cannot step its sampler (`ModelFamily.diffusers_samples_flow`)
+    is refused for diffusers' layout."""
+    family = family_of(unet, text_encoder)
+    if is_flow(scheduler_config) and not family.diffusers_samples_flow:
         raise CheckpointError(
-            f"--format diffusers: diffusers' {pipeline_class} cannot sample this flow-matching model (it reads "
+            f"--format diffusers: diffusers' {family.pipeline_class} cannot sample this flow-matching model (it reads "
             "scheduler.init_noise_sigma, which FlowMatchEulerDiscreteScheduler has not, and fails at its first call): "
             "export it with --format ppdiffusers and sample it with python -m ldm.generate")
 
@@ -75,7 +69,7 @@ class NoPipeline(CheckpointError):
 
 
 def pipeline_of(unet, text_encoder, vae, tokenizer, scheduler):
-    """The pipeline the model's families export as (`ldm.models.backbone.text_to_image_pipeline`); a model that has
+    """The pipeline the model's family exports as (`ldm.models.families.text_to_image_pipeline`); a model that has
     none is refused in one line."""
     try:
         return text_to_image_pipeline(unet, text_encoder, vae, tokenizer, scheduler)
@@ -99,7 +93,7 @@ def export_pipeline(unet, text_encoder, vae, tokenizer, scheduler_config: dict, 
     `StableDiffusionPipeline` or `PixArtAlphaPipeline`."""
     check_output(output)
     pipeline = pipeline_of(unet, text_encoder, vae, tokenizer, sampling_scheduler(scheduler_config))
-    if to_diffusers and family_of(text_encoder) is LDMBERT:
+    if to_diffusers and family_of(unet, text_encoder).fixed_diffusers_prompt:
         check_diffusers_context(text_encoder)
     if to_diffusers:
         check_diffusers_sampler(unet, text_encoder, scheduler_config)

@@ -3,12 +3,9 @@ evaluation (with the EMA weights when the checkpoint has them)."""
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 
 import paddle
-from paddlenlp.transformers import BertTokenizer
 from ppdiffusers import AutoencoderKL
 
 from ldm.checkpoint.format import (
@@ -23,15 +20,14 @@ from ldm.checkpoint.format import (
 )
 from ldm.checkpoint.run_folder import CheckpointError
 from ldm.checkpoint.serialization import has_state, state_arrays
-from ldm.models.backbone import backbone_family_of
 from ldm.models.build import check_model_index, read_config, unsupported_folder, vae_folder
+from ldm.models.families import folder_family
 from ldm.models.text import (
-    FAMILIES,
-    LDMBERT,
     TextEncoderError,
     TextFamily,
     check_vocabulary,
     load_text_tokenizer,
+    named,
     text_encoder_identity,
     text_family,
 )
@@ -40,30 +36,6 @@ from ldm.models.torch_layout import TorchLayoutError, load_pretrained
 
 def is_pipeline(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "model_index.json"))
-
-
-def load_pipeline_tokenizer(folder: str):
-    """PaddleNLP's BertTokenizer of a pipeline's `tokenizer/`: from its vocab.txt, or, when transformers 5 wrote the
-    folder (tokenizer.json alone, which PaddleNLP does not read), from that file's WordPiece vocabulary."""
-    source = os.path.join(folder, "tokenizer.json")
-    if os.path.isfile(os.path.join(folder, "vocab.txt")) or not os.path.isfile(source):
-        return BertTokenizer.from_pretrained(folder)
-    with open(source, encoding="utf-8") as f:
-        model = json.load(f).get("model") or {}
-    vocab = model.get("vocab")
-    if model.get("type") != "WordPiece" or not isinstance(vocab, dict) or sorted(vocab.values()) != list(
-            range(len(vocab))):
-        raise CheckpointError(f"{source}: not a WordPiece (BERT) vocabulary, which LDMBert's pipeline uses")
-    has_config = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
-    config = read_config(folder, "tokenizer_config.json") if has_config else {}
-    temp = tempfile.TemporaryDirectory(prefix="ldm-vocab-")
-    vocab_file = os.path.join(temp.name, "vocab.txt")
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        f.writelines(f"{token}\n" for token in sorted(vocab, key=vocab.get))
-    tokenizer = BertTokenizer(vocab_file, do_lower_case=config.get("do_lower_case", True),
-                              model_max_length=config.get("model_max_length", 77))
-    tokenizer.vocab_folder = temp  # its save_pretrained copies the file: the folder lives as long as it does
-    return tokenizer
 
 
 def text_encoder_of(path: str) -> tuple[TextFamily, str]:
@@ -76,7 +48,7 @@ def text_encoder_of(path: str) -> tuple[TextFamily, str]:
             if folder is None:
                 raise CheckpointError(f"{path} was trained with the frozen text encoder its run wrote beside it "
                                       "(text_encoder/), which is gone: copy the whole run folder")
-            return next(f for f in FAMILIES if f.name == identity["family"]), folder
+            return named(identity["family"]), folder
     try:
         family = text_family(path)
     except TextEncoderError as e:
@@ -85,8 +57,7 @@ def text_encoder_of(path: str) -> tuple[TextFamily, str]:
 
 
 def load_tokenizer_of(family: TextFamily, folder: str):
-    if family is LDMBERT:
-        return load_pipeline_tokenizer(folder)
+    """The tokenizer a pipeline or a checkpoint saved for its text encoder of `family`."""
     try:
         return load_text_tokenizer(family, folder)
     except TextEncoderError as e:
@@ -166,12 +137,12 @@ def _load_for_inference(path: str, use_ema: bool):
     if is_pipeline(path):
         check_model_index(path)
     check_scheduler(path)
-    backbone = backbone_family_of(path)
+    backbone = folder_family(path)
     if backbone is None:
         raise CheckpointError(f"{path} has no unet/ nor transformer/: not a text-to-image model")
-    if why := unsupported_folder(os.path.join(path, backbone.folder)):
+    if why := unsupported_folder(os.path.join(path, backbone.backbone_folder)):
         raise CheckpointError(f"{path}: {why}")
-    unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.folder))
+    unet = load_pretrained(backbone.model_class(), os.path.join(path, backbone.backbone_folder))
     family, text_folder = text_encoder_of(path)
     text_encoder = load_pretrained(family.model_class(text_folder), text_folder)
     check_recorded_text_encoder(path, family, text_encoder, text_folder)

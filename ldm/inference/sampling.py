@@ -15,8 +15,10 @@ from PIL import Image
 from ppdiffusers import DDIMScheduler
 
 from ldm.models.autoencoder import to_uint8, unscaled_latents
-from ldm.models.backbone import autoencoder_factor, check_image_size, predict
-from ldm.models.text import encode_prompt_pooled
+from ldm.models.backbone import autoencoder_factor, check_image_size
+from ldm.models.conditioning import Conditioning
+from ldm.models.families import predict
+from ldm.models.text import encode_prompt
 
 
 def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
@@ -93,15 +95,11 @@ def generate(
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])
             ids = paddle.to_tensor(np.stack([tokenize(p) for p in chunk]))
-            context, mask, pooled = encode_prompt_pooled(text_encoder, ids)
+            conditioning = encode_prompt(text_encoder, ids)
             guided = guidance_scale != 1.0
             if guided:
-                uncond, uncond_mask, uncond_pooled = encode_prompt_pooled(text_encoder, uncond_ids)
-                context = paddle.concat([uncond.expand([len(chunk), -1, -1]), context])
-                if mask is not None:
-                    mask = paddle.concat([uncond_mask.expand([len(chunk), -1]), mask])
-                if pooled is not None:
-                    pooled = paddle.concat([uncond_pooled.expand([len(chunk), -1]), pooled])
+                unconditional = encode_prompt(text_encoder, uncond_ids).repeat(len(chunk))
+                conditioning = Conditioning.concat([unconditional, conditioning])
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
             latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
@@ -110,7 +108,7 @@ def generate(
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 if hasattr(scheduler, "scale_model_input"):
                     model_input = scheduler.scale_model_input(model_input, t)
-                prediction = predict(unet, model_input, t, context, mask, pooled)
+                prediction = predict(unet, model_input, t, conditioning)
                 if guided:
                     uncond_pred, cond_pred = prediction.chunk(2)
                     prediction = uncond_pred + guidance_scale * (cond_pred - uncond_pred)

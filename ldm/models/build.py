@@ -1,7 +1,7 @@
 """Where a model comes from: a shipped preset, a folder of configs, a pipeline folder, or the hub.
 
-A source is laid out like a ppdiffusers pipeline folder: a backbone (`unet/`, or a DiT's `transformer/`:
-`ldm.models.backbone`), a text encoder (`bert/` for LDMBert, or
+A source is laid out like a ppdiffusers pipeline folder: a backbone (`unet/`, or a DiT's `transformer/`: its
+family's, `ldm.models.families`), a text encoder (`bert/` for LDMBert, or
 `text_encoder/` + `tokenizer/` for a CLIP text model: `ldm.models.text`), `vqvae/` (or `vae/`), `scheduler/`
 (and `tokenizer/` when exported). A part whose folder holds weights is loaded, in Paddle's layout or in
 PyTorch's (a diffusers pipeline: `torch_layout`); a part with a config only is built and initialised from
@@ -17,16 +17,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ldm.models.backbone import (
-    FAMILIES,
-    SD3,
-    UNET,
-    autoencoder_factor,
-    backbone_family_of,
-    context_width,
-    reads_pooled,
-)
-from ldm.models.text import LDMBERT, SD3_TEXT, TextFamily, text_family
+from ldm.models.backbone import autoencoder_factor, context_width, reads_pooled
+from ldm.models.families import FAMILIES, ModelFamily, config_family, folder_family
+from ldm.models.text import LDMBERT, SD3_TEXT, TextEncoderError, TextFamily, text_family
 from ldm.models.text import family_of as text_family_of
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
@@ -65,20 +58,19 @@ def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
 def unsupported_folder(folder: str) -> str | None:
     """Why the backbone whose config is in `folder` cannot be trained here (`unsupported_config`), read before its
     weights; None also when the config cannot be read: its loader then says what is wrong with it."""
-    from ldm.models.backbone import unsupported_config
-
     try:
-        return unsupported_config(read_config(folder))
+        config = read_config(folder)
     except (OSError, ValueError):
         return None
+    return config_family(config, folder=os.path.basename(os.path.normpath(folder))).unsupported(config)
 
 
 # The classes a pipeline folder's parts are read as (`model_index.json` names them; any library's spelling): a part
 # named as another class would be read as these all the same, and sample other images than its pipeline does.
 PIPELINE_PARTS = {
     "unet": ("UNet2DConditionModel",),
-    "transformer": tuple(name for family in FAMILIES if family.folder == "transformer"
-                         for name in (family.class_name, *family.config_names)),
+    "transformer": tuple(name for family in FAMILIES if family.backbone_folder == "transformer"
+                         for name in (family.backbone_class, *family.config_names)),
     "vae": ("AutoencoderKL",),
     "vqvae": ("AutoencoderKL",),
     "bert": ("LDMBertModel",),
@@ -91,19 +83,14 @@ PIPELINE_PARTS = {
     "tokenizer_3": ("T5Tokenizer", "T5TokenizerFast"),
 }
 # where a pipeline class's part is of other classes than `PIPELINE_PARTS` says (SD3's first CLIP has a projection)
-CLASS_PARTS = {"StableDiffusion3Pipeline": {"text_encoder": ("CLIPTextModelWithProjection",)}}
+CLASS_PARTS = {family.pipeline_class: family.class_parts for family in FAMILIES if family.class_parts}
 # parts of a text-to-image pipeline that text-to-image sampling does not use
 UNUSED_PARTS = ("safety_checker", "feature_extractor", "image_encoder")
 # The pipeline classes this framework trains, samples and exports (`model_index.json`'s `_class_name`, the same in
-# diffusers and ppdiffusers), with the parts each holds; any other class (Stable Diffusion XL's or 3's, DeepFloyd
-# IF's, an image-to-image pipeline) is refused by name, rather than read as one of these without its other parts.
-PIPELINE_CLASSES = {
-    "LDMTextToImagePipeline": ("vqvae", "bert", "tokenizer", "unet", "scheduler"),
-    "StableDiffusionPipeline": ("vae", "text_encoder", "tokenizer", "unet", "scheduler"),
-    "PixArtAlphaPipeline": ("vae", "text_encoder", "tokenizer", "transformer", "scheduler"),
-    "StableDiffusion3Pipeline": ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
-                                 "tokenizer_2", "tokenizer_3", "transformer", "scheduler"),
-}
+# diffusers and ppdiffusers: its families'), with the parts each holds; any other class (Stable Diffusion XL's,
+# DeepFloyd IF's, an image-to-image pipeline) is refused by name, rather than read as one of these without its other
+# parts.
+PIPELINE_CLASSES = {family.pipeline_class: family.pipeline_parts for family in FAMILIES if family.pipeline_class}
 
 
 def check_model_index(folder: str) -> None:
@@ -145,9 +132,8 @@ def check_unread_parts(folder: str) -> None:
     """Refuse a model folder holding a second text encoder (or tokenizer: `text_encoder_2/`, Stable Diffusion XL's
     and 3's), with or without a model index naming it: trained or exported without it, the model would silently be
     another one. Stable Diffusion 3's three (`ldm.models.text_set`) are read."""
-    from ldm.models.text_set import is_set_source
-
-    if is_set_source(folder) and backbone_family_of(folder) is SD3:
+    family = folder_family(folder)
+    if family is not None and family.reads_text_parts(folder):
         return
     try:
         names = sorted(n for n in os.listdir(folder) if EXTRA_TEXT_PART.fullmatch(n))
@@ -301,8 +287,8 @@ def model_configs(name_or_path: str, vae_config=None) -> tuple:
     from types import SimpleNamespace
 
     folder = resolve_source(name_or_path)
-    backbone = backbone_family_of(folder) or UNET
-    parts = {backbone.folder: os.path.join(folder, backbone.folder)}
+    backbone = (folder_family(folder) or FAMILIES[0]).backbone_folder
+    parts = {backbone: os.path.join(folder, backbone)}
     if vae_config is None:  # its vqvae/ or vae/
         parts["vae"] = next((os.path.join(folder, part) for part in AUTOENCODER_SUBFOLDERS
                              if os.path.isdir(os.path.join(folder, part))), os.path.join(folder, "vqvae"))
@@ -314,7 +300,7 @@ def model_configs(name_or_path: str, vae_config=None) -> tuple:
             raise ModelSourceError(f"{name_or_path}: cannot read its {os.path.basename(path)}/config.json ({e}), "
                                    "which sets the aspect-ratio buckets' size step: name the model they are for") \
                 from None
-    return vae_config or configs["vae"], configs[backbone.folder]
+    return vae_config or configs["vae"], configs[backbone]
 
 
 def model_resolution(unet, vae) -> int:
@@ -325,15 +311,16 @@ def model_resolution(unet, vae) -> int:
 
 @dataclass
 class Components:
-    unet: object  # the backbone: a UNet or a DiT (`ldm.models.backbone`)
+    unet: object  # the backbone: a UNet or a DiT (`ldm.models.families`)
     text_encoder: object
     vae: object
     noise_scheduler: object
     source: str
     vae_source: str
     pretrained: dict = field(default_factory=dict)  # part -> loaded weights?
-    family: TextFamily = LDMBERT
+    family: TextFamily = LDMBERT  # of the text encoder
     text_source: str = ""  # the folder the text encoder was read from
+    model_family: ModelFamily = FAMILIES[0]
 
     def parameter_counts(self) -> dict[str, int]:
         return {name: sum(int(p.numel()) for p in getattr(self, name).parameters())
@@ -387,7 +374,7 @@ def load_frozen_text_encoder(family: TextFamily, folder: str):
 def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False):
     """(family, text encoder, tokenizer) of a model whose text encoder is frozen (CLIP's), in eval mode: what
     `encode --text_embeddings` computes the cached text states with. LDMBert, trained with the UNet, has none."""
-    from ldm.models.text import LDMBERT, TextEncoderError, check_vocabulary, load_text_tokenizer
+    from ldm.models.text import check_vocabulary, load_text_tokenizer
 
     source = resolve_source(model_name_or_path)
     try:
@@ -408,6 +395,39 @@ def load_caption_encoder(model_name_or_path: str, allow_untrained: bool = False)
                                "diffusion model will be trained with (--allow_untrained_text_encoder: tests)")
     encoder.eval()
     return family, encoder, tokenizer
+
+
+def model_family(model_name_or_path: str) -> ModelFamily:
+    """The family of a model known by name or folder (its configs read, nothing built)."""
+    return source_families(resolve_source(model_name_or_path), model_name_or_path)[0]
+
+
+def source_families(source: str, name: str) -> tuple[ModelFamily, TextFamily]:
+    """(the model's family, its text encoder's) of a model folder (`name`: as the user gave it)."""
+    if folder_family(source) is None:
+        raise ModelSourceError(f"{name}: no unet/config.json nor transformer/config.json (expected a preset, a "
+                               "folder of configs or a pipeline folder)")
+    try:
+        text = text_family(source)
+    except TextEncoderError as e:
+        raise ModelSourceError(f"{name}: {e}") from None
+    return folder_family(source, text), text
+
+
+def part_class(part: str, config: dict | None = None):
+    """The class a model's part (named as its folder: `unet`, `transformer`, `bert`, `text_encoder`, `vqvae`, `vae`)
+    is built as, by its `config` (a backbone's `_class_name` or shape, a text encoder's `model_type`)."""
+    from ppdiffusers import AutoencoderKL
+
+    from ldm.models.text import FAMILIES as TEXT_FAMILIES
+
+    config = config or {}
+    if part in AUTOENCODER_SUBFOLDERS:
+        return AutoencoderKL
+    if any(family.backbone_folder == part for family in FAMILIES):
+        return config_family(config, folder=part).model_class()
+    return next(f for f in TEXT_FAMILIES if f.folder == part and config.get("model_type", f.model_types[0])
+                in f.model_types).model_class()
 
 
 def load_part(model_class, folder: str):
@@ -490,28 +510,20 @@ def build_components(
     import paddle
     from ppdiffusers import AutoencoderKL
 
-    from ldm.models.backbone import freeze_unexported, init_backbone
     from ldm.models.init import init_ldm_weights
     from ldm.models.noise import training_scheduler
-    from ldm.models.text import TextEncoderError
 
     source = resolve_source(model_name_or_path)
     if os.path.isfile(os.path.join(source, "model_index.json")):
         check_model_index(source)
     check_unread_parts(source)
-    backbone = backbone_family_of(source)
-    if backbone is None:
-        raise ModelSourceError(f"{model_name_or_path}: no unet/config.json nor transformer/config.json (expected a "
-                               "preset, a folder of configs or a pipeline folder)")
-    try:
-        family = text_family(source)
-    except TextEncoderError as e:
-        raise ModelSourceError(f"{model_name_or_path}: {e}") from None
+    model_family, family = source_families(source, model_name_or_path)
     if seed is not None:
         paddle.seed(seed)
     vae_source = vae_name_or_path or source
-    check_fit(model_name_or_path, os.path.join(source, backbone.folder), vae_name_or_path, resolution)
-    unet, unet_loaded = load_part(backbone.model_class(), os.path.join(source, backbone.folder))
+    backbone = os.path.join(source, model_family.backbone_folder)
+    check_fit(model_name_or_path, backbone, vae_name_or_path, resolution)
+    unet, unet_loaded = load_part(model_family.model_class(), backbone)
     text_source = text_encoder_from or os.path.join(source, family.folder)
     if family is LDMBERT:
         text_encoder, text_loaded = load_text_encoder(text_source, vocab_size, model_max_length, pad_token_id)
@@ -519,14 +531,15 @@ def build_components(
         text_encoder, text_loaded = load_frozen_text_encoder(family, text_source)
     check_context(unet, text_encoder, model_name_or_path)
     if not unet_loaded:
-        init_backbone(unet)
-    freeze_unexported(unet)
+        model_family.init_weights(unet)
+    model_family.freeze_unexported(unet)
     if family is LDMBERT and not text_loaded:
         init_ldm_weights(None, text_encoder)
     vae, vae_loaded = load_part(AutoencoderKL, vae_folder(vae_source))
     scheduler = training_scheduler(noise_scheduler_config(source, prediction_type, flow_shift))
     return Components(unet, text_encoder, vae, scheduler, source, vae_source,
-                      {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source)
+                      {"unet": unet_loaded, "text_encoder": text_loaded, "vae": vae_loaded}, family, text_source,
+                      model_family)
 
 
 def check_fit(name: str, backbone_folder: str, vae_name_or_path: str | None, resolution: int | None = None) -> None:

@@ -6,13 +6,16 @@ The wrapper owns no tokenizer, sampler or logger. The scheduler owns the noise m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 from ppdiffusers.models.vae import DiagonalGaussianDistribution
 
 from ldm.models.autoencoder import posterior, scaled_latents
-from ldm.models.backbone import predict_with_variance
+from ldm.models.conditioning import Conditioning
+from ldm.models.families import family_of, predict_with_variance
 from ldm.models.noise import (
     PREDICTION_TYPES,
     FlowSettings,
@@ -23,7 +26,7 @@ from ldm.models.noise import (
     scheduler_config,
     variational_bound,
 )
-from ldm.models.text import encode_prompt_pooled
+from ldm.models.text import encode_prompt
 
 
 def freeze(layer: nn.Layer) -> None:
@@ -54,6 +57,7 @@ class LatentDiffusion(nn.Layer):
             raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
         self.flow = (flow or FlowSettings()) if prediction_type == "flow_matching" else None
         self.unet, self.text_encoder, self.vae = unet, text_encoder, vae
+        self.family = family_of(unet, text_encoder)
         self.noise_scheduler = noise_scheduler
         self.prediction_type = prediction_type
         self.noise_offset, self.snr_gamma = float(noise_offset), snr_gamma
@@ -77,17 +81,13 @@ class LatentDiffusion(nn.Layer):
         elif snr_gamma:
             raise ValueError("--snr_gamma weights epsilon and v-prediction losses; a flow-matching model weights its "
                              "loss with --flow_weighting")
-        self.register_buffer("empty_states", None, persistable=False)  # the empty caption's states (cached text)
-        self.empty_length = None  # and its tokens (a masked encoder's)
+        self.empty: Conditioning | None = None  # the empty caption's text conditioning (cached text)
 
     def keep_empty_caption(self, input_ids) -> None:
         """Encode the empty caption's token ids once: a dropped caption's cached states are replaced by these (a
         frozen encoder gives every dropped caption the same states)."""
         with paddle.no_grad():
-            states, mask, pooled = encode_prompt_pooled(self.text_encoder, paddle.to_tensor(input_ids)[None])
-        self.register_buffer("empty_states", states.astype("float32"), persistable=False)
-        self.register_buffer("empty_pooled", None if pooled is None else pooled.astype("float32"), persistable=False)
-        self.empty_length = None if mask is None else int(mask.sum())
+            self.empty = encode_prompt(self.text_encoder, paddle.to_tensor(input_ids)[None]).astype("float32")
 
     def train(self):
         super().train()
@@ -103,13 +103,12 @@ class LatentDiffusion(nn.Layer):
         latents = posterior(self.vae, pixel_values, self.vae_dtype).sample().astype("float32")
         return scaled_latents(self.vae, latents, self.scaling_factor)
 
-    def encode_text(self, input_ids: paddle.Tensor):
-        """(states, mask: None unless the encoder masks its padding, pooled vector: None unless the backbone reads one)
-        of token ids."""
+    def encode_text(self, input_ids: paddle.Tensor) -> Conditioning:
+        """The text conditioning of token ids (`ldm.models.text.encode_prompt`)."""
         if self.freeze_text_encoder:
             with paddle.no_grad():
-                return encode_prompt_pooled(self.text_encoder, input_ids)
-        return encode_prompt_pooled(self.text_encoder, input_ids)
+                return encode_prompt(self.text_encoder, input_ids)
+        return encode_prompt(self.text_encoder, input_ids)
 
     @property
     def num_train_timesteps(self) -> int:
@@ -147,31 +146,26 @@ class LatentDiffusion(nn.Layer):
         sample = DiagonalGaussianDistribution(latent_moments.astype("float32")).sample()
         return scaled_latents(self.vae, sample, self.scaling_factor)
 
-    def context(self, input_ids, text_states, text_dropped, text_lengths=None, text_pooled=None):
-        """(states, mask, pooled) the backbone is conditioned on: the text encoder's of `input_ids`, or cached ones
-        (`text_states`, float32 [B, L, D], the first `text_lengths` real for a masked encoder) with the empty caption's
-        where `text_dropped`; `text_pooled`, the cached pooled vectors of a backbone that reads them (SD3's)."""
-        if text_states is None:
-            return self.encode_text(input_ids)
-        if self.empty_states is None:
+    def context(self, input_ids, conditioning: dict | None = None) -> Conditioning:
+        """What the backbone is conditioned on: the text encoder's of `input_ids`, or the batch's cached text states
+        (`conditioning`'s `states`, `mask`, `pooled`, float32 or int64 arrays) with the empty caption's where
+        `dropped`; with the batch's added conditions (`added`) either way."""
+        fields = dict(conditioning or {})
+        dropped = fields.pop("dropped", None)
+        given = Conditioning.from_arrays(fields)
+        if input_ids is not None:
+            found = replace(self.encode_text(input_ids), added=given.added)
+        elif given.states is None:
+            raise ValueError("a batch without token ids needs cached text states")
+        elif self.empty is None:
             raise ValueError("cached text states need the empty caption's (keep_empty_caption)")
-        dropped = paddle.to_tensor(text_dropped).astype("bool")
-        states = paddle.to_tensor(text_states).astype("float32")
-        states = paddle.where(dropped.reshape([-1, 1, 1]), self.empty_states.expand(states.shape), states)
-        pooled = None
-        if text_pooled is not None:
-            pooled = paddle.to_tensor(text_pooled).astype("float32")
-            pooled = paddle.where(dropped.reshape([-1, 1]), self.empty_pooled.expand(pooled.shape), pooled)
-        if self.empty_length is None:
-            return states, None, pooled
-        lengths = paddle.where(dropped, paddle.full_like(paddle.to_tensor(text_lengths), self.empty_length),
-                               paddle.to_tensor(text_lengths))
-        mask = (paddle.arange(states.shape[1])[None] < lengths[:, None]).astype("int64")
-        return states, mask, pooled
+        else:
+            found = given.text_where(paddle.to_tensor(dropped).astype("bool"), self.empty)
+        self.family.check_conditioning(found)
+        return found
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,
-                latent_moments: paddle.Tensor | None = None, details: bool = False, text_states=None,
-                text_dropped=None, text_lengths=None, text_pooled=None):
+                latent_moments: paddle.Tensor | None = None, details: bool = False, conditioning: dict | None = None):
         """The loss of a batch of images (uint8 or [-1, 1]), or of their precomputed latents instead (and of their
         captions' token ids, or their cached text states: `context`); `details`: (loss, each sample's loss, each
         sample's timestep)."""
@@ -185,8 +179,8 @@ class LatentDiffusion(nn.Layer):
             noise = noise + self.noise_offset * paddle.randn([batch, latents.shape[1], 1, 1], dtype=latents.dtype)
         timesteps = self.draw_timesteps(batch)
         noisy_latents, target = self.noised(latents, noise, timesteps)
-        context, mask, pooled = self.context(input_ids, text_states, text_dropped, text_lengths, text_pooled)
-        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps, context, mask, pooled)
+        model_pred, variance = predict_with_variance(self.unet, noisy_latents, timesteps,
+                                                     self.context(input_ids, conditioning))
         loss = F.mse_loss(model_pred.astype("float32"), target.astype("float32"), reduction="none")
         loss = loss.mean(axis=[1, 2, 3])
         weights = self.loss_weights(timesteps)

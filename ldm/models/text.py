@@ -22,10 +22,14 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ldm.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from ldm.models.conditioning import Conditioning
 
 
 class TextEncoderError(UserError, ValueError):
@@ -39,6 +43,10 @@ class TextFamily:
     trained_by_default: bool
     model_types: tuple[str, ...]  # a config's `model_type` values of this family
     masked: bool = False  # its padding is masked (the UNet's cross-attention gets the mask)
+    # the folder of its tokenizer in a model; None: chosen apart (LDMBert's, `--tokenizer_name`), and the encoder
+    # built from scratch follows it (its vocabulary, its caption length)
+    tokenizer_folder: str | None = "tokenizer"
+    frozen_only: str | None = None  # why it cannot be trained here; None: it can
 
     def model_class(self, folder: str | None = None):
         """The class of the family's encoder in `folder`: CLIP's with its projection (SDXL's and SD3's
@@ -66,13 +74,20 @@ class TextFamily:
         return {"ldmbert": BertTokenizer, "clip": CLIPTokenizer, "t5": T5Tokenizer}[self.name]
 
 
-LDMBERT = TextFamily("ldmbert", "bert", True, ("ldmbert",))
+LDMBERT = TextFamily("ldmbert", "bert", True, ("ldmbert",), tokenizer_folder=None)
 CLIP = TextFamily("clip", "text_encoder", False, ("clip_text_model", "clip"))
 T5 = TextFamily("t5", "text_encoder", False, ("t5",), masked=True)
 # Stable Diffusion 3's three (`ldm.models.text_set`): CLIP-L, CLIP-G and T5, read as one
-SD3_TEXT = TextFamily("sd3", "text_encoder", False, ("sd3_text_encoders",))
+SD3_TEXT = TextFamily("sd3", "text_encoder", False, ("sd3_text_encoders",),
+                      frozen_only="Stable Diffusion 3's three text encoders train frozen here (they are saved and "
+                                  "checked as one frozen part)")
 SD3_PARTS = (CLIP, CLIP, T5)  # the family of each of its three, in `text_set`'s order
 FAMILIES = (LDMBERT, CLIP, T5, SD3_TEXT)
+
+
+def named(name: str) -> TextFamily:
+    """The family a record names (`text_encoder_identity`'s "family")."""
+    return next(f for f in FAMILIES if f.name == name)
 
 
 def text_family(source: str) -> TextFamily:
@@ -147,28 +162,59 @@ def is_masked(text_encoder) -> bool:
     return family_of(text_encoder).masked
 
 
-def encode_prompt(text_encoder, input_ids):
-    """(states, mask) of token ids: the mask (1 for a real token, EOS included) where the family masks its padding
-    (T5's), else None. The states are the last hidden ones: a CLIP with a projection puts its pooled vector first."""
-    if family_of(text_encoder) is SD3_TEXT:
-        return text_encoder(input_ids)[0], None
-    if hasattr(text_encoder, "text_projection"):
-        return text_encoder(input_ids, return_dict=True).last_hidden_state, None
-    if not is_masked(text_encoder):
-        return text_encoder(input_ids)[0], None
-    mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
-    return text_encoder(input_ids, attention_mask=mask)[0], mask
+def encode_prompt(text_encoder, input_ids) -> Conditioning:
+    """The text conditioning of token ids: the states (the last hidden ones; SD3's set: its own), their mask (1 for a
+    real token, EOS included) where the family masks its padding (T5's), the pooled vector of an encoder that makes
+    one (a CLIP with a projection, which puts it first; SD3's set)."""
+    from ldm.models.conditioning import Conditioning
 
-
-def encode_prompt_pooled(text_encoder, input_ids):
-    """(states, mask, pooled vector or None) of token ids, in one forward (`encode_prompt`, `pooled_prompt`)."""
     if family_of(text_encoder) is SD3_TEXT:
         states, pooled = text_encoder(input_ids)
-        return states, None, pooled
+        return Conditioning(states, pooled=pooled)
     if hasattr(text_encoder, "text_projection"):
         out = text_encoder(input_ids, return_dict=True)
-        return out.last_hidden_state, None, out.text_embeds
-    return (*encode_prompt(text_encoder, input_ids), None)
+        return Conditioning(out.last_hidden_state, pooled=out.text_embeds)
+    if not is_masked(text_encoder):
+        return Conditioning(text_encoder(input_ids)[0])
+    mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
+    return Conditioning(text_encoder(input_ids, attention_mask=mask)[0], mask)
+
+
+def cache_entry(text_encoder, length: int) -> dict:
+    """What a caption's cached states of this encoder are (`ldm.data.latents`' meta): their `shape` [rows, width]
+    at the caption `length` (SD3's set: 2 L rows), its `length` where the encoder masks its padding (the states
+    keep its real tokens only), the `pooled` vector's shape where it makes one."""
+    config = text_encoder.config
+    width = getattr(config, "hidden_size", None) or config.d_model
+    rows = text_encoder.states_length(length) if hasattr(text_encoder, "states_length") else length
+    entry = {"shape": [rows, width]}
+    if is_masked(text_encoder):
+        entry["length"] = length
+    if hasattr(text_encoder, "text_projection") or family_of(text_encoder) is SD3_TEXT:
+        entry["pooled"] = [int(config.projection_dim)]
+    return entry
+
+
+def describe_text_encoder(text_encoder, tokens: int | None) -> str:
+    """One line of a model card: the text encoder's class, size and shape, and the caption length `tokens` it was
+    trained with."""
+    b, family = text_encoder.config, family_of(text_encoder)
+    parameters = f"{sum(int(p.numel()) for p in text_encoder.parameters()) / 1e6:.2f} M parameters"
+    if family is LDMBERT:
+        return (f"- LDMBert text encoder: {parameters}, {b.encoder_layers} layers of width {b.d_model}, "
+                f"{b.encoder_attention_heads} heads, vocabulary {b.vocab_size}, {b.max_position_embeddings} tokens")
+    if family is CLIP:
+        return (f"- CLIP text encoder: {parameters}, {b.num_hidden_layers} layers of width {b.hidden_size}, "
+                f"{b.num_attention_heads} heads, vocabulary {b.vocab_size}, {b.max_position_embeddings} positions, "
+                f"prompts of {tokens or b.max_position_embeddings} tokens")
+    if family is SD3_TEXT:
+        clip_l, clip_g, t5 = (e.config for e in text_encoder.encoders)
+        return (f"- Stable Diffusion 3's text encoders (frozen): {parameters}; CLIP-L {clip_l.num_hidden_layers} "
+                f"layers of width {clip_l.hidden_size} and CLIP-G {clip_g.num_hidden_layers} layers of width "
+                f"{clip_g.hidden_size}, both with projections (pooled {b.projection_dim}), T5 {t5.num_layers} layers "
+                f"of width {t5.d_model}; prompts of {tokens} tokens for each")
+    return (f"- T5 text encoder (frozen): {parameters}, {b.num_layers} layers of width {b.d_model}, {b.num_heads} "
+            f"heads, vocabulary {b.vocab_size}, prompts of {tokens} tokens, padding masked")
 
 
 def pooled_prompt(text_encoder, input_ids):
@@ -278,6 +324,8 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
                                   zip(SD3_PARTS, part_folders(folder, TOKENIZER_PARTS), strict=True))
         tokenizers.model_max_length = tokenizers.model_max_length
         return tokenizers
+    if family.tokenizer_folder is None:  # LDMBert's, as its pipeline saved it
+        return wordpiece_tokenizer(folder)
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     if own_copy and os.path.isdir(folder):
         folder = process_copy(folder)
@@ -295,6 +343,36 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
                                    "tokenizer of this model")
         folder = bpe_files(folder)
     return family.tokenizer_class().from_pretrained(folder, **kwargs)
+
+
+def wordpiece_tokenizer(folder: str):
+    """PaddleNLP's BertTokenizer of a pipeline's `tokenizer/`: from its vocab.txt, or, when transformers 5 wrote the
+    folder (tokenizer.json alone, which PaddleNLP does not read), from that file's WordPiece vocabulary."""
+    import tempfile
+
+    from paddlenlp.transformers import BertTokenizer
+
+    source = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(os.path.join(folder, "vocab.txt")) or not os.path.isfile(source):
+        return BertTokenizer.from_pretrained(folder)
+    with open(source, encoding="utf-8") as f:
+        model = json.load(f).get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "WordPiece" or not isinstance(vocab, dict) or sorted(vocab.values()) != list(
+            range(len(vocab))):
+        raise TextEncoderError(f"{source}: not a WordPiece (BERT) vocabulary, which LDMBert's pipeline uses")
+    config = {}
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    temp = tempfile.TemporaryDirectory(prefix="ldm-vocab-")
+    vocab_file = os.path.join(temp.name, "vocab.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        f.writelines(f"{token}\n" for token in sorted(vocab, key=vocab.get))
+    tokenizer = BertTokenizer(vocab_file, do_lower_case=config.get("do_lower_case", True),
+                              model_max_length=config.get("model_max_length", 77))
+    tokenizer.vocab_folder = temp  # its save_pretrained copies the file: the folder lives as long as it does
+    return tokenizer
 
 
 def process_copy(folder: str) -> str:

@@ -217,7 +217,7 @@ def set_torch_state(model, state: dict[str, np.ndarray], source: str, described_
 
 
 def unexported_biases(model) -> list[str]:
-    """The biases of ppdiffusers' layer norms without affine weights (`ldm.models.backbone.freeze_unexported`:
+    """The biases of ppdiffusers' layer norms without affine weights (`ModelFamily.freeze_unexported`:
     SD3's transformer), which diffusers' classes do not have: read as zero from a diffusers folder."""
     import paddle
 
@@ -270,7 +270,7 @@ PADDLE_WEIGHT_STEMS = ("diffusion_paddle_model", "model")
 def paddle_weight_files(folder: str) -> dict[str, str] | None:
     """{tensor name: file name} of a part folder's Paddle-layout safetensors: one file, or the shards of its index;
     None when it holds none such (the library's own loader reads what else there is)."""
-    from ldm.checkpoint.serialization import StateFormatError, safetensors_entries
+    from ldm.runtime.safetensors_files import StateFormatError, safetensors_entries
 
     for stem in PADDLE_WEIGHT_STEMS:
         name = f"{stem}.safetensors"
@@ -300,7 +300,7 @@ def load_paddle_layout(model_class, folder: str):
     import paddle
     from paddlenlp.transformers.model_utils import no_init_weights
 
-    from ldm.checkpoint.serialization import file_arrays, safetensors_entries
+    from ldm.runtime.safetensors_files import file_arrays, safetensors_entries
 
     files = paddle_weight_files(folder)
     if files is None:

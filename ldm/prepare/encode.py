@@ -244,7 +244,7 @@ class EncoderStates:
     def __init__(self, part: str, family, encoder, tokenizer, dtype: str, max_length: int | None, source: str):
         from ldm.data.latents import text_fingerprint
         from ldm.data.tokenize import CaptionTokenizer
-        from ldm.models.text import TextEncoderError, caption_length, text_encoder_identity
+        from ldm.models.text import TextEncoderError, cache_entry, caption_length, text_encoder_identity
 
         self.encoder = encoder
         try:  # as the training run makes them (`ldm.train.setup.with_caption_length`)
@@ -253,27 +253,20 @@ class EncoderStates:
             raise EncodeError(f"{source}: {e}") from None
         self.tokenize = CaptionTokenizer(tokenizer, length)
         self.identity = text_encoder_identity(encoder, family, length)
-        width = getattr(encoder.config, "hidden_size", None) or encoder.config.d_model
-        rows = encoder.states_length(length) if hasattr(encoder, "states_length") else length  # SD3's: 2 L
-        self.entry = {"encoder": text_fingerprint(self.identity), "dtype": dtype, "shape": [rows, width]}
-        if family.masked:
-            self.entry["length"] = length
-        if hasattr(encoder, "text_projection") or family.name == "sd3":
-            self.entry["pooled"] = [int(encoder.config.projection_dim)]
+        self.entry = {"encoder": text_fingerprint(self.identity), "dtype": dtype, **cache_entry(encoder, length)}
         self.part = part
-        self.reads_pooled = family.name == "sd3"  # the backbone it is for reads the pooled vector (SD3's)
 
     @paddle.no_grad()
     def __call__(self, captions: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        from ldm.models.text import encode_prompt_pooled
+        from ldm.models.text import encode_prompt
 
         # the caption as the latent record stores it (its whitespace folded), as training would tokenize it
         ids = paddle.to_tensor(np.stack([self.tokenize(" ".join(caption.split())) for caption in captions]))
-        states, mask, pooled = encode_prompt_pooled(self.encoder, ids)
-        states = states.astype("float32").numpy()
-        pooled = [None] * len(states) if pooled is None else list(pooled.astype("float32").numpy())
-        if mask is not None:
-            states = [s[:n] for s, n in zip(states, mask.sum(axis=1).numpy(), strict=True)]
+        encoded = encode_prompt(self.encoder, ids)
+        states = encoded.states.astype("float32").numpy()
+        pooled = [None] * len(states) if encoded.pooled is None else list(encoded.pooled.astype("float32").numpy())
+        if encoded.mask is not None:
+            states = [s[:n] for s, n in zip(states, encoded.mask.sum(axis=1).numpy(), strict=True)]
         return list(zip(states, pooled, strict=True))
 
 
@@ -295,22 +288,24 @@ class CaptionStates:
 
     def __init__(self, model_name_or_path: str, dtype: str, allow_untrained: bool = False,
                  max_length: int | None = None):
-        from ldm.models.build import load_caption_encoder
+        from ldm.models.build import load_caption_encoder, model_family
 
         family, encoder, tokenizer = load_caption_encoder(model_name_or_path, allow_untrained)
-        self.compose([EncoderStates(family.folder, family, encoder, tokenizer, dtype, max_length, model_name_or_path)])
+        self.compose([EncoderStates(family.folder, family, encoder, tokenizer, dtype, max_length, model_name_or_path)],
+                     model_family(model_name_or_path))
 
     @classmethod
-    def of(cls, parts: list[EncoderStates]) -> CaptionStates:
-        """The encoders given, in order (a model of several: SD3's)."""
+    def of(cls, parts: list[EncoderStates], family=None) -> CaptionStates:
+        """The encoders given, in order (a model of several: SD3's), for a model of `family`."""
         captions = cls.__new__(cls)
-        captions.compose(parts)
+        captions.compose(parts, family)
         return captions
 
-    def compose(self, parts: list[EncoderStates]) -> None:
+    def compose(self, parts: list[EncoderStates], family) -> None:
         self.parts, self.identity = parts, parts[0].identity
-        if len(self.parts) == 1:  # the pooled vector kept where the backbone reads it
-            self.meta = {k: v for k, v in self.parts[0].entry.items() if k != "pooled" or self.parts[0].reads_pooled}
+        if len(self.parts) == 1:  # what the model's family keeps: the pooled vector where its backbone reads one
+            entry = self.parts[0].entry
+            self.meta = family.cached_text(entry) if family is not None else entry
         else:
             self.meta = {"encoders": [{"part": p.part, **p.entry} for p in self.parts]}
 

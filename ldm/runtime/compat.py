@@ -4,7 +4,9 @@ The project is tested with the versions in requirements.lock (`SUPPORTED`). Each
 names the private attributes it relies on; when an upgrade has removed one, it raises
 `CompatibilityError` naming them and the supported versions, at start-up where possible, instead of
 an AttributeError deep in a run, or (worse) a subclass hook that is silently never called.
-tests/test_runtime_compat.py checks every shim against the installed versions.
+tests/test_runtime_compat.py checks every shim against the installed versions. A model family's own shims of
+ppdiffusers' classes (PixArt's caption projection, SD3's attention) live with the family (`ldm.models.families`),
+through `private` too.
 """
 
 from __future__ import annotations
@@ -345,88 +347,3 @@ def stop_loader(iterator) -> None:
                            worker.pid, WORKER_EXIT_SECONDS)
             worker.kill()
             worker.join(timeout=10)
-
-
-# --- ppdiffusers: PixArt's caption projection ---------------------------------------------------------------------
-
-def buildable_caption_projection() -> None:
-    """ppdiffusers 0.29's `CaptionProjection` (PixArt-α's `Transformer2DModel`) draws its `y_embedding` buffer with
-    `paddle.randn(num_tokens, in_features)`, which ppdiffusers' own patched `paddle.randn` (`randn_pt(shape, dtype)`)
-    reads as a dtype: no PixArt transformer can be built. Its constructor is replaced by the same one with the shape
-    as a list (the buffer is diffusers' unconditional caption, kept in the state dict as in their checkpoints)."""
-    import paddle
-    from ppdiffusers.models import embeddings
-
-    projection = private(embeddings, "CaptionProjection", "building PixArt-α's Transformer2DModel")
-    if getattr(projection, "_ldm_buildable", False):
-        return
-
-    def __init__(self, in_features, hidden_size, num_tokens=120):
-        paddle.nn.Layer.__init__(self)
-        self.linear_1 = paddle.nn.Linear(in_features=in_features, out_features=hidden_size)
-        self.act_1 = paddle.nn.GELU(approximate="tanh")
-        self.linear_2 = paddle.nn.Linear(in_features=hidden_size, out_features=hidden_size)
-        self.register_buffer("y_embedding", paddle.randn([num_tokens, in_features]) / in_features ** 0.5)
-
-    projection.__init__ = __init__
-    projection._ldm_buildable = True
-
-
-# --- ppdiffusers: SD3's joint attention off the GPU build ----------------------------------------------------------
-
-def joint_attention_everywhere() -> None:
-    """ppdiffusers 0.29's `JointAttnProcessor2_5` (every `SD3Transformer2DModel` block) calls
-    `paddle.nn.functional.scaled_dot_product_attention_`, which ppdiffusers defines only where its fused attention
-    kernels are (a GPU build): elsewhere no SD3 transformer runs. Where it is missing, it is given the plain form
-    ppdiffusers' own "math" branch computes (inputs and output [batch, tokens, heads, head dim])."""
-    import math
-
-    import paddle
-    import paddle.nn.functional as F
-
-    if hasattr(F, "scaled_dot_product_attention_"):
-        return
-
-    def scaled_dot_product_attention_(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                      training=True, attention_op=None):
-        if is_causal or attention_op not in (None, "auto", "math"):
-            raise NotImplementedError("only non-causal attention in the math form is provided off the GPU build")
-        scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-        q, k, v = (paddle.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
-        scores = paddle.matmul(q * scale, k, transpose_y=True)
-        if attn_mask is not None:
-            scores = scores + attn_mask.cast(scores.dtype)
-        weights = F.softmax(scores, axis=-1)
-        if dropout_p > 0.0:
-            weights = F.dropout(weights, dropout_p, training=training, mode="upscale_in_train")
-        return paddle.transpose(paddle.matmul(weights, v), [0, 2, 1, 3])
-
-    F.scaled_dot_product_attention_ = scaled_dot_product_attention_
-
-
-def sd3_recompute_unpacks() -> None:
-    """ppdiffusers 0.29's `SD3Transformer2DModel.sd3_origin_transformer` (the blocks' loop) takes a block's output
-    under gradient checkpointing (`--recompute`) as the image tokens alone, though a block returns (text tokens, image
-    tokens): no SD3 transformer trains with recompute. Replaced by the same loop that unpacks both, as diffusers'
-    does."""
-    from ppdiffusers.models import transformer_sd3
-    from ppdiffusers.utils import recompute_use_reentrant, use_old_recompute
-
-    model = private(transformer_sd3, "SD3Transformer2DModel", "training SD3 with --recompute")
-    if getattr(model, "_ldm_recompute_unpacks", False):
-        return
-    private(model, "sd3_origin_transformer", "training SD3 with --recompute")
-
-    def sd3_origin_transformer(self, hidden_states, encoder_hidden_states, temb):
-        for block in self.transformer_blocks:
-            if self.training and self.gradient_checkpointing and not use_old_recompute():
-                kwargs = {} if recompute_use_reentrant() else {"use_reentrant": False}
-                encoder_hidden_states, hidden_states = transformer_sd3.recompute(
-                    block, hidden_states, encoder_hidden_states, temb, **kwargs)
-            else:
-                encoder_hidden_states, hidden_states = block(
-                    hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb)
-        return encoder_hidden_states, hidden_states
-
-    model.sd3_origin_transformer = sd3_origin_transformer
-    model._ldm_recompute_unpacks = True

@@ -56,7 +56,7 @@ class TimedBatches:
         self._iterators.append(iterator)
         self._first = (iterator, next(iterator))
         self.on_latents = "latent_moments" in self._first[1]
-        self.cached_text = "text_states" in self._first[1]
+        self.cached_text = "states" in self._first[1].get("conditioning", {})
         if self.on_latents:
             logger.info("training on precomputed latents%s: the autoencoder is not run while training%s",
                         " and text states" if self.cached_text else "", ", nor the text encoder" if self.cached_text
@@ -122,8 +122,8 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     (its fingerprint; None: this run trains on images only); their batches carry `latent_moments`. `buckets`:
     the run's aspect-ratio buckets (the objective's, for its model; None: square crops); `latent_scale`, the
     autoencoder's downsampling, names a latent batch's bucket in pixels. `cached_text`: the fingerprint of the run's
-    frozen text encoder, whose cached text states latent records may carry (batches then carry `text_states` and
-    `text_dropped` instead of `input_ids`); "" when the run trains its text encoder.
+    frozen text encoder, whose cached text states latent records may carry (batches then carry them in
+    `conditioning` instead of `input_ids`); "" when the run trains its text encoder.
     """
     if buckets and dist.is_main:
         logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))

@@ -29,10 +29,8 @@ from ldm.data.latents import fingerprint, text_fingerprint
 from ldm.data.tokenize import CaptionTokenizer
 from ldm.evaluation.heldout import HeldOut, fixed_timesteps, read_records
 from ldm.models.autoencoder import autoencoder_identity
-from ldm.models.backbone import family_of as backbone_of
 from ldm.models.buckets import BucketError, backbone_buckets, bucket_name, size_step
 from ldm.models.ema import EMA
-from ldm.models.flops import ldm_training_flops
 from ldm.models.posthoc_ema import EMAProfiles, parse_sigma_rels
 from ldm.models.text import text_encoder_identity
 from ldm.runtime.distributed import Distributed
@@ -254,8 +252,8 @@ class TextToImage(Objective):
         return out
 
     def flops_per_sample(self, on_latents, shape=None):
-        flops = ldm_training_flops(self.model, resolution=shape or self.data.resolution,
-                                   text_length=self.data.model_max_length, on_latents=on_latents)
+        flops = self.model.family.training_flops(self.model, resolution=shape or self.data.resolution,
+                                                 text_length=self.data.model_max_length, on_latents=on_latents)
         if self.on_cached_text:  # no encoder forward at all
             flops["total"] -= flops["text_encoder"]
             flops["text_encoder"] = 0
@@ -306,8 +304,7 @@ class TextToImage(Objective):
     def loss(self, net, batch):
         loss, per_sample, timesteps = net(batch.get("pixel_values"), batch.get("input_ids"),
                                           batch.get("latent_moments"), details=True,
-                                          text_states=batch.get("text_states"), text_dropped=batch.get("text_dropped"),
-                                          text_lengths=batch.get("text_lengths"), text_pooled=batch.get("text_pooled"))
+                                          conditioning=batch.get("conditioning"))
         self.batches_seen += 1
         if self.batches_seen in self.nan_batches:  # the fault hook of the tests (`nan_fault_batches`)
             loss = loss * float("nan")
@@ -322,7 +319,7 @@ class TextToImage(Objective):
         return loss, extra
 
     def trained_parts(self):
-        parts = {backbone_of(self.model.unet).folder: self.model.unet}
+        parts = {self.model.family.backbone_folder: self.model.unet}
         if self.text.trained:
             parts[self.text.family.folder] = self.model.text_encoder
         return parts

@@ -14,7 +14,7 @@ from ldm.config.args import DataArguments, ModelArguments
 from ldm.config.record import ConfigError
 from ldm.data.tokenize import load_tokenizer
 from ldm.models.attention import set_attention
-from ldm.models.backbone import autoencoder_factor, follow_resolution
+from ldm.models.backbone import autoencoder_factor
 from ldm.models.build import (
     ModelSourceError,
     build_components,
@@ -28,7 +28,6 @@ from ldm.models.diffusion import LatentDiffusion
 from ldm.models.noise import FlowSettings, is_flow, scheduler_config
 from ldm.models.text import (
     DEFAULT_CAPTION_LENGTH,
-    LDMBERT,
     TextEncoderError,
     TextFamily,
     caption_length,
@@ -98,10 +97,9 @@ def text_source(model_args: ModelArguments, resume=None) -> TextSource:
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None
     trained = train_text_encoder(family, model_args.train_text_encoder)
-    if trained and family.name == "sd3":
-        raise ModelSourceError("--train_text_encoder true: Stable Diffusion 3's three text encoders train frozen here "
-                               "(they are saved and checked as one frozen part); leave --train_text_encoder unset")
-    tokenizer = None if family is LDMBERT else "tokenizer"  # LDMBert's is --tokenizer_name
+    if trained and family.frozen_only:
+        raise ModelSourceError(f"--train_text_encoder true: {family.frozen_only}; leave --train_text_encoder unset")
+    tokenizer = family.tokenizer_folder  # None: --tokenizer_name (LDMBert's)
     own = resume.text_encoder_folder if resume is not None else None  # checked against its manifest: read once
     if resume is not None and (own or legacy_frozen(resume, family)):
         # the frozen copy the run wrote (a checkpoint from before frozen copies: the one it holds)
@@ -128,7 +126,7 @@ def legacy_frozen(resume, family: TextFamily) -> bool:
 
 def build_tokenizer(data: DataArguments, text: TextSource | None = None):
     """The captions' tokenizer: `--tokenizer_name` for LDMBert, the model's own for a pretrained encoder."""
-    if text is None or text.family is LDMBERT:
+    if text is None or text.family.tokenizer_folder is None:
         return load_tokenizer(data.tokenizer_name, data.model_max_length or DEFAULT_CAPTION_LENGTH)
     try:
         return load_text_tokenizer(text.family, text.tokenizer, data.model_max_length, own_copy=True)
@@ -141,7 +139,7 @@ def with_caption_length(data: DataArguments, text: TextSource, tokenizer, model_
     """The data arguments with the caption length resolved (`ldm.models.text.caption_length`, as `encode
     --text_embeddings` resolves it): --model_max_length, else the model's (LDMBert's 77), set on the tokenizer too,
     which carries it to the saved tokenizer and the export."""
-    if text.family is LDMBERT:
+    if text.family.tokenizer_folder is None:  # an encoder that follows its tokenizer
         length = data.model_max_length or DEFAULT_CAPTION_LENGTH
     else:
         folder = text.encoder or os.path.join(resolve_source(model_name_or_path), text.family.folder)
@@ -196,7 +194,8 @@ def build_model(model_args: ModelArguments, data: DataArguments, tokenizer, *, r
             vae_dtype=resolve_vae_dtype(model_args.vae_dtype), flow=flow_settings(model_args),
         )
     # a UNet samples by default at the size it is trained at (an exported pipeline, evaluation)
-    follow_resolution(components.unet, data.resolution // autoencoder_factor(components.vae.config))
+    components.model_family.follow_resolution(components.unet,
+                                              data.resolution // autoencoder_factor(components.vae.config))
     logger.info("model from %s; %s", components.source, components.describe())
     check_autoencoder_trained(components.pretrained["vae"], components.vae_source, model_args.allow_untrained_vae)
     check_text_encoder_trained(components, trained, model_args.allow_untrained_text_encoder)
@@ -223,7 +222,7 @@ def check_text_encoder_trained(components, trained: bool, allowed: bool) -> None
         return
     if not allowed:
         where = ("a Stable Diffusion folder as --model_name_or_path or --init_from_checkpoint" if
-                 components.family is not LDMBERT else "a pretrained LDM as --model_name_or_path, or a checkpoint "
+                 components.family.tokenizer_folder else "a pretrained LDM as --model_name_or_path, or a checkpoint "
                  "or pipeline as --init_from_checkpoint")
         raise ModelSourceError(
             f"the {components.family.name} text encoder from {components.text_source} has no trained weights and would "
