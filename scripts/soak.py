@@ -586,7 +586,7 @@ def healing_run(chain: int, path: str, work: str, corpus, args, rng: random.Rand
     """No person: one job under `python -m ldm.launch` on 2 processes, whose ranks are SIGKILLed (one, or both) at
     random moments, up to --max_kills times; it must heal itself to its last update (exit 0), list every restart
     in run.json, and have trained on every record once. The time from each kill to the next update is measured."""
-    from ldm.runtime.supervisor import read_try
+    from ldm.runtime.heartbeat import read_try
 
     out = os.path.join(work, f"heal{chain}-{path}")
     listing, model, everything = own_corpus(corpus, out)

@@ -16,7 +16,7 @@ from conftest import ROOT
 from corpus import write_corpus
 
 from ldm.checkpoint.run_folder import checkpoint_step, latest_checkpoint
-from ldm.runtime.supervisor import read_try
+from ldm.runtime.heartbeat import read_try
 
 # What SLURM does around a batch script, for what the script calls: srun runs a step of one task per node, each
 # with its node's variables (`--overlap`: beside the running step), and given a SIGTERM it ends its tasks at once

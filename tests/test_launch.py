@@ -12,13 +12,15 @@ from conftest import ROOT
 from corpus import write_corpus
 
 from ldm.checkpoint.run_folder import latest_checkpoint
-from ldm.launch import LaunchError, flag_value, parse, with_flag
-from ldm.runtime.supervisor import read_try
+from ldm.launch import diagnosis
+from ldm.launch.command import LaunchError, flag_value, parse, with_flag
+from ldm.launch.ledger import RestartLedger
+from ldm.runtime.heartbeat import read_try
 
 # A stand-in for a training script, for what needs no model: it counts updates as a run does and fails as told.
 FAILING = """
 import os, sys, time
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.distributed import run_main
 from ldm.runtime.errors import UserError
 from ldm.train.errors import user_errors
@@ -27,10 +29,10 @@ def main():
     with open(os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], "argv.txt"), "a") as f:
         f.write(" ".join(sys.argv[1:]) + "\\n")
     rank = int(os.environ["PADDLE_TRAINER_ID"])
-    supervisor.started(0)
+    heartbeat.started(0)
     for step in (1, 2):
         time.sleep(0.2)
-        supervisor.beat(step)
+        heartbeat.beat(step)
     if rank == int(os.environ["FAIL_RANK"]):
         with user_errors():
             if os.environ["FAIL_HOW"] == "user":
@@ -76,67 +78,58 @@ def report(code, step, local, cause=None):
 def test_the_verdict_on_how_the_ranks_ended(tmp_path):
     """Which ends are restarted, which rank is named (the launcher's, mapped from its place in the node to the global
     rank), and the crash loop: the same update and the same cause."""
-    from ldm.launch import Supervisor, Try
+    def verdict(code, reports, signalled=False, several_nodes=False):
+        return diagnosis.verdict(code, reports, signalled=signalled, several_nodes=several_nodes)[0]
 
-    args, launcher, script, script_args = parse(["--max_restarts", "3", "--nnodes", "2", "t.py", "--output_dir",
-                                                 str(tmp_path)])
-    supervisor = Supervisor(args, launcher, script, script_args)
-    supervisor.current = Try.__new__(Try)
-    supervisor.current.failed = {}
-    assert supervisor.verdict(0, {}) == 0
-    assert supervisor.verdict(1, {2: report(2, 5, 0, "UserError: no shard"), 3: report(None, 5, 1)}) == 2
-    supervisor.several_nodes = False
-    assert supervisor.verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}) == 143  # a stop they agreed on
-    supervisor.several_nodes = True  # on several nodes, a peer's failure on another node looks the same: restarted
-    assert supervisor.verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}) is None
+    assert verdict(0, {}) == 0
+    exit_code, why = diagnosis.verdict(1, {2: report(2, 5, 0, "UserError: no shard"), 3: report(None, 5, 1)},
+                                       signalled=False, several_nodes=True)
+    assert (exit_code, why) == (2, "rank 2 stopped the run on purpose (UserError: no shard): not restarted")
+    assert verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}) == 143  # a stop they agreed on
+    # on several nodes, a peer's failure on another node looks the same: restarted
+    assert verdict(143, {0: report(143, 5, 0), 1: report(130, 5, 1)}, several_nodes=True) is None
 
     # node 1 of two: its ranks 2 and 3; the launcher names its second rank (local 1), killed at update 8
-    supervisor.current.failed = {1: -9}
     reports = {2: report(1, 7, 0, "RuntimeError: Connection reset by peer"), 3: report(None, 7, 1)}
-    failure = supervisor.failure(247, reports)
+    failure = diagnosis.failure(247, {1: -9}, reports)
     assert failure == {"rank": 3, "exit_code": -9, "cause": "killed by SIGKILL", "update": 8}
-    assert supervisor.give_up(failure) == (None, 0)
-    supervisor.restarts.append({**failure, "resumed_from": 6})
-    why, code = supervisor.give_up(failure)
+    assert diagnosis.give_up(failure, None, 0, 3) == (None, 0)
+    ledger = RestartLedger(str(tmp_path))
+    ledger.add(failure)
+    why, code = diagnosis.give_up(failure, ledger.previous(), len(ledger.restarts), 3)
     assert "failed twice at update 8 (rank 3: killed by SIGKILL)" in why and code == 4
-    assert supervisor.give_up({**failure, "cause": "exit 1"}) == (None, 0)  # another cause at the same update
+    # another cause at the same update
+    assert diagnosis.give_up({**failure, "cause": "exit 1"}, ledger.previous(), 1, 3) == (None, 0)
+    why, code = diagnosis.give_up({**failure, "cause": "exit 1"}, ledger.previous(), 3, 3)
+    assert why == "rank 3 failed at update 8 (exit 1) after 3 restart(s), the --max_restarts given" and code == 3
 
     # a hung rank: the launcher names rank 0, whose collective timed out waiting; rank 1 stopped answering (no
     # report, the older heartbeat): rank 1 is named
-    supervisor.current.failed = {0: 1}
     lost = "lost its peers (TIMEOUT in a collective): another rank or its launcher stopped first; its log says why"
     hung = {0: {**report(1, 22, 0, lost), "beat_at": 110.0}, 1: {**report(None, 22, 1), "beat_at": 100.0}}
-    failure = supervisor.failure(1, hung)
+    failure = diagnosis.failure(1, {0: 1}, hung)
     assert (failure["rank"], failure["update"]) == (1, 23), failure
     assert failure["cause"] == "stopped answering after update 22: rank 0's collective waited for it and timed out"
     closed = {0: {**report(1, 22, 0, lost.replace("TIMEOUT", "closed by peer")), "beat_at": 110.0},
               1: {**report(None, 22, 1), "beat_at": 109.0}}
-    assert supervisor.failure(1, closed)["cause"] == "ended without a report (killed, or its node lost)"
+    assert diagnosis.failure(1, {0: 1}, closed)["cause"] == "ended without a report (killed, or its node lost)"
     # a launcher that was killed: its ranks stopped with it (143 each), which is a failure, not a stop
-    supervisor.signalled, supervisor.current.failed = None, {}
     stopped = {0: report(143, 5, 0), 1: report(143, 5, 1)}
-    supervisor.several_nodes = False
-    assert supervisor.verdict(-9, stopped) is None
-    assert supervisor.failure(-9, stopped)["cause"] == ("paddle.distributed.launch was killed by SIGKILL (its ranks "
-                                                        "stopped with it)")
+    assert verdict(-9, stopped) is None
+    assert diagnosis.failure(-9, {}, stopped)["cause"] == ("paddle.distributed.launch was killed by SIGKILL (its "
+                                                           "ranks stopped with it)")
     # the checkpoint a restart resumed is the one its ranks report, not the newest folder that looks complete
-    entry = {"update": 21, "resumed_from": 20, "updates_lost": 0, "failed_at": time.time(), "said": True}
-    supervisor.current.first_update_at = None
-    supervisor.resumed(entry, {0: {**report(None, 12, 0), "started": 10}, 1: {**report(None, 12, 1), "started": 10}})
-    assert (entry["resumed_from"], entry["updates_lost"]) == (10, 10)
-    supervisor.signalled = 15
-    assert supervisor.verdict(0, {}) == 0 and supervisor.verdict(143, {}) == 143  # a stop asked for: never restarted
+    ledger.restarts[-1].update({"update": 21, "resumed_from": 20, "updates_lost": 0})
+    said = ledger.resumed({0: {**report(None, 12, 0), "started": 10}, 1: {**report(None, 12, 1), "started": 10}},
+                          None)
+    assert (ledger.restarts[-1]["resumed_from"], ledger.restarts[-1]["updates_lost"]) == (10, 10)
+    assert said == "restart 1 resumed from checkpoint-10, 10 update(s) done again"
+    assert verdict(0, {}, signalled=True) == 0 and verdict(143, {}, signalled=True) == 143  # a stop asked for
 
 
-def test_a_lost_peer_is_judged_by_what_its_peers_saw_of_it_not_by_gloos_words(tmp_path):
+def test_a_lost_peer_is_judged_by_what_its_peers_saw_of_it_not_by_gloos_words():
     """Rank 0 lost rank 1 in a collective: rank 1 already ended (a signal's exit code, if Linux still held it) is a
     death, whatever gloo called it; alive, it stopped answering. The update is rank 1's own heartbeat + 1."""
-    from ldm.launch import Supervisor, Try
-
-    args, launcher, script, script_args = parse(["t.py", "--output_dir", str(tmp_path)])
-    supervisor = Supervisor(args, launcher, script, script_args)
-    supervisor.current = Try.__new__(Try)
-    supervisor.current.failed = {0: 1}  # Paddle's launcher saw rank 0 fail first
     for words in ("TIMEOUT", "closed by peer"):
         lost = f"lost its peers ({words} in a collective): another rank or its launcher stopped first; its log says why"
         for seen, cause, code in (({"alive": False, "exit_code": -9}, "killed by SIGKILL", -9),
@@ -146,7 +139,8 @@ def test_a_lost_peer_is_judged_by_what_its_peers_saw_of_it_not_by_gloos_words(tm
                                    f"collective {'waited for it and timed out' if words == 'TIMEOUT' else 'lost it'}",
                                    None)):
             reports = {0: {**report(1, 7, 0, lost), "peers": {"1": seen}}, 1: report(None, 6, 1)}
-            assert supervisor.failure(1, reports) == {"rank": 1, "exit_code": code, "cause": cause, "update": 7}
+            # Paddle's launcher saw rank 0 fail first
+            assert diagnosis.failure(1, {0: 1}, reports) == {"rank": 1, "exit_code": code, "cause": cause, "update": 7}
 
 
 def test_logs_inside_the_run_folder_are_refused(tmp_path):
@@ -183,7 +177,7 @@ def test_a_user_error_is_not_restarted(tmp_path):
 
 
 def rank_pid(status: str, rank: int) -> int | None:
-    """The pid of the training process of `rank` that reports to the supervisor folder `status`."""
+    """The pid of the training process of `rank` that reports to the report folder `status`."""
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
@@ -265,7 +259,7 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
 SLOW_STOP = """
 import os, signal, sys, time
 from ldm.checkpoint.lock import RunLock
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.distributed import run_main
 from ldm.train.errors import user_errors
 
@@ -280,12 +274,12 @@ def main():
             lock.acquire()
     saved = os.path.join(out, "saved")
     step = int(open(saved).read()) if os.path.exists(saved) else 0
-    supervisor.started(step)
+    heartbeat.started(step)
     last = int(os.environ["LAST_STEP"]) if os.environ.get("LDM_LAUNCH_RESTARTS") != "0" else 10**6
     while step < last and not stop:
         time.sleep(0.1)
         step += 1
-        supervisor.beat(step)
+        heartbeat.beat(step)
     if stop:
         time.sleep(float(os.environ["STOP_SECONDS"]))
         if rank == 0:
@@ -304,7 +298,7 @@ run_main(main)
 
 
 def paddle_launcher_pid(job_pid: int) -> int | None:
-    from ldm.launch import children
+    from ldm.launch.processes import children
 
     found = children(job_pid)
     return found[0] if found else None
@@ -431,17 +425,17 @@ COLLECTIVES = """
 import os, time
 import paddle
 import paddle.distributed as dist
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.distributed import run_main
 
 def main():
     dist.init_parallel_env()
-    supervisor.started(0)
+    heartbeat.started(0)
     x = paddle.ones([4])
     for step in range(1, (10**6 if os.environ["LDM_LAUNCH_RESTARTS"] == "0" else 3) + 1):
         dist.all_reduce(x)
         time.sleep(0.05)
-        supervisor.beat(step)
+        heartbeat.beat(step)
     return 0
 
 run_main(main)
@@ -489,7 +483,7 @@ KILLED = """
 import json, os, sys, time
 import paddle
 import paddle.distributed as dist
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.distributed import run_main
 
 def main():
@@ -498,7 +492,7 @@ def main():
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(out, "run.json")):
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump({"created": "stand-in"}, f)
-    supervisor.started(0)
+    heartbeat.started(0)
     moment, at = os.environ["MOMENTS"].split(",")[int(os.environ["LDM_LAUNCH_RESTARTS"])].split(":")
     before = {"waiting": {1}, "computing": {0, 1}, "alone": {0}}[moment]
     x = paddle.ones([4])
@@ -506,7 +500,7 @@ def main():
         if step == int(at) and dist.get_rank() in before:
             time.sleep(600)  # ended by the kill, or by its launcher
         dist.all_reduce(x)
-        supervisor.beat(step)
+        heartbeat.beat(step)
     return 0
 
 run_main(main)
@@ -559,18 +553,18 @@ def test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first(tmp_pat
 # its peer faulted in the optimizer step after it (no collective follows the vote).
 SEGFAULT = """
 import os, signal, sys, time
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.distributed import run_main
 
 def main():
     rank = int(os.environ["PADDLE_TRAINER_ID"])
-    supervisor.started(0)
+    heartbeat.started(0)
     for step in range(1, 5 + (rank == 1)):
-        supervisor.beat(step)
+        heartbeat.beat(step)
     if rank == 1:
         time.sleep(120)  # ended by the launcher
     status = os.environ["LDM_LAUNCH_STATUS"]
-    while supervisor.read_try(status).get(1, {}).get("step") != 5:
+    while heartbeat.read_try(status).get(1, {}).get("step") != 5:
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGSEGV)
 

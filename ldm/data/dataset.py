@@ -41,7 +41,7 @@ from ldm.data.shard import ShardError
 from ldm.data.stream import PHASE_END, TRUNCATED_CAPTIONS, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
 from ldm.runtime.compat import READER_POLL_SECONDS, check_loader_classes
-from ldm.runtime.supervisor import RESTARTS_ENV
+from ldm.runtime.heartbeat import RESTARTS_ENV
 
 logger = logging.getLogger("ldm.data")
 

@@ -3,7 +3,7 @@ APIs it uses, each checked (`compat`), CPU kernel choice and precision (`cpu`, `
 metrics file (`tracking`), the parser every command shares (`cli`), a command's outputs written whole or not
 at all (`files`), the one definition of a user error (`errors`), the update's one vote, which the non-finite
 guard, the graceful stop and the checkpoint manager cast their ballots in (`vote`), what a rank tells `ldm.launch`
-(`supervisor`) and the caches Paddle's libraries make under HOME, moved aside where it is read-only (`home`).
+(`heartbeat`) and the caches Paddle's libraries make under HOME, moved aside where it is read-only (`home`).
 
 The bottom of the package: imports nothing of `ldm`.
 """

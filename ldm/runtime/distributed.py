@@ -74,32 +74,32 @@ def run_main(main) -> NoReturn:
     """`exit_process(main())` for an entry point, also when `main` ends with SystemExit (a user error's exit 2,
     an argparse error, the non-finite guard's stop): a launched rank then skips the teardown as well, and stops
     with its launcher (`stop_with_launcher`). Under `python -m ldm.launch` the exit is reported to it first
-    (`ldm.runtime.supervisor`)."""
-    from ldm.runtime import supervisor
+    (`ldm.runtime.heartbeat`)."""
+    from ldm.runtime import heartbeat
 
     if launched_world_size() > 1:
         stop_with_launcher()
-        supervisor.register()
+        heartbeat.register()
     try:
         code = main()
     except SystemExit as e:
         if isinstance(e.code, str):  # sys.exit("message"): printed, status 1, as the interpreter does
             print(e.code, file=sys.stderr)
-            supervisor.note_cause(e.code)
+            heartbeat.note_cause(e.code)
             code = 1
         else:
             code = e.code or 0
     except BaseException as e:  # told to `python -m ldm.launch`, then raised as the interpreter would
-        lost = supervisor.peer_lost(e) if launched_world_size() > 1 else None
+        lost = heartbeat.peer_lost(e) if launched_world_size() > 1 else None
         if lost is None:
-            supervisor.report_exit(1, f"{type(e).__name__}: {e}")
+            heartbeat.report_exit(1, f"{type(e).__name__}: {e}")
             raise
         # the victim of another rank's end: one line, not gloo's traceback, which would read as the cause
         print(f"error: rank {os.environ.get('PADDLE_TRAINER_ID', '0')} {lost}", file=sys.stderr)
-        supervisor.report_exit(1, lost, supervisor.peers_seen())
-        supervisor.outlast_peers()
+        heartbeat.report_exit(1, lost, heartbeat.peers_seen())
+        heartbeat.outlast_peers()
         exit_process(1)
-    supervisor.report_exit(code)
+    heartbeat.report_exit(code)
     exit_process(code)
 
 

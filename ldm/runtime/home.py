@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from ldm.runtime.errors import UserError
-from ldm.runtime.supervisor import STATUS_ENV
+from ldm.runtime.heartbeat import STATUS_ENV
 
 
 def _blocked(path: str) -> str | None:

@@ -6,7 +6,7 @@ import contextlib
 import sys
 
 from ldm.checkpoint.run_folder import NO_SPACE
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.errors import UserError
 
 
@@ -16,12 +16,12 @@ def user_errors():
         yield
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        supervisor.note_cause(f"{type(e).__name__}: {e}")
+        heartbeat.note_cause(f"{type(e).__name__}: {e}")
         sys.exit(2)
     except OSError as e:
         if e.errno not in NO_SPACE:  # a checkpoint's own save says more (`RunFolder.no_space_ends_the_run`)
             raise
-        supervisor.note_cause(f"no space to write {e.filename or 'the run folder'}")
+        heartbeat.note_cause(f"no space to write {e.filename or 'the run folder'}")
         print(f"error: no space to write {e.filename or 'the run folder'} ({e.strerror}): free space, then run the "
               "same command again (a run with checkpoints: with --resume_from_checkpoint auto)", file=sys.stderr)
         sys.exit(2)

@@ -35,7 +35,7 @@ from ldm.config.args import RunArguments
 from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.data.stream import TRUNCATED_CAPTIONS
 from ldm.models.flops import throughput_metrics
-from ldm.runtime import supervisor
+from ldm.runtime import heartbeat
 from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
@@ -302,7 +302,7 @@ class TrainingRun:
             if not plan.trainer_drives:
                 self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
                                           dist.is_main, resume_step=self.step if self.resume else None)
-            supervisor.started(self.step)  # a failure from here on is one at update step + 1
+            heartbeat.started(self.step)  # a failure from here on is one at update step + 1
             target, label = (self.max_steps, "train") if plan.trainer_drives else \
                 progress_target(self.step, self.max_steps, plan.save_steps)
             self.progress = Progress(plan.progress, total=target, initial=self.step, label=label,
@@ -414,7 +414,7 @@ class TrainingRun:
         """After the optimizer step of update `step`: the window, the guard's count, the clock of samples and the
         EMA (not stepped for a skipped update)."""
         self.window.add_update(grad_norm, skipped)
-        supervisor.beat(step)
+        heartbeat.beat(step)
         self.guard.record(step, skipped, loss=loss, grad_norm=grad_norm,
                           where=batch_positions(self.batches.tracker.state_dict()) if skipped else "")
         if skipped:
@@ -435,7 +435,7 @@ class TrainingRun:
         self.data_counts = {name: value for name, value in logs.items() if name.startswith("data_")}
         logs.update(self.guard.read())
         logs.update(self.phases.read())
-        logs.update(supervisor.restarts_so_far())
+        logs.update(heartbeat.restarts_so_far())
         logs.update(throughput_metrics(self.flops and self.flops.mean(logs), logs["global_samples_per_second"],
                                        self.dist.world_size, self.run_args.peak_tflops))
         return logs

@@ -137,7 +137,7 @@ def beat(step: int) -> None:
             _state["fd"] = os.open(os.path.join(folder, f"rank-{_rank()}.step"), os.O_WRONLY | os.O_CREAT, 0o644)
         local = os.environ.get("PADDLE_LOCAL_RANK", "0")  # Paddle's launcher names a failed rank by it
         os.pwrite(_state["fd"], f"{step:<{STEP_WIDTH}}{local:<{STEP_WIDTH}}".encode(), 0)
-    except OSError:  # the supervisor's folder is gone: the run itself goes on
+    except OSError:  # the launcher's folder is gone: the run itself goes on
         _state["fd"] = None
 
 

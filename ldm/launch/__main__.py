@@ -1,0 +1,5 @@
+import sys
+
+from ldm.launch.supervisor import main
+
+sys.exit(main())
