@@ -128,3 +128,17 @@ def test_flow_flags_on_a_run_that_does_not_train_flow_matching_are_refused_in_on
     text = setup.text_source(model_args)
     with pytest.raises(ModelSourceError, match=r"--flow_\* flags are for flow matching, and ldm-tiny trains epsilon"):
         setup.build_model(model_args, data, setup.build_tokenizer(data, text), recompute=False, seed=0, text=text)
+
+
+def test_snr_gamma_on_a_flow_matching_run_is_refused_in_one_line(vocab_dir):
+    """The one refusal (`setup.build_model`): a flow-matching model, by the flag or by its folder's scheduler."""
+    from ldm.config.args import DataArguments, ModelArguments
+    from ldm.models.build import ModelSourceError
+    from ldm.train import setup
+
+    model_args = ModelArguments(model_name_or_path="ldm-tiny", allow_untrained_vae=True,
+                                prediction_type="flow_matching", snr_gamma=5.0)
+    data = DataArguments(tokenizer_name=vocab_dir, model_max_length=16, resolution=32)
+    text = setup.text_source(model_args)
+    with pytest.raises(ModelSourceError, match=r"ldm-tiny trains with flow matching .*: --snr_gamma weights epsilon"):
+        setup.build_model(model_args, data, setup.build_tokenizer(data, text), recompute=False, seed=0, text=text)

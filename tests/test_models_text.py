@@ -117,7 +117,7 @@ def test_a_clip_text_model_with_projection_gives_its_states_and_its_projected_po
     from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from ldm.models.build import PRESETS_DIR, load_frozen_text_encoder, read_config
-    from ldm.models.text import CLIP, encode_prompt, pooled_prompt
+    from ldm.models.text import CLIP, encode_prompt
     from ldm.models.torch_layout import save_torch_layout
 
     config = {**read_config(PRESETS_DIR / "sd-tiny" / "text_encoder"), "projection_dim": 24}
@@ -138,6 +138,6 @@ def test_a_clip_text_model_with_projection_gives_its_states_and_its_projected_po
     states, mask = encoded.states, encoded.mask
     assert mask is None and states.shape == [1, 6, 32]
     np.testing.assert_allclose(states.numpy(), plain(ids)[0].numpy(), rtol=1e-6)
-    pooled = pooled_prompt(loaded, ids)
-    np.testing.assert_allclose(pooled.numpy(), (plain(ids)[1] @ model.text_projection.weight).numpy(), rtol=1e-5)
-    assert pooled_prompt(plain, ids) is None
+    np.testing.assert_allclose(encoded.pooled.numpy(), (plain(ids)[1] @ model.text_projection.weight).numpy(),
+                               rtol=1e-5)
+    assert encode_prompt(plain, ids).pooled is None

@@ -380,9 +380,28 @@ def test_a_run_with_no_practical_end_counts_its_progress_toward_the_next_checkpo
     assert progress_target(100, 10**9, 100) == (200, "to checkpoint-200")
 
 
+def test_the_progress_bar_and_a_resize_agree_on_which_run_has_no_practical_end():
+    from ldm.train.elastic import NO_PRACTICAL_END, describe_resize
+    from ldm.train.run import progress_target
+
+    for max_steps in (NO_PRACTICAL_END // 2, NO_PRACTICAL_END - 1, NO_PRACTICAL_END):
+        endless = progress_target(0, max_steps, 100)[1] != "train"
+        line, _ = describe_resize(2, 8, 4, 16, 10, max_steps)
+        assert endless == ("no practical end" in line), (max_steps, line)
+
+
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, float("inf")])
 def test_clip_grad_norm_matches_paddles(max_norm):
-    from ldm.train.gradients import clip_grad_norm, global_grad_norm
+    """The loop's clipping (`ldm.train.loop`: the norm, the factor, the rescaling below 1) against Paddle's."""
+    from ldm.train.gradients import TensorGradients, clip_factor, global_grad_norm
+
+    def loop_clip(parameters, max_norm):
+        gradients = TensorGradients(parameters)
+        norm = gradients.norm()
+        factor = clip_factor(norm, max_norm)
+        if factor is not None and float(factor) < 1:
+            gradients.scale(float(factor))
+        return norm
 
     def clipped(clip):
         paddle.seed(0)
@@ -394,7 +413,7 @@ def test_clip_grad_norm_matches_paddles(max_norm):
         return norm, [p.grad.numpy().copy() for p in net.parameters()]
 
     expected_norm, expected = clipped(paddle.nn.utils.clip_grad_norm_)
-    norm, grads = clipped(clip_grad_norm)
+    norm, grads = clipped(loop_clip)
     unclipped, _ = clipped(lambda parameters, _: global_grad_norm(parameters))
     # two float sums of the same n non-negative squares, in other orders: each within n roundings of the exact one
     rel = 2 * sum(g.size for g in grads) * UNIT_ROUNDOFF

@@ -213,10 +213,11 @@ def checkpoint_dirs(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint; every newer one that is not complete is named in a warning."""
+def latest_checkpoint(output_dir: str, checksums: bool = True) -> str | None:
+    """The newest complete checkpoint; every newer one that is not complete is named in a warning. Without
+    `checksums`, a look (the launcher's guess of what a restart resumes: the run verifies them)."""
     for path in reversed(checkpoint_dirs(output_dir)):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, checksums=checksums)
         if problem is None:
             return path
         logger.warning("skipping %s: %s", path, problem)

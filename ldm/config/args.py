@@ -109,8 +109,6 @@ class ModelArguments:
                f"--flow_weighting must be one of {', '.join(FLOW_WEIGHTING)}, not {self.flow_weighting!r}")
         _check(self.flow_shift is None or self.flow_shift > 0, "--flow_shift must be > 0")
         _check(self.flow_logit_std > 0, "--flow_logit_std must be > 0")
-        _check(not (self.prediction_type == "flow_matching" and self.snr_gamma),
-               "--snr_gamma weights epsilon and v-prediction losses; flow matching weights with --flow_weighting")
         _check(self.noise_offset >= 0, "--noise_offset must be >= 0")
         _check(self.snr_gamma is None or self.snr_gamma > 0, "--snr_gamma must be > 0")
         _check(0 < self.ema_decay < 1, "--ema_decay must be in (0, 1)")

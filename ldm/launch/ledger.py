@@ -26,18 +26,6 @@ def run_record(output_dir: str | None) -> dict | None:
         return None
 
 
-def newest_checkpoint_step(output_dir: str | None) -> tuple[int | None, float | None]:
-    """(step, time sealed) of the newest complete checkpoint of the run folder, as `auto` would resume it."""
-    if not output_dir or not os.path.isdir(output_dir):
-        return None, None
-    from ldm.checkpoint.run_folder import checkpoint_dirs, checkpoint_problem, checkpoint_step
-
-    for folder in reversed(checkpoint_dirs(output_dir)):  # the run verifies the checksums; a look is enough here
-        if checkpoint_problem(folder, checksums=False) is None:
-            return checkpoint_step(folder), os.path.getmtime(folder)
-    return None, None
-
-
 def checkpoint_sealed_at(output_dir: str | None, step: int | None) -> float | None:
     """When checkpoint-`step` of the run folder was sealed (its folder's time), or None."""
     if not output_dir or step is None:
@@ -79,7 +67,10 @@ class RestartLedger:
         """A restart after `failure`, and its entry. The checkpoint is, until the restarted ranks say which one they
         resumed (`resumed`), the newest that looks complete."""
         now = time.time()
-        resumed, sealed_at = newest_checkpoint_step(self.output_dir)
+        from ldm.checkpoint.run_folder import checkpoint_step, latest_checkpoint
+
+        newest = latest_checkpoint(self.output_dir, checksums=False) if self.output_dir else None
+        resumed, sealed_at = (checkpoint_step(newest), os.path.getmtime(newest)) if newest else (None, None)
         entry = {"restart": self.count() + 1, "update": failure["update"],
                  "rank": failure["rank"], "exit_code": failure["exit_code"], "cause": failure["cause"],
                  "time": datetime.datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),

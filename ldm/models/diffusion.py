@@ -78,9 +78,6 @@ class LatentDiffusion(nn.Layer):
         if self.flow is None:
             alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
             self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
-        elif snr_gamma:
-            raise ValueError("--snr_gamma weights epsilon and v-prediction losses; a flow-matching model weights its "
-                             "loss with --flow_weighting")
         self.empty: Conditioning | None = None  # the empty caption's text conditioning (cached text)
 
     def keep_empty_caption(self, input_ids) -> None:

@@ -217,14 +217,6 @@ def describe_text_encoder(text_encoder, tokens: int | None) -> str:
             f"heads, vocabulary {b.vocab_size}, prompts of {tokens} tokens, padding masked")
 
 
-def pooled_prompt(text_encoder, input_ids):
-    """The pooled vector of token ids (SDXL's and SD3's `pooled_prompt_embeds`): a CLIP's projection of its EOS
-    token's state; None for an encoder without a projection."""
-    if not hasattr(text_encoder, "text_projection"):
-        return None
-    return text_encoder(input_ids, return_dict=True).text_embeds
-
-
 def prompt_length(text_encoder, tokenizer) -> int:
     """The caption length a model was trained with, which it must sample with: the length its tokenizer was saved
     with (a run saves it with its --model_max_length; loading a checkpoint sets the one its model record holds), at

@@ -59,18 +59,6 @@ def release_optimizer_state(optimizer) -> None:
 
 
 @paddle.no_grad()
-def clip_grad_norm(parameters, max_norm: float = math.inf) -> paddle.Tensor:
-    """Global L2 norm of the gradients (fp32, on the device); gradients are scaled in place to `max_norm` if
-    above: the result of `paddle.nn.utils.clip_grad_norm_`, from the pieces the loop uses, in one call that
-    reads the factor itself (the loop reads it with its non-finite guard's verdict instead)."""
-    total = global_grad_norm(parameters)
-    factor = clip_factor(total, max_norm)
-    if factor is not None and float(factor) < 1:
-        scale_gradients(parameters, float(factor))
-    return total
-
-
-@paddle.no_grad()
 def global_grad_norm(parameters) -> paddle.Tensor:
     """Global L2 norm of the gradients, fp32, on the device (0 without gradients). The squared norms are
     Paddle's kernel called without its Python wrapper, whose cost per call dominates for small models on a

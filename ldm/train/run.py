@@ -41,7 +41,7 @@ from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
-from ldm.train.elastic import SampleClock
+from ldm.train.elastic import NO_PRACTICAL_END, SampleClock
 from ldm.train.flat import FlatAdamW, FlatEMA
 from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
@@ -58,14 +58,10 @@ from ldm.train.signals import GracefulStop
 
 logger = logging.getLogger("ldm.train")
 
-# A run this far from its end has no practical end (the original recipe sets max_train_steps 1e9): its
-# progress bar counts toward the next checkpoint instead, so the ETA means something.
-ENDLESS_UPDATES = 10_000_000
-
-
 def progress_target(step: int, max_steps: int, save_steps: int) -> tuple[int, str]:
-    """(update the progress bar counts toward, its label)."""
-    if max_steps - step <= ENDLESS_UPDATES:
+    """(update the progress bar counts toward, its label). A run with no practical end (the original recipe sets
+    max_train_steps 1e9) counts toward the next checkpoint instead, so the ETA means something."""
+    if max_steps < NO_PRACTICAL_END:
         return max_steps, "train"
     target = min(max_steps, (step // save_steps + 1) * save_steps)
     return target, f"to checkpoint-{target}"
