@@ -25,7 +25,7 @@ from ldm.data.resume import slot_phase
 class KeyStream(CaptionImageStream):
     """The real stream with a sample that is the record's identity: (pass, shard index, copy, line)."""
 
-    def make_sample(self, record):
+    def make_sample(self, record, counts=None):
         self.kind = True  # batched as latents: any array
         index = self.index[record.shard]
         key = np.array([record.pass_index, index, record.copy, record.line_number])
@@ -37,7 +37,7 @@ class ImageKeyStream(KeyStream):
     """The real stream with real images cropped to their aspect-ratio buckets: a sample is its record's identity
     spread over the crop's shape, so batches group by the real buckets."""
 
-    def make_sample(self, record):
+    def make_sample(self, record, counts=None):
         self.kind = False  # the record is an image; its sample is batched as an array of keys
         image, _ = CaptionImageStream.make_sample(self, record)
         self.kind = True

@@ -466,7 +466,9 @@ def test_loader_workers_read_a_full_pass_of_fuzzed_records_and_count_each_once(f
             assert np.asarray(batch["input_ids"]).shape == (1, 16)
             # every record read so far is counted once, under the reason the reference decode gives
             expected, _ = counted_at(shards, listed, state)
-            assert Counter(state["counts"]) == expected, f"slot {state['slot']} at batch {batches}"
+            # a caption cut to the caption length is counted beside its record's outcome, not as one
+            outcomes = Counter({k: v for k, v in state["counts"].items() if k != "truncated_captions"})
+            assert outcomes == expected, f"slot {state['slot']} at batch {batches}"
             if state["pass"] >= 1:
                 first_of_next_pass.setdefault(state["slot"], state)
     finally:
@@ -477,7 +479,7 @@ def test_loader_workers_read_a_full_pass_of_fuzzed_records_and_count_each_once(f
     for state in first_of_next_pass.values():
         _, later = counted_at(shards, listed, state)
         first_pass.update(Counter(state["counts"]) - later)
-        assert set(state["counts"]) <= {"ok", *REASONS, *SHARD_ERRORS}, state["counts"]
+        assert set(state["counts"]) <= {"ok", "truncated_captions", *REASONS, *SHARD_ERRORS}, state["counts"]
     records = sum(len(s.lines) for s in shards)
     assert first_pass["ok"] + sum(first_pass[r] for r in REASONS) == records
     assert first_pass["ok"] == outcomes["ok"]
