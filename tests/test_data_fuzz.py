@@ -467,8 +467,8 @@ def test_loader_workers_read_a_full_pass_of_fuzzed_records_and_count_each_once(f
             # every record read so far is counted once, under the reason the reference decode gives
             expected, _ = counted_at(shards, listed, state)
             # a caption cut to the caption length is counted beside its record's outcome, not as one
-            outcomes = Counter({k: v for k, v in state["counts"].items() if k != "truncated_captions"})
-            assert outcomes == expected, f"slot {state['slot']} at batch {batches}"
+            seen = Counter({k: v for k, v in state["counts"].items() if k != "truncated_captions"})
+            assert seen == expected, f"slot {state['slot']} at batch {batches}"
             if state["pass"] >= 1:
                 first_of_next_pass.setdefault(state["slot"], state)
     finally:
