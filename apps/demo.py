@@ -393,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   or settings.autoencoder_batch % args.processes):
         parser.error(f"--processes {args.processes}: must divide the batch sizes {settings.autoencoder_batch} "
                      f"(autoencoder) and {settings.ldm_batch} (LDM)")
+    if args.posthoc_ema and args.model != PRESET:
+        parser.error(f"--posthoc_ema: the sweep writes pipeline folders, and {args.model} (a transformer with "
+                     "LDMBert) has no pipeline class")
     demo = Demo(args.output_dir, replace(settings, processes=args.processes, seed=args.seed, model=args.model,
                                         prediction_type=args.prediction_type, posthoc_ema=args.posthoc_ema))
     os.makedirs(demo.out, exist_ok=True)

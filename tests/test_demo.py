@@ -21,6 +21,17 @@ def test_sample_prompts_are_corpus_captions_covering_every_colour_twice():
     assert sorted(background for _, _, background in words) == sorted(COLOURS)
 
 
+def test_a_posthoc_ema_sweep_of_the_transformer_demo_is_refused_before_anything_runs(tmp_path, capsys):
+    """The sweep writes pipeline folders, which a transformer with LDMBert has no class for: refused at once."""
+    from apps.demo import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--posthoc_ema", "--model", "dit-demo", "--output_dir", str(tmp_path / "demo")])
+    assert exit_.value.code == 2
+    assert "--posthoc_ema: the sweep writes pipeline folders, and dit-demo" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)  # seven stages of real processes: 60 s alone, over 300 s on a loaded 2-core runner
