@@ -8,6 +8,8 @@ printed); this module only chains them, times them and writes the report. Output
 pipeline/ (the exported LDMTextToImagePipeline), samples.png (rows = prompts, columns = seeds, guidance on),
 reconstructions.png (autoencoder inputs above, outputs below), loss.png, report.json.
 `--quick` runs the same stages on a few steps (for the tests; its numbers mean nothing).
+`--posthoc_ema` also tracks post-hoc EMA profiles in the LDM stage (the trained weights are the same) and adds a
+stage that sweeps their width: posthoc_ema/ (`python -m ldm.ema sweep`'s output), posthoc_ema.png.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 # the same autoencoder and LDMBert with a small PixArt-style diffusion transformer (a token per latent pixel),
 # trained by flow matching (its scheduler folder says so)
 OBJECTIVES = {PRESET: "epsilon", "dit-demo": "flow_matching"}  # each preset's own (its scheduler folder's)
+HELDOUT_SEED = 12345  # apps.eval's held-out corpus images: records the corpus (seed 0) never holds
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,19 @@ class Settings:
     eval_images_per_prompt: int = 4
     reference_images: int = 300
     sample_seeds: int = 6
+    # --posthoc_ema: the profiles the LDM stage tracks, its snapshots' interval, the widths swept, and the
+    # held-out records (python -m ldm.prepare synth with apps.eval's held-out seed) of their loss
+    posthoc_ema: bool = False
+    ema_sigma_rels: str = "0.05,0.10"  # EDM2's pair
+    ema_snapshot_steps: int = 100
+    sweep_sigma_rels: str = "0.03,0.05,0.07,0.10,0.13,0.16,0.20"
+    heldout_records: int = 1000
 
 
 FULL = Settings()
 QUICK = Settings(records=256, autoencoder_steps=4, autoencoder_batch=8, ldm_steps=4, ldm_batch=8,
-                 num_inference_steps=3, eval_images_per_prompt=1, reference_images=50, sample_seeds=2)
+                 num_inference_steps=3, eval_images_per_prompt=1, reference_images=50, sample_seeds=2,
+                 ema_snapshot_steps=2, sweep_sigma_rels="0.05,0.15", heldout_records=16)
 
 # samples.png: one row per prompt, every colour once as object and once as background, in the
 # corpus's own caption template (a word it never uses is out of its vocabulary)
@@ -82,7 +93,7 @@ class Demo:
             settings = replace(settings, processes=default_processes())
         self.out, self.settings = os.path.abspath(output_dir), settings
         self.times: dict[str, float] = {}
-        self.stage_index, self.stage_count = 0, 7
+        self.stage_index, self.stage_count = 0, 8 if settings.posthoc_ema else 7
         self.sampled = self.path("pipeline")  # what the samples and the evaluation read
 
     def path(self, *parts: str) -> str:
@@ -92,10 +103,14 @@ class Demo:
         """Run one stage's command; its progress bars go to the terminal. Returns stdout if captured."""
         self.stage_index += 1
         print(f"\n==> [{self.stage_index}/{self.stage_count}] {name}: {description}", flush=True)
+        return self.command(name, command, capture)
+
+    def command(self, name: str, command: list[str], capture: bool = False) -> str:
+        """Run one of stage `name`'s commands, its time added to the stage's. Returns stdout if captured."""
         print("    $ " + " ".join(shown(c) for c in ["python", *command[1:]]), flush=True)
         start = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
-        self.times[name] = round(time.perf_counter() - start, 1)
+        self.times[name] = round(self.times.get(name, 0.0) + time.perf_counter() - start, 1)
         if result.returncode != 0:
             raise StageFailed(f"stage {name!r} failed (exit {result.returncode}); its messages are above")
         return result.stdout or ""
@@ -162,6 +177,9 @@ class Demo:
         objective = s.prediction_type or OBJECTIVES[s.model]
         # min-SNR weighting (gamma 5) for epsilon and v; flow matching keeps its plain (unweighted) loss
         weighting = ["--snr_gamma", "5"] if objective != "flow_matching" else []
+        # the profiles are averages beside the training: the trained weights are those of the run without them
+        profiles = ["--ema_sigma_rels", s.ema_sigma_rels, "--ema_snapshot_steps",
+                    str(s.ema_snapshot_steps)] if s.posthoc_ema else []
         self.run("ldm", f"the {s.model} LDM through train_txt2img_laion400m_no_trainer.py, "
                  f"{self.batches(s.ldm_steps, s.ldm_batch, s.processes)}, caption dropout {s.caption_dropout_prob}",
                  [*self.trainer("train_txt2img_laion400m_no_trainer.py", "ldm", s.processes),
@@ -169,7 +187,7 @@ class Demo:
                   "--vae_name_or_path", self.path("autoencoder", "vqvae"),
                   "--tokenizer_name", self.path("corpus", "tokenizer"), "--model_max_length", "16",
                   "--caption_dropout_prob", str(s.caption_dropout_prob), "--adam_weight_decay", "0.01",
-                  *weighting,
+                  *weighting, *profiles,
                   *self.data_flags(s.ldm_batch // s.processes, s.ldm_steps, s.ldm_lr, self.path("ldm"),
                                    self.path("latents", "latents.filelist.list"))])
         loss = last_scalar(self.path("ldm", "visualdl"), "train/loss")
@@ -215,15 +233,55 @@ class Demo:
             "evaluate", f"the shapes classifier on {s.eval_images_per_prompt} images for each of "
             f"{len(eval_prompts())} prompts "
             "(every colour, background and shape), on autoencoder reconstructions and on corpus images",
-            [sys.executable, "-m", "apps.eval", "shapes", "--model", self.sampled,
-             "--num_images_per_prompt", str(s.eval_images_per_prompt), "--guidance_scale", str(s.guidance_scale),
-             "--num_inference_steps", str(s.num_inference_steps), "--reference_images", str(s.reference_images),
-             "--reconstructions", self.path("reconstructions.png"), "--json"], capture=True))
+            [*self.shapes_command(self.sampled), "--reconstructions", self.path("reconstructions.png")],
+            capture=True))
         g = result["generated"]
         misread = misread_text(g)
         self.summary("evaluate", f"object colour {g['object_colour']:.1%}, background {g['background']:.1%}, "
                      f"shape {g['shape']:.1%}" + (f" (misread: {misread})" if misread else ""))
         return result
+
+    def shapes_command(self, model: str) -> list[str]:
+        """The evaluate stage's `python -m apps.eval shapes` of `model`, printing JSON."""
+        s = self.settings
+        return [sys.executable, "-m", "apps.eval", "shapes", "--model", model, "--num_images_per_prompt",
+                str(s.eval_images_per_prompt), "--guidance_scale", str(s.guidance_scale), "--num_inference_steps",
+                str(s.num_inference_steps), "--reference_images", str(s.reference_images), "--json"]
+
+    def posthoc_ema(self, evaluation: dict) -> dict:
+        """Each swept width reconstructed from the LDM's snapshots (`python -m ldm.ema sweep`), scored by its
+        held-out loss and by the evaluate stage's shapes classifier, beside the demo's own weights."""
+        s = self.settings
+        heldout, folder = self.path("heldout"), self.path("posthoc_ema")
+        shutil.rmtree(folder, ignore_errors=True)  # a previous run's widths
+        self.run("posthoc_ema", f"sigma_rel {s.sweep_sigma_rels} reconstructed from the snapshots of the "
+                 f"{s.ema_sigma_rels} profiles; held-out loss on {s.heldout_records} records, and shapes",
+                 [sys.executable, "-m", "ldm.prepare", "synth", "--output_dir", heldout, "--num_records",
+                  str(s.heldout_records), "--resolution", str(s.resolution), "--records_per_shard",
+                  str(s.heldout_records), "--seed", str(HELDOUT_SEED)], capture=True)
+        loss_flags = ["--file_list", os.path.join(heldout, "shapes.filelist.list"), "--validation_samples",
+                      str(s.heldout_records)]
+        self.command("posthoc_ema", [sys.executable, "-m", "ldm.ema", "sweep", self.path("ldm"), "--sigma_rel",
+                                     s.sweep_sigma_rels, "--metric", "heldout_loss", "--output", folder,
+                                     "--keep_pipelines", "--", *loss_flags], capture=True)
+        with open(os.path.join(folder, "sweep.json")) as f:
+            sweep = json.load(f)
+        own = json.loads(self.command("posthoc_ema", [sys.executable, "-m", "ldm.evaluate", "loss", "--model",
+                                                      self.sampled, *loss_flags, "--json"], capture=True))
+        rows = [{"weights": "last (the demo's)", "sigma_rel": None, "heldout_loss": own["loss"],
+                 **shape_scores(evaluation["generated"])}]
+        for row in sweep["results"]:
+            pipeline = os.path.join(folder, f"sigma_rel-{row['sigma_rel']:g}", "pipeline")
+            scored = json.loads(self.command("posthoc_ema", self.shapes_command(pipeline), capture=True))
+            rows.append({"weights": f"post-hoc EMA {row['sigma_rel']:g}", "sigma_rel": row["sigma_rel"],
+                         "heldout_loss": row["heldout_loss"], **shape_scores(scored["generated"])})
+            shutil.rmtree(os.path.dirname(pipeline))
+        plot_sweep(self.path("posthoc_ema.png"), rows, sweep["step"])
+        best = min(rows[1:], key=lambda row: row["heldout_loss"])
+        self.summary("posthoc_ema", f"held-out loss: last weights {own['loss']:.5f}, best sigma_rel "
+                     f"{best['sigma_rel']:g} {best['heldout_loss']:.5f} (shape {best['shape']:.1%}); posthoc_ema.png")
+        return {"step": sweep["step"], "tracked": s.ema_sigma_rels, "snapshot_steps": s.ema_snapshot_steps,
+                "heldout_records": s.heldout_records, "rows": rows}
 
 
 def default_processes() -> int:
@@ -249,6 +307,45 @@ def shown(path: str) -> str:
 def last_scalar(logdir: str, tag: str) -> float:
     steps, values = read_scalars(logdir, tag)
     return values[-1] if values else float("nan")
+
+
+def shape_scores(generated: dict) -> dict:
+    """The classifier's accuracies of one model's generated images, and its shape misreads in words."""
+    from apps.eval import misread_text
+
+    return {key: generated[key] for key in ("object_colour", "background", "shape")} | {
+        "misread": misread_text(generated)}
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """The sweep's rows as a Markdown table (docs/demo.md has one)."""
+    return "\n".join(["| weights | held-out loss | object colour | background | shape | misread |",
+                      "|---|---|---|---|---|---|",
+                      *(f"| {row['weights']} | {row['heldout_loss']:.5f} | {row['object_colour']:.1%} | "
+                        f"{row['background']:.1%} | {row['shape']:.1%} | {row['misread'] or '-'} |" for row in rows)])
+
+
+def plot_sweep(out: str, rows: list[dict], step: int) -> None:
+    """posthoc_ema.png: held-out loss and shape accuracy against sigma_rel, the demo's last weights as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    own, swept = rows[0], rows[1:]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax, key, label in ((axes[0], "heldout_loss", "held-out loss"), (axes[1], "shape", "shape accuracy")):
+        ax.plot([row["sigma_rel"] for row in swept], [row[key] for row in swept], marker="o",
+                label="post-hoc EMA")
+        ax.axhline(own[key], color="grey", linestyle="--", label="last weights (the demo's)")
+        ax.set_xlabel("sigma_rel")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"the demo's LDM at update {step}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
 
 
 def plot_losses(out: str, runs: dict[str, tuple[str, str]]) -> None:
@@ -287,14 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prediction_type", choices=("epsilon", "v_prediction", "flow_matching"), default="",
                         help="the LDM's objective (default: the model's: epsilon for ldm-demo, flow matching for "
                              "dit-demo)")
+    parser.add_argument("--posthoc_ema", action="store_true",
+                        help="also track post-hoc EMA profiles in the LDM stage and sweep their width after the "
+                             "evaluation: held-out loss and shapes for each (docs/demo.md)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
     if args.processes < 0 or args.processes and (settings.ldm_batch % args.processes
                                                   or settings.autoencoder_batch % args.processes):
         parser.error(f"--processes {args.processes}: must divide the batch sizes {settings.autoencoder_batch} "
                      f"(autoencoder) and {settings.ldm_batch} (LDM)")
+    if args.posthoc_ema and args.model != PRESET:
+        parser.error(f"--posthoc_ema: the sweep writes pipeline folders, and {args.model} (a transformer with "
+                     "LDMBert) has no pipeline class")
     demo = Demo(args.output_dir, replace(settings, processes=args.processes, seed=args.seed, model=args.model,
-                                        prediction_type=args.prediction_type))
+                                        prediction_type=args.prediction_type, posthoc_ema=args.posthoc_ema))
     os.makedirs(demo.out, exist_ok=True)
     start = time.perf_counter()
     try:
@@ -305,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         demo.export()
         demo.samples()
         evaluation = demo.evaluate()
+        if args.posthoc_ema:
+            evaluation["posthoc_ema"] = demo.posthoc_ema(evaluation)
     except StageFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -316,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"quick": args.quick, "settings": asdict(demo.settings), "stage_seconds": demo.times,
               "total_seconds": total, **evaluation,
               "files": {name: demo.path(name) for name in ("pipeline", "samples.png", "reconstructions.png",
-                                                           "loss.png", "report.json")
-                        if name != "pipeline" or demo.sampled == demo.path("pipeline")}}
+                                                           "loss.png", "report.json", "posthoc_ema.png")
+                        if (name != "pipeline" or demo.sampled == demo.path("pipeline"))
+                        and (name != "posthoc_ema.png" or args.posthoc_ema)}}
     with open(demo.path("report.json"), "w") as f:
         json.dump(report, f, indent=2)
     generated, recon = evaluation["generated"], evaluation["autoencoder"]["reconstructions"]
@@ -329,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"    autoencoder reconstructions: object colour {recon['object_colour']:.1%}, background "
           f"{recon['background']:.1%}, shape {recon['shape']:.1%}")
     print(f"    classifier on real corpus images: {reference['all_three']:.1%} of {reference['images']}")
-    for name in ("samples.png", "reconstructions.png", "loss.png", "report.json", "pipeline"):
+    if args.posthoc_ema:
+        print(sweep_table(evaluation["posthoc_ema"]["rows"]))
+    for name in ("samples.png", "reconstructions.png", "loss.png", "report.json", "pipeline",
+                 *(("posthoc_ema.png",) if args.posthoc_ema else ())):
         print(f"    {demo.path(name)}")
     return 0
 
