@@ -23,12 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import numpy as np  # noqa: E402
 from corpus import write_corpus  # noqa: E402
-from entry import weights  # noqa: E402
+from entry import checkpoint_state  # noqa: E402
 from tolerance import training_differences  # noqa: E402
 
-from ldm.checkpoint.serialization import load_state  # noqa: E402
 from ldm.data.tokenize import write_vocab  # noqa: E402
 
 LEARNING_RATE = 1e-3
@@ -41,13 +39,6 @@ def train(folder: str, data: list[str], updates: int, form: str, env: dict, *ext
     if done.returncode != 0:
         sys.exit(f"{folder}: the run failed:\n{done.stderr[-3000:]}")
     return os.path.join(folder, f"checkpoint-{updates}")
-
-
-def state(checkpoint: str) -> dict:
-    found, _ = weights(checkpoint)
-    for part in ("ema", "optimizer"):
-        found.update({f"{part}/{k}": v for k, v in load_state(checkpoint, part).items() if isinstance(v, np.ndarray)})
-    return found
 
 
 def main(argv=None) -> None:
@@ -78,7 +69,7 @@ def main(argv=None) -> None:
     if args.second_rounding:
         name, _, value = args.second_rounding.partition("=")
         runs[f"off, {args.second_rounding}"] = train(f"{work}/second", data, args.updates, "off", {name: value})
-    states = {name: state(checkpoint) for name, checkpoint in runs.items()}
+    states = {name: checkpoint_state(checkpoint) for name, checkpoint in runs.items()}
     print(f"{args.updates} updates of ldm-tiny at learning rate {LEARNING_RATE:g}: the largest difference as a "
           "fraction of the bound")
     for a, b in itertools.combinations(states, 2):

@@ -214,6 +214,15 @@ def weights(checkpoint):
     return out, ema["num_updates"]
 
 
+def checkpoint_state(checkpoint) -> dict:
+    """`weights` and every array of the checkpoint's EMA and optimizer state (`ema/...`, `optimizer/...`)."""
+    found, _ = weights(checkpoint)
+    for part in ("ema", "optimizer"):
+        found.update({f"{part}/{k}": v for k, v in load_state(str(checkpoint), part).items()
+                      if isinstance(v, np.ndarray)})
+    return found
+
+
 def run_until(script: str, args, pattern: str, signum: int, launch: bool = False, cwd=None, delay: float = 0.0,
               timeout: float = 240, act=None):
     """Start an entry point in its own process group, and signal the whole group (as Ctrl-C, a scheduler or

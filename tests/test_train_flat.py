@@ -10,11 +10,10 @@ import numpy as np
 import paddle
 import pytest
 from corpus import write_corpus
-from entry import launch_report, run_entry, weights
+from entry import checkpoint_state, launch_report, run_entry
 from host_memory import MIB, peak_added
 from tolerance import UNIT_ROUNDOFF, assert_identical, assert_same_training, training_differences
 
-from ldm.checkpoint.serialization import load_state
 from ldm.models.ema import EMA
 from ldm.train.flat import FlatAdamW, FlatEMA, FreedMemory
 from ldm.train.gradients import clip_factor, global_grad_norm, scale_gradients
@@ -271,14 +270,6 @@ def loop_checkpoint(corpus, out, updates: int, flat: str, *extra, launch: bool =
         with open(out / "run.json") as f:  # the form that ran, beside the one asked for (a resume keeps the first's)
             assert "--resume_from_checkpoint" in extra or json.load(f)["world"]["update"] == ran
     return os.path.join(out, f"checkpoint-{updates}")
-
-
-def checkpoint_state(checkpoint) -> dict:
-    found, _ = weights(checkpoint)
-    for part in ("ema", "optimizer"):
-        found.update({f"{part}/{k}": v for k, v in load_state(str(checkpoint), part).items()
-                      if isinstance(v, np.ndarray)})
-    return found
 
 
 @pytest.mark.slow
