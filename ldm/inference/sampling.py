@@ -8,6 +8,7 @@ for image logging and by `python -m ldm.generate`. Initial noise is drawn per im
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import paddle
@@ -17,7 +18,7 @@ from ppdiffusers import DDIMScheduler
 from ldm.models.autoencoder import to_uint8, unscaled_latents
 from ldm.models.backbone import autoencoder_factor, check_image_size
 from ldm.models.conditioning import Conditioning
-from ldm.models.families import predict
+from ldm.models.families import family_of, predict
 from ldm.models.text import encode_prompt
 
 
@@ -91,14 +92,16 @@ def generate(
         rows, cols = latent_size(unet, vae, height, width)
         channels = unet.config.in_channels
         uncond_ids = paddle.to_tensor(tokenize(negative_prompt))[None]
+        factor = autoencoder_factor(vae.config)
+        added = family_of(unet, text_encoder).sampling_added(rows * factor, cols * factor, 1)
         images = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])
             ids = paddle.to_tensor(np.stack([tokenize(p) for p in chunk]))
-            conditioning = encode_prompt(text_encoder, ids)
+            conditioning = replace(encode_prompt(text_encoder, ids), added=added).repeat(len(chunk))
             guided = guidance_scale != 1.0
             if guided:
-                unconditional = encode_prompt(text_encoder, uncond_ids).repeat(len(chunk))
+                unconditional = replace(encode_prompt(text_encoder, uncond_ids), added=added).repeat(len(chunk))
                 conditioning = Conditioning.concat([unconditional, conditioning])
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))

@@ -11,7 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import paddle
+
+# The added condition of an image's geometry, one row per image: (original height, original width, crop top, crop
+# left, target height, target width) in pixels, in Stable Diffusion XL's order of its time ids. Original: the decoded
+# image's size before any resize; crop: the crop's corner in the resized image, as the bucket or the centre or random
+# crop placed it (its left edge mirrored when the image was flipped); target: the crop's size. A family derives what its
+# backbone reads from it (SDXL: the six numbers; PixArt-α multi-scale: the original size and the target's aspect ratio).
+GEOMETRY = "geometry"
+
+
+def sampling_geometry(height: int, width: int, rows: int) -> np.ndarray:
+    """The geometry of `rows` images sampled at `height` x `width`: original = target = the requested size, crop (0, 0),
+    as diffusers' pipelines condition them."""
+    return np.tile(np.array([[height, width, 0, 0, height, width]], dtype="float32"), (rows, 1))
 
 
 @dataclass

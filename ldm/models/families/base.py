@@ -7,7 +7,7 @@ import logging
 
 import paddle
 
-from ldm.models.conditioning import Conditioning
+from ldm.models.conditioning import GEOMETRY, Conditioning, sampling_geometry
 from ldm.models.text import TextFamily
 
 logger = logging.getLogger("ldm.models")
@@ -122,6 +122,13 @@ class ModelFamily:
         if missing:
             raise ValueError(f"the {self.name} family's backbone reads the added conditions {', '.join(missing)}, "
                              "which the batch does not carry")
+
+    def sampling_added(self, height: int, width: int, rows: int) -> dict[str, paddle.Tensor]:
+        """The added conditions of `rows` images sampled at `height` x `width` pixels (`generate`, validation images,
+        the evaluation): the requested size as original and target, crop (0, 0)."""
+        if GEOMETRY not in self.added_conditions:
+            return {}
+        return {GEOMETRY: paddle.to_tensor(sampling_geometry(height, width, rows))}
 
     def predict(self, backbone, sample: paddle.Tensor, timesteps: paddle.Tensor,
                 conditioning: Conditioning) -> paddle.Tensor:
