@@ -173,7 +173,8 @@ def test_the_moments_are_freed_when_the_updates_are_over(flat):
 def test_the_update_is_built_once_and_says_the_form_it_built():
     """`build_update` returns what runs, which the run's record says: a fused pass asked for over weights it cannot
     step (fp64: it steps fp32) is the flat form; an optimizer that is no FlatAdamW steps per tensor. Every form
-    answers the loop's calls alike, and the Trainer's AdamW becomes a FlatAdamW of its own settings (a new object, not its class)."""
+    answers the loop's calls alike, and the Trainer's AdamW becomes a FlatAdamW of its own settings (a new object,
+    not its class)."""
     from ldm.train.update import build_update
 
     def built(optimizer, layer, requested):
