@@ -8,7 +8,8 @@ what only it makes; `TrainingRun` does everything else, once:
    (read once: `ldm.checkpoint.resume.Resume`), the seed and the precision. Nothing is written.
 2. `build(...)`: the objective (`ldm.train.objective`) and the run's record; `keep(...)`: the parts of the run
    state only the driver makes (its optimizer, schedule, scaler: functions that return them, so the Trainer's may
-   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it).
+   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it, and the
+   update built for its form: `ldm.train.update`). docs/architecture.md tells the order and the resume.
 3. `with run.started():` the memory record, the batches, the checkpoint manager (`ldm.checkpoint.manager`), the
    non-finite guard, the checks before the first write, the first write, the restored state (the loop's; the
    Trainer restores in its hooks, `restore`), the trackers and progress; at every exit the save in flight, the
