@@ -4,7 +4,7 @@
 
 Baseline: a bare forward/backward/AdamW step of the model the loop trains (`LatentDiffusion` from the
 same flags), on random pixels and token ids already in memory. Measured: the real loop
-(`ldm.train.loop.run`, one process) on synthetic shards, with everything it does per update: data,
+(`ldm.train.loop.train_objective`, one process) on synthetic shards, with everything it does per update: data,
 loss window, gradient sync, clipping, the non-finite guard, logging, FLOPs, the metrics file, the progress
 bar. Its data comes from one loader process, as a run's does (a run starts 6 per card; one here, where 2
 cores are shared): with `--num_workers 0` the data path runs in a thread of the training process, whose
@@ -36,7 +36,7 @@ from ldm.runtime.cli import ToolParser
 from ldm.runtime.device import use_fast_cpu_kernels
 from ldm.runtime.tracking import read_scalars
 from ldm.train import setup
-from ldm.train.loop import run
+from ldm.train.loop import train_objective
 from ldm.train.objective import TextToImage
 
 
@@ -99,7 +99,7 @@ def main() -> None:
                                   logging_steps=args.updates, save_steps=10 * args.updates, learning_rate=1e-4,
                                   adam_weight_decay=0.01, num_workers=args.num_workers, seed=0,
                                   report_to=["visualdl"])
-        run(loop_args, run_data,
+        train_objective(loop_args, run_data,
             lambda dist, resume, resolved: TextToImage(model_args, run_data, sampling, recompute=False, seed=0))
         steps, rates = read_scalars(os.path.join(out, "visualdl"), "train/global_samples_per_second")
         return args.batch / rates[steps.index(2 * args.updates)]

@@ -583,7 +583,7 @@ class PixelRegression(Objective):
     def check_resume(self, checkpoint):
         pass
 
-    def start(self, run_dir):
+    def write_frozen(self, run_dir):
         pass
 
     def trained_parts(self):
@@ -592,14 +592,14 @@ class PixelRegression(Objective):
     def save(self, folder, final_folder, shares):
         save_state(folder, "net", self.model.state_dict())
 
-    def finish(self, checkpoint, batches, dist, run_dir):
+    def export(self, checkpoint, batches, dist, run_dir):
         pass
 
 
 def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_path):
     from ldm.config.args import DataArguments, LoopArguments
     from ldm.prepare.synth import synth_corpus
-    from ldm.train.loop import run
+    from ldm.train.loop import train_objective
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
     data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
@@ -612,7 +612,7 @@ def test_accumulating_two_micro_batches_of_4_is_one_update_of_a_batch_of_8(tmp_p
                              gradient_accumulation_steps=accumulation, max_train_steps=4, learning_rate=0.05,
                              lr_scheduler="linear", lr_warmup_steps=2, max_grad_norm=0.02, num_workers=0,
                              save_steps=100, logging_steps=1)
-        assert run(loop, data, lambda dist, resume, resolved: objective)["step"] == 4
+        assert train_objective(loop, data, lambda dist, resume, resolved: objective)["step"] == 4
         logged = {tag: read_scalars(str(out / "visualdl"), tag)[1]
                   for tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
         return load_state(str(out / "checkpoint-4"), "net"), logged
@@ -752,7 +752,7 @@ class PoisonedPixelRegression(PixelRegression):
 def pixel_run(tmp_path, objective, name, **loop_overrides):
     from ldm.config.args import DataArguments, LoopArguments, RunArguments
     from ldm.prepare.synth import synth_corpus
-    from ldm.train.loop import run
+    from ldm.train.loop import train_objective
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
     data = DataArguments(file_list=listing, resolution=16, shuffle_buffer=1)
@@ -761,7 +761,8 @@ def pixel_run(tmp_path, objective, name, **loop_overrides):
                 "logging_steps": 1, "report_to": ["none"], **loop_overrides}
     max_in_row = settings.pop("max_nonfinite_updates", 20)
     run_args = settings.pop("run_args", None) or RunArguments(max_nonfinite_updates=max_in_row)
-    return run(LoopArguments(**settings), data, lambda dist, resume, resolved: objective, run_args=run_args)
+    return train_objective(LoopArguments(**settings), data, lambda dist, resume, resolved: objective,
+                           run_args=run_args)
 
 
 def test_phase_timing_says_where_each_window_of_updates_spent_its_time(tmp_path):
@@ -769,7 +770,7 @@ def test_phase_timing_says_where_each_window_of_updates_spent_its_time(tmp_path)
     all of them, adding up to 1, the ones every update has above 0; off, none is logged."""
     from ldm.config.args import DataArguments, LoopArguments, RunArguments
     from ldm.prepare.synth import synth_corpus
-    from ldm.train.loop import run as train_loop
+    from ldm.train.loop import train_objective as train_loop
     from ldm.train.phases import PHASES
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)
@@ -798,7 +799,7 @@ def test_profile_steps_write_each_ranks_trace_its_operators_and_where_the_window
     table of operators and the window's phases (adding up to its time), with --phase_timing off."""
     from ldm.config.args import DataArguments, LoopArguments, RunArguments
     from ldm.prepare.synth import synth_corpus
-    from ldm.train.loop import run as train_loop
+    from ldm.train.loop import train_objective as train_loop
     from ldm.train.phases import PHASES
 
     listing = synth_corpus(str(tmp_path / "corpus"), num_records=48, resolution=16, records_per_shard=48)

@@ -3,8 +3,8 @@ autoencoder).
 
 It is handed the model (what a checkpoint holds of it saves and loads itself in the pipeline layout) and named
 parts, each a pair of functions that give and take a state tree: the optimizer, the learning-rate
-schedule, the loss scaler, the EMA, and per rank the random state, the data position and a weights
-fingerprint. It decides when a checkpoint is due, writes it (every rank its share: its own shard of a sharded
+schedule, the loss scaler, the EMA, the clock of samples, and per rank the random state, the data position and a
+weights fingerprint. It decides when a checkpoint is due, writes it (every rank its share: its own shard of a sharded
 optimizer state and EMA, else a share of the state every rank holds, and a share of the weights), keeps
 `save_total_limit` of them, and resumes from one. The loop never assembles a state dict. Formats:
 `ldm.checkpoint.format` (JSON and safetensors, never pickle).
@@ -13,12 +13,18 @@ A save runs in three steps: a snapshot into host buffers while the updates wait,
 training by a thread of each rank (`ldm.checkpoint.background`), and the seal by rank 0 (the manifest, from every
 rank's receipt, and the rename into place: `ldm.checkpoint.run_folder`). The ranks learn that every rank has
 written its files, or that one failed, from the ballots the manager casts in the update's one vote
-(`ldm.runtime.vote`): a failure ends the run at the next update, on every rank, with one line. A resume restores
-from the checkpoint read once (`ldm.checkpoint.resume.Resume`).
+(`ldm.runtime.vote`): a failure ends the run at the next update, on every rank, with one line.
+
+A resume is one call, `restore`, from the checkpoint read once (`ldm.checkpoint.resume.Resume`): the weights load
+and every part is handed its saved state. A part whose object the run gets at a later step (`Late`: the driver's
+optimizer, schedule and scaler, which PaddleNLP's Trainer makes inside `trainer.train`; the EMA, laid out with the
+update) holds that state until its object is handed over (`hand`), then loads itself; the random state is applied
+when the updates begin (`begin`), after anything that seeds the generators (PaddleNLP's `set_seed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -67,7 +73,9 @@ class Part:
     """One piece of run state: `state()` gives a tree of numbers, strings and arrays, `load(tree)` takes it.
 
     A part `per_rank` is gathered from every rank and `load` receives every saved rank's tree (the saved
-    world size may differ from this run's). `load=None`: saved for the record or restored elsewhere.
+    world size may differ from this run's). A part written to files of its own (`own_file`) is handed a reader of
+    them instead (`read(owned)`): it reads once its object is there, since under sharding the arrays it keeps are
+    known only then. `load=None`: saved for the record only (the weights fingerprint).
     """
 
     state: Callable[[], Any]
@@ -117,7 +125,7 @@ def optimizer_part(optimizer: Callable[[], Any]) -> Part:
         mine, every = {name for name, r in owners.items() if r == rank}, set(owners)
         return lambda key: parameter_of(key, every) in mine
 
-    return Part(lambda: optimizer().state_dict(), lambda tree: optimizer().set_state_dict(to_paddle(tree)),
+    return Part(lambda: optimizer().state_dict(), lambda read: optimizer().set_state_dict(to_paddle(read(owned()))),
                 owned=owned, own_file=True)
 
 
@@ -131,7 +139,7 @@ def ema_part(ema, flag: str = "--use_ema") -> Part:
             return None
         return lambda key: key.startswith("shadow.") and key[len("shadow."):] in ema.shadow
 
-    return Part(part.state, part.load, owned=owned, own_file=True, flag=flag)
+    return Part(part.state, lambda read: part.load(read(owned())), owned=owned, own_file=True, flag=flag)
 
 
 def scaler_part(scaler) -> Part:
@@ -144,6 +152,38 @@ def scaler_part(scaler) -> Part:
             part.load(tree)
 
     return Part(part.state, load, missing=lambda state: None)
+
+
+class Late(Part):
+    """A part whose object comes at a later step of the run (`of(obj)` makes the part of it): the restore hands it
+    its saved state, which it holds until `hand(obj)`, when it loads itself. One never handed (the Trainer's scaler
+    without fp16 scaling) is not saved."""
+
+    def __init__(self, of: Callable[[Any], Part], **fields):
+        super().__init__(state=self._state, load=self._load, owned=self._owned, **fields)
+        self.of, self.given, self.held = of, None, None
+
+    @property
+    def handed(self) -> bool:
+        return self.given is not None
+
+    def hand(self, obj) -> None:
+        self.given = self.of(obj)
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.given.load(held)
+
+    def _state(self):
+        return self.given.state()
+
+    def _load(self, saved) -> None:
+        if self.given is None:
+            self.held = saved
+        else:
+            self.given.load(saved)
+
+    def _owned(self):
+        return self.given.owned() if self.given is not None and self.given.owned is not None else None
 
 
 def state_jobs(file: str, tree: Any, buffers: HostBuffers, mine: Callable[[str], bool] | None = None,
@@ -169,17 +209,27 @@ def readable(error: BaseException | None):
 
 
 class RandomState:
-    """A rank's generators (Paddle's, numpy's, Python's) as JSON-able trees."""
+    """A rank's generators (Paddle's, numpy's, Python's) as JSON-able trees. The saved ones are held from the
+    restore to `begin`, when the updates begin: whatever seeds the generators before (PaddleNLP's `set_seed`) is
+    then overwritten; a fresh run seeds each rank's noise there."""
 
     def __init__(self, dist: Distributed, seed: int):
         self.dist, self.seed = dist, seed
-        self.step = 0  # set by the manager before `load`: what a new rank's seed derives from
+        self.step = 0  # set by the manager at the restore: what a new rank's seed derives from
+        self.held: list[dict] | None = None
 
     def state(self) -> dict:
         return {"paddle": [list(g.__getstate__()) for g in paddle.get_rng_state()],
                 "numpy": np.random.get_state(), "python": random.getstate()}
 
     def load(self, saved: list[dict]) -> None:
+        self.held = saved
+
+    def begin(self) -> None:
+        saved, self.held = self.held, None
+        if saved is None:
+            paddle.seed(rank_seed(self.seed, self.dist.rank))
+            return
         if len(saved) != self.dist.world_size:  # ranks that did not exist have no state: derived for every rank
             logger.warning("resuming a %d-rank run on %d ranks: each rank's noise continues from a seed derived "
                            "from its rank and the step", len(saved), self.dist.world_size)
@@ -246,27 +296,30 @@ def check_weights(checksums: list[float], step: int, last_checkpoint: str | None
 class CheckpointManager:
     def __init__(self, run_dir: RunFolder, dist: Distributed, objective, *, save_steps: int,
                  parts: dict[str, Part], seed: int, trained: Sequence[paddle.Tensor],
-                 data_position: Callable[[], dict], record: dict | None = None, async_save: bool = True):
+                 data_position: Part, record: dict | None = None, async_save: bool = True):
         """`objective`: what a checkpoint holds of the model (`ldm.train.objective.Objective`: `trained_parts()`,
-        `save`, `load`, `ema`). `parts` beyond the ones every run has: the random state, the data position (restored
-        when the batches are built), the weights fingerprint and, with EMA, the EMA.
+        `save`, `load`, `ema`). `parts` beyond the ones every run has: the random state, the data position
+        (`data_position`, one per rank), the weights fingerprint and, with EMA, the EMA and the post-hoc EMA's
+        profiles (`Late`: handed over once laid out like the update, `hand_averages`).
         `record`: the run's configuration (`ldm.config.record.describe_run`), written into every checkpoint.
         `async_save`: files are written beside training (`ldm.checkpoint.background`); else each save is waited for."""
         self.run_dir, self.dist, self.objective, self.save_steps = run_dir, dist, objective, save_steps
         self.record = record
         self.last: str | None = None  # the newest checkpoint sealed or resumed by this run
+        self.load_seconds = 0.0
         self.random = RandomState(dist, seed)
         self.parts = {
             **parts,
             "random": Part(self.random.state, self.random.load, per_rank=True),
-            "stream": Part(data_position, per_rank=True),
+            "stream": dataclasses.replace(data_position, per_rank=True),
             "weights_checksum": Part(lambda: weights_checksum(trained), per_rank=True),
         }
         if objective.ema is not None:
-            self.parts[EMA] = ema_part(objective.ema)
+            self.parts[EMA] = Late(ema_part, own_file=True, flag="--use_ema")
         self.profiles = getattr(objective, "ema_profiles", None)
         for profile in self.profiles.profiles if self.profiles is not None else ():
-            self.parts[profile_name(profile.sigma_rel)] = ema_part(profile, "--ema_sigma_rels")
+            self.parts[profile_name(profile.sigma_rel)] = Late(lambda p: ema_part(p, "--ema_sigma_rels"),
+                                                              own_file=True, flag="--ema_sigma_rels")
         self.async_save = async_save
         self.buffers = HostBuffers(copy=async_save)  # the snapshot's, reused from save to save
         if async_save and record and record.get("memory"):
@@ -279,10 +332,26 @@ class CheckpointManager:
         self.sealed: PendingSave | None = None  # the newest save this run completed
         self._finished: list[dict] = []  # metrics of sealed saves, for `take_metrics`
 
+    def hand(self, name: str, obj) -> None:
+        """The object of the part `name` (a `Late`), at the run's step where it exists: it loads what the restore
+        held for it."""
+        self.parts[name].hand(obj)
+
+    def hand_averages(self) -> None:
+        """The EMA and the post-hoc EMA's profiles, once laid out like the update (sharded, flat)."""
+        if self.objective.ema is not None:
+            self.hand(EMA, self.objective.ema)
+        for profile in self.profiles.profiles if self.profiles is not None else ():
+            self.hand(profile_name(profile.sigma_rel), profile)
+
+    def begin(self) -> None:
+        """The updates begin: the random state restored (a fresh run's seeded)."""
+        self.random.begin()
+
     @property
-    def averaging_parts(self) -> list[str]:
-        """The names of the EMA's and the post-hoc EMA profiles' parts."""
-        return [name for name, part in self.parts.items() if part.flag]
+    def saved_parts(self) -> dict[str, Part]:
+        """The parts a checkpoint holds: all but a `Late` one never handed over."""
+        return {name: part for name, part in self.parts.items() if not isinstance(part, Late) or part.handed}
 
     def due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
         return step % self.save_steps == 0 or last or stopping
@@ -310,7 +379,7 @@ class CheckpointManager:
         checkpoint's path (complete once sealed: `self.last`)."""
         started = self._wait_for_the_save_in_flight(f"checkpoint-{step}")
         snapshot_started = time.perf_counter()
-        gathered = {name: self.dist.gather(part.state()) for name, part in self.parts.items() if part.per_rank}
+        gathered = {name: self.dist.gather(part.state()) for name, part in self.saved_parts.items() if part.per_rank}
         check_weights(gathered["weights_checksum"], step, self.last)  # never a checkpoint of NaN weights
         return self._write(PendingSave(step, "", self.run_dir.path(f"checkpoint-{step}"), started),
                            lambda: self.run_dir.begin_save(step), lambda: self._snapshot(step, gathered),
@@ -413,7 +482,7 @@ class CheckpointManager:
         jobs, keys = weight_jobs(self.objective.trained_parts(), rank, world, self.buffers)
         keys = {WEIGHTS: keys}
         state = {"step": step, "world_size": world, **gathered}
-        for name, part in self.parts.items():
+        for name, part in self.saved_parts.items():
             if part.per_rank:
                 continue
             if not part.own_file:
@@ -435,7 +504,7 @@ class CheckpointManager:
         """Rank 0, at the snapshot: the model's configurations, the indexes of what the ranks write in shares,
         the run's record, `also`'s files."""
         self.objective.save(folder, final, [k[WEIGHTS] for k in keys])
-        self._write_indexes(folder, [name for name, part in self.parts.items() if part.own_file], keys)
+        self._write_indexes(folder, [name for name, part in self.saved_parts.items() if part.own_file], keys)
         if self.record is not None:
             write_json(os.path.join(folder, RUN_CONFIG), {**self.record, "step": step})
         if also is not None:
@@ -568,24 +637,22 @@ class CheckpointManager:
             remove(pending.temp)
             logger.warning("%s was not completed (%s): it is not a checkpoint", pending.final, e)
 
-    def load(self, resume: Resume, names: Sequence[str] | None = None, *, weights: bool = True) -> int:
-        """Restore the objective's weights (`weights`) and the parts `names` (all that can be) from the checkpoint
-        `resume`; returns its step."""
+    def restore(self, resume: Resume) -> int:
+        """The one restore of a run: the objective's weights and every part from the checkpoint `resume` (a `Late`
+        part holds its state until its object is handed over; the random state until `begin`); returns its step."""
         started = time.perf_counter()
         checkpoint, state = resume.path, resume.training_state
         self.random.step = state["step"]
         self.last = checkpoint
-        if weights:
-            self.objective.load(checkpoint)
-        for name in names if names is not None else self.parts:
-            part = self.parts.get(name)
-            if part is None or part.load is None:
+        self.objective.load(checkpoint)
+        for name, part in self.parts.items():
+            if part.load is None:
                 continue
             if part.own_file:
                 if not has_state(checkpoint, name):
                     raise CheckpointError(f"{checkpoint} has no {name} state" +
                                           (f" but {part.flag} is on" if part.flag else ""))
-                part.load(load_state(checkpoint, name, part.owned() if part.owned is not None else None))
+                part.load(lambda owned, name=name: load_state(checkpoint, name, owned))
             elif name not in state and part.missing is not None:
                 part.missing(state)
             elif name not in state:

@@ -31,7 +31,7 @@ from ldm.models.buckets import parse_buckets, size_step
 from ldm.models.build import load_part, vae_folder
 from ldm.models.flops import forward_flops
 from ldm.models.init import pytorch_default_init
-from ldm.train.loop import run
+from ldm.train.loop import train_objective
 from ldm.train.objective import Objective
 
 logger = logging.getLogger("ldm.train")
@@ -97,7 +97,7 @@ class Autoencoder(Objective):
         grid = image_grid(np.concatenate([inputs, outputs]), rows=2)
         writer.image("reconstructions/inputs_vs_outputs", np.asarray(grid), step)
 
-    def finish(self, checkpoint, batches, dist, run_dir):
+    def export(self, checkpoint, batches, dist, run_dir):
         self.vae.eval()
         moments = np.zeros(3)
         for _ in range(self.args.scale_batches):
@@ -116,7 +116,7 @@ class Autoencoder(Objective):
 def train(loop: LoopArguments, args: AutoencoderArguments, data: DataArguments,
           run_args: RunArguments | None = None) -> dict:
     run_args = run_args or RunArguments()
-    result = run(loop, data, lambda dist, resume, resolved: Autoencoder(args, resolved, data),
+    result = train_objective(loop, data, lambda dist, resume, resolved: Autoencoder(args, resolved, data),
                  image_logging_steps=args.image_logging_steps, run_args=run_args, groups=(args, data, loop, run_args))
     result["vqvae"] = os.path.join(loop.output_dir, "vqvae")
     return result

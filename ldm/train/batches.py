@@ -30,6 +30,24 @@ from ldm.runtime.tracking import StepClock
 logger = logging.getLogger("ldm.train")
 
 
+class DataPosition:
+    """Each rank's place in the data: the checkpoint part `stream`. Restored, it holds every saved rank's position,
+    which the batches start from (`build_batches`); then it is what the batches' tracker says."""
+
+    def __init__(self):
+        self.saved: list[dict] | None = None
+        self.tracker: StreamState | None = None
+
+    def load_state_dict(self, saved: list[dict]) -> None:
+        self.saved = saved
+
+    def follow(self, tracker: StreamState) -> None:
+        self.tracker = tracker
+
+    def state_dict(self) -> dict:
+        return self.tracker.state_dict()
+
+
 class TimedBatches:
     """The training batches: records each batch's stream state and the time spent waiting for it.
 

@@ -97,8 +97,8 @@ class SampleClock:
                 "world_size": self.world_size, "max_steps": self.max_steps}
 
     def assume(self, step: int, world_size: int | None = None) -> None:
-        """A checkpoint that did not record its samples: `step` updates of this run's per-rank batch on its
-        `world_size` ranks."""
+        """A checkpoint that did not record its samples (no part `samples` in its training state): `step` updates
+        of this run's per-rank batch on its `world_size` ranks."""
         world_size = world_size or self.world_size
         batch = self.global_batch // self.world_size * world_size
         self.load_state_dict({"reference_batch": batch, "samples": step * batch, "updates": step,
@@ -114,10 +114,3 @@ class SampleClock:
                                              reference_batch=self.reference_batch, samples=self.samples)
         self.message = message if changed else ""
         self.max_steps = max(max_steps, self.updates) if self.resized else self.requested_max_steps
-
-    def restore(self, training_state: dict) -> None:
-        """From a checkpoint's training state, written with this clock or before it existed."""
-        if "samples" in training_state:
-            self.load_state_dict(training_state["samples"])
-        else:
-            self.assume(training_state["step"], training_state.get("world_size"))

@@ -36,7 +36,7 @@ from ldm.models.text import text_encoder_identity
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import NullWriter
 from ldm.train import samples, setup
-from ldm.train.batches import TimedBatches, build_batches
+from ldm.train.batches import DataPosition, TimedBatches, build_batches
 
 logger = logging.getLogger("ldm.train")
 
@@ -64,14 +64,14 @@ class Objective:
         value may be a (sum, count) pair: logged as the window's sum over its count (over ranks too)."""
         raise NotImplementedError
 
-    def start_from(self) -> dict | None:
+    def initialise(self) -> dict | None:
         """A fresh run (not a resume): load the starting weights it was asked for; their lineage, or None."""
         return None
 
     def check_resume(self, resume: Resume) -> None:
         """Refuse a checkpoint this objective cannot continue (called before anything is written)."""
 
-    def start(self, run_dir: RunFolder) -> None:
+    def write_frozen(self, run_dir: RunFolder) -> None:
         """Write what the run needs before training (the folder exists now)."""
 
     def trained_parts(self) -> dict:
@@ -91,10 +91,10 @@ class Objective:
         """Images for the trackers every `image_logging_steps`: called on every rank (a sharded EMA is gathered
         first), written by the rank whose writer is active."""
 
-    def finish(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
+    def export(self, checkpoint: str | None, batches, dist: Distributed, run_dir: RunFolder) -> None:
         """After the last update, on every rank: the final export."""
 
-    def start_validation(self, dist: Distributed) -> None:
+    def prepare_validation(self, dist: Distributed) -> None:
         """Read what `evaluate` needs (before the first write: unusable held-out data fails the start)."""
 
     def validation_due(self, step: int, last: bool) -> bool:
@@ -156,7 +156,7 @@ class TextToImage(Objective):
         self.generated = None  # (GeneratedMetrics, Sampling) with --fid_steps
         self.due = (False, False)  # (held-out loss, generated images) at the update `validation_due` was asked
 
-    def start_validation(self, dist: Distributed) -> None:
+    def prepare_validation(self, dist: Distributed) -> None:
         """Read the held-out records (every rank reads them all and keeps its share): before the first write, so
         an unusable --validation_file_list fails the start. With --fid_steps, what the FID needs too."""
         v = self.validation
@@ -164,7 +164,7 @@ class TextToImage(Objective):
             raise BucketError("--validation_aspect_buckets computes the held-out loss in the run's buckets: it needs "
                               f"{'--aspect_buckets' if not self.buckets else '--validation_file_list'}")
         if v.fid_steps:
-            self.start_generated_metrics(dist)
+            self.prepare_generated_metrics(dist)
         if not v.validation_file_list:
             return
         records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
@@ -178,7 +178,7 @@ class TextToImage(Objective):
         logger.info("validation: %d held-out records (%s) at timesteps %s, every %d updates", len(records), crops,
                     timesteps, v.validation_steps)
 
-    def start_generated_metrics(self, dist: Distributed) -> None:
+    def prepare_generated_metrics(self, dist: Distributed) -> None:
         """With --fid_steps: the Inception, the reference statistics, CLIP and the prompts, checked before the first
         write (weights of the wrong kind, a reference of another mode, resolution or Inception are one line)."""
         from ldm.evaluation.clip import ClipScorer
@@ -265,7 +265,7 @@ class TextToImage(Objective):
                 "autoencoder": self.vae_identity, "text_encoder": type(self.model.text_encoder).__name__,
                 "text_encoder_trained": self.text.trained, "text_encoder_identity": self.text_identity}
 
-    def start_from(self):
+    def initialise(self):
         if not self.init_source:
             return None
         frozen = None if self.text_identity is None else (self.text_identity, self.identify_text,
@@ -295,7 +295,7 @@ class TextToImage(Objective):
     def identify_text(self, layer) -> dict:
         return text_encoder_identity(layer, self.text.family, self.data.model_max_length)
 
-    def start(self, run_dir):
+    def write_frozen(self, run_dir):
         self.vae_folder = write_frozen_autoencoder(run_dir, self.components.vae, self.vae_identity)
         if self.text_identity is not None:
             self.text_folder = write_frozen_text_encoder(run_dir, self.model.text_encoder, self.text_identity,
@@ -339,7 +339,7 @@ class TextToImage(Objective):
                 samples.log_validation(writer, step, self.model, self.tokenizer, self.data.model_max_length,
                                        self.sampling, ema=self.ema, sizes=samples.validation_sizes(self.buckets))
 
-    def finish(self, checkpoint, batches, dist, run_dir):
+    def export(self, checkpoint, batches, dist, run_dir):
         if dist.is_main and checkpoint:
             from ldm.inference.export import NoPipeline, export_checkpoint
 
@@ -362,18 +362,16 @@ def nan_fault_batches() -> set[int]:
     return {int(part) for part in value.split(",") if part.strip().isdigit()}
 
 
-def start_batches(objective: Objective, resume: Resume | None, data: DataArguments, *, batch_size: int, seed: int,
-                  dist: Distributed, num_workers: int) -> TimedBatches:
-    """The started batches, continuing from the data position of `resume` (checked against the objective
-    first); unusable data fails here. Called after building the model and before the first write."""
-    saved = resume.streams if resume else None
-    if resume:
-        objective.check_resume(resume)
+def make_batches(objective: Objective, position: DataPosition, data: DataArguments, *, batch_size: int, seed: int,
+                 dist: Distributed, num_workers: int) -> TimedBatches:
+    """The started batches, continuing from the data `position` restored (none: from the beginning); unusable data
+    fails here. Called after building the model and before the first write."""
     batches = build_batches(data, objective.tokenizer, batch_size=batch_size, seed=seed, dist=dist,
-                            num_workers=num_workers, saved_streams=saved,
+                            num_workers=num_workers, saved_streams=position.saved,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
                             buckets=objective.buckets, latent_scale=objective.latent_scale,
                             cached_text=objective.cached_text)
+    position.follow(batches.tracker)
     batches.start()
     objective.on_cached_text = batches.cached_text
     return batches

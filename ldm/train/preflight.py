@@ -40,10 +40,10 @@ def check_before_writing(objective: Objective, batches: TimedBatches, record: di
     """What both paths check once the batches have started and before the first write: the held-out data,
     the FLOPs per sample (returned) and, resuming, the configuration the checkpoint recorded. The caller
     stops the loader workers, which are running already, when this fails."""
-    lineage = objective.start_from() if not resume else resume.lineage
+    lineage = objective.initialise() if not resume else resume.lineage
     if lineage:
         record["lineage"] = lineage  # a resumed stage's checkpoints keep naming where it began
-    objective.start_validation(dist)
+    objective.prepare_validation(dist)
     flops = count_flops(objective, batches, record)
     if resume:
         compare_resume(resume.path, resume.record, record, allow_change=allow_config_change, log=dist.is_main)

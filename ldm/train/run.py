@@ -1,35 +1,26 @@
 """One training run's life, the same whichever driver runs its updates: the hand-written loop (`ldm.train.loop`) or
 PaddleNLP's Trainer (`ldm.train.trainer`).
 
-A driver says what its flags mean for the run (`RunPlan`: `loop_plan`, `trainer_plan`) and then hands the run
-what only it makes; `TrainingRun` does everything else, once:
-
-1. `TrainingRun(plan)`: logging, the sharding layout, the run folder's policy and the checkpoint to resume
-   (read once: `ldm.checkpoint.resume.Resume`), the seed and the precision. Nothing is written.
-2. `build(...)`: the objective (`ldm.train.objective`) and the run's record; `keep(...)`: the parts of the run
-   state only the driver makes (its optimizer, schedule, scaler: functions that return them, so the Trainer's may
-   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it, and the
-   update built for its form: `ldm.train.update`). docs/architecture.md tells the order and the resume.
-3. `with run.started():` the memory record, the batches, the checkpoint manager (`ldm.checkpoint.manager`), the
-   non-finite guard, the checks before the first write, the first write, the restored state (the loop's; the
-   Trainer restores in its hooks, `restore`), the trackers and progress; at every exit the save in flight, the
-   loader, the trackers and the lock are closed, and a failure is recorded in the run folder.
-4. `with run.stoppable():` around the updates: SIGTERM/SIGINT become a stop the ranks agree on. At each update the
-   driver calls `agree` (the update's one vote: `ldm.runtime.vote`), `updated` (the counters, the EMA), the
-   logging (`log_update`, or the Trainer's own log with `window_metrics`) and `between_updates` (progress,
-   evaluation, sample images, saves); then `end` (the last save sealed) and `finish` (the stop's last line, or
-   the export).
+A driver says what its flags mean for the run (`RunPlan`: `loop_plan`, `trainer_plan`), hands the run what only it
+makes (its process group, its optimizer, schedule and scaler, its trackers) and walks the run's steps (`Step`), in
+their order, once each; `TrainingRun` does everything else. The steps and what happens at each are `Step`'s;
+docs/architecture.md tells where each driver calls them. At each update between `BEGIN` and `END` a driver calls
+`agree` (the update's one vote: `ldm.runtime.vote`), `updated` (the counters, the EMA), its log (`log_update`, or
+the Trainer's own with `window_metrics`) and `between_updates` (progress, evaluation, sample images, the EMA
+snapshot); it saves a checkpoint when `save_due` says (the loop) or on its own schedule (the Trainer), through
+`save`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 
 import paddle
 
-from ldm.checkpoint.manager import CheckpointManager, Part, optimizer_part, scaler_part, stateful
+from ldm.checkpoint.manager import CheckpointManager, Late, Part, optimizer_part, scaler_part, stateful
 from ldm.checkpoint.resume import Resume
 from ldm.checkpoint.run_folder import SNAPSHOTS, RunFolder
 from ldm.config.args import RunArguments
@@ -39,15 +30,16 @@ from ldm.models.flops import throughput_metrics
 from ldm.runtime import heartbeat
 from ldm.runtime.compat import sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
-from ldm.runtime.distributed import Distributed, rank_seed
+from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
+from ldm.train.batches import DataPosition
 from ldm.train.elastic import NO_PRACTICAL_END, SampleClock
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank, readable
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.native import agreed_flat_update
-from ldm.train.objective import start_batches
+from ldm.train.objective import make_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress, resolve_mode
@@ -56,6 +48,30 @@ from ldm.train.signals import GracefulStop
 from ldm.train.update import PER_TENSOR, build_update
 
 logger = logging.getLogger("ldm.train")
+
+
+class Step(enum.IntEnum):
+    """The steps of a run's life, in their order; both drivers pass through them, each once (`TrainingRun.reach`
+    refuses a step out of order). A list the run checks rather than callbacks an engine calls in turn (composer's
+    `Event`): the Trainer path does not own its loop, PaddleNLP does, and reaches `HAND` and `BEGIN` from inside
+    `trainer.train` through its hooks, so the run cannot call the steps itself; it can only see that they come in
+    order. A run resumed at its end goes from `SIGNALS` to `END` (no update is left)."""
+
+    PLAN = 1  # `TrainingRun(plan, dist)`: logging, the sharding layout, the folder's policy, the checkpoint to resume
+    # (read once: `ldm.checkpoint.resume.Resume`), the seed, the precision; nothing is written
+    BUILD = 2  # `build`: the objective (`ldm.train.objective`) and the run's record
+    OPEN = 3  # `opened()`: the memory record and its check, the clock of samples, the checkpoint manager
+    RESTORE = 4  # the one restore (`CheckpointManager.restore`): the weights, the clock of samples, the data
+    # position; the parts whose objects come later hold their state (`ldm.checkpoint.manager.Late`)
+    CHECK = 5  # the batches start from the position restored; the checks before the first write
+    WRITE = 6  # the first write: the run folder, the objective's frozen parts, progress
+    SIGNALS = 7  # `stoppable()`: SIGTERM/SIGINT become a stop the ranks agree on
+    HAND = 8  # `hand`: the driver's optimizer, schedule and scaler; the update made for its form
+    # (`ldm.train.update`); the held parts (these, the EMA) load
+    BEGIN = 9  # `begin`: the random state restored (or seeded); the updates follow
+    END = 10  # `end`: the last save sealed
+    EXPORT = 11  # `export`: the stop's last line, or the objective's export
+    CLOSE = 12  # at any exit of `opened()`: the save in flight, the loader, the trackers, the lock
 
 def progress_target(step: int, max_steps: int, save_steps: int) -> tuple[int, str]:
     """(update the progress bar counts toward, its label). A run with no practical end (the original recipe sets
@@ -87,10 +103,7 @@ class RunPlan:
     logging_steps: int
     image_logging_steps: int
     progress: str  # our progress output (the Trainer's own bar, when it draws one, leaves ours "none")
-    report_to: list[str]  # trackers the run starts (the loop's); the Trainer starts its own
-    # PaddleNLP's Trainer drives: its process group exists already, it starts its trackers, logs and saves on its own
-    # schedule, restores the run state in its hooks; our progress counts to its max_steps
-    trainer_drives: bool = False
+    report_to: list[str]  # trackers the run starts (the loop's: `track`); the Trainer starts its own
     driver_bar: bool = False  # the driver draws its own progress bar (the Trainer's, on a terminal)
     resize_note: str = ""  # what the driver adds to the message of a resume with another global batch
 
@@ -123,18 +136,8 @@ def trainer_plan(args, run_args: RunArguments, image_logging_steps: int, is_main
         batch_size=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
         max_steps=args.max_steps, num_workers=args.dataloader_num_workers, logging_steps=args.logging_steps,
         image_logging_steps=image_logging_steps, progress="lines" if progress == "lines" else "none",
-        report_to=args.report_to, trainer_drives=True, driver_bar=progress == "bar",
+        report_to=args.report_to, driver_bar=progress == "bar",
         resize_note=" (the Trainer path stretches its schedule over the new max_steps)")
-
-
-class Deferred:
-    """An object's `state_dict` and setters, looked up when called: the Trainer makes its optimizer late."""
-
-    def __init__(self, get):
-        self._get = get
-
-    def __getattr__(self, name):
-        return lambda *args: getattr(self._get(), name)(*args)
 
 
 def describe_profiles(profiles, run_dir: RunFolder) -> dict:
@@ -167,15 +170,11 @@ def shard_ema(ema, model, optimizer) -> None:
 
 
 class TrainingRun:
-    def __init__(self, plan: RunPlan, run_args: RunArguments | None = None):
-        """Everything read and decided before the objective is built; nothing is written (see the module's doc)."""
-        self.plan, self.run_args = plan, run_args or RunArguments()
-        if plan.trainer_drives:
-            import paddle.distributed as pdist
-
-            self.dist = Distributed(pdist.get_rank(), pdist.get_world_size())
-        else:
-            self.dist = Distributed.init()
+    def __init__(self, plan: RunPlan, dist: Distributed, run_args: RunArguments | None = None):
+        """`Step.PLAN`: everything read and decided before the objective is built; nothing is written. `dist`: the
+        driver's process group (the loop starts it, PaddleNLP's arguments have)."""
+        self.plan, self.run_args, self.dist = plan, run_args or RunArguments(), dist
+        self.at = Step.PLAN
         setup_logging(self.dist)
         check_sharding(set(plan.sharding) - {""}, plan.split_param)
         self.flat_update = agreed_flat_update(self.run_args.flat_update, self.dist)  # the driver's `FlatAdamW`
@@ -185,57 +184,62 @@ class TrainingRun:
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.objective = self.record = self.data = self.trained = self.update = None  # `build`, `adopt`
-        self.optimizer, self.parts = None, {}  # `adopt`, `keep`
-        # `started`:
-        self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
+        self.clock = SampleClock(plan.batch_size * plan.accumulation * dist.world_size, dist.world_size,
+                                 plan.max_steps)
+        self.position = DataPosition()
+        self.objective = self.record = self.data = self.trained = None  # `BUILD`
+        self.batches = self.manager = self.guard = self.vote = self.window = self.flops = None  # `OPEN` to `WRITE`
         self.writer, self.progress = NullWriter(), None
-        self.stop = self.eval_clock = None  # `stoppable`
-        self.phases = PhaseClock(False)  # `stoppable`: where the updates' time goes (`--phase_timing`)
-        self.step, self.stopped = 0, False  # where the run ended, and whether on a stop (`end`)
+        self.stop = self.eval_clock = None  # `SIGNALS`
+        self.phases = PhaseClock(False)  # `SIGNALS`: where the updates' time goes (`--phase_timing`)
+        self.optimizer = self.update = None  # `HAND`
+        self.step, self.stopped = 0, False  # where the run continues from (`RESTORE`), ended, and whether on a stop
         self.data_counts = {}  # the data path's counts over ranks at the last log (`window_metrics`), for `end`
         self.log_through = None  # the driver's logger of scalars, when it has one (the Trainer's)
         self.closing = []  # what the driver opened that an exit closes (the Trainer's metrics file)
 
+    def reach(self, step: Step) -> None:
+        """The run is at `step`: after the one before it (a driver that calls them out of order is a bug)."""
+        if step <= self.at and step is not Step.CLOSE:
+            raise RuntimeError(f"the run's step {step.name} comes after {self.at.name}, not again or before it")
+        self.at = step
+
     def build(self, objective, data, groups):
-        """The objective (`objective()`, built on every rank alike) and the run's record of the argument `groups`
-        (a collective); `data`: the data arguments its batches are started with."""
+        """`Step.BUILD`: the objective (`objective()`, built on every rank alike) and the run's record of the argument
+        `groups` (a collective); `data`: the data arguments its batches are started with."""
+        self.reach(Step.BUILD)
         self.objective = objective()
         self.data = self.objective.data or data
         groups = tuple(self.data if group is data else group for group in groups)  # recorded as resolved
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision,
-                                   update=self.flat_update or PER_TENSOR)  # as asked, until `adopt`
+                                   update=self.flat_update or PER_TENSOR)  # as asked, until `hand`
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
 
-    def adopt(self, optimizer) -> None:
-        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition, and the
-        update is built for the form asked (`ldm.train.update`); the run's record says the form built."""
+    def hand(self, optimizer, schedule, scaler=None) -> None:
+        """`Step.HAND`: the driver's optimizer (sharded already when the run shards), schedule and loss scaler (None:
+        none), once they exist; the EMA keeps the optimizer's partition, the update is built for the form asked
+        (`ldm.train.update`) and the run's record says the form built; each part loads what the restore held."""
+        self.reach(Step.HAND)
         self.optimizer = optimizer
         averages = self.averages
         for ema in averages:
             shard_ema(ema, self.objective.model, optimizer)
         self.update = build_update(self.flat_update, optimizer, self.trained, averages)
-        self.record["world"]["update"] = self.update.form
-        if self.run_dir.created:  # the Trainer's optimizer comes after the first write
+        if self.record["world"]["update"] != self.update.form:
+            self.record["world"]["update"] = self.update.form
             self.run_dir.amend({"world": self.record["world"]})
+        self.manager.hand("optimizer", optimizer)
+        self.manager.hand("lr_scheduler", schedule)
+        if scaler is not None:
+            self.manager.hand("scaler", scaler)
+        self.manager.hand_averages()
 
     @property
     def averages(self) -> list:
         """The EMA and the post-hoc EMA's profiles: every average of the weights the update steps."""
         profiles = self.objective.ema_profiles
         return [ema for ema in (self.objective.ema, *(profiles.profiles if profiles else ())) if ema is not None]
-
-    def keep(self, *, optimizer=None, schedule=None, scaler=None) -> None:
-        """Parts of the run state the driver makes, each given as a function that returns it (looked up at each
-        save and load: the Trainer makes them late). Their order is the checkpoint's (`training_state.json`):
-        the parts kept before `started` come first, in the order optimizer, schedule, scaler, then the ones every run
-        has; a part kept later comes after those (the Trainer's scaler, known once its Trainer exists)."""
-        given = {"optimizer": optimizer and optimizer_part(optimizer),
-                 "lr_scheduler": schedule and stateful(Deferred(schedule)),
-                 "scaler": scaler and scaler_part(Deferred(scaler))}
-        parts = self.manager.parts if self.manager is not None else self.parts
-        parts.update({name: part for name, part in given.items() if part is not None})
 
     @property
     def max_steps(self) -> int:
@@ -244,15 +248,16 @@ class TrainingRun:
 
     # -- set-up and teardown ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def started(self):
-        """The run from its first write to its end (see the module's doc); a failed check before the first write
-        leaves nothing behind."""
+    def opened(self, partition=None):
+        """`Step.OPEN` to `Step.WRITE`, and `Step.CLOSE` at every exit; a failed check before the first write leaves
+        nothing behind. `partition`: the driver's sharded optimizer's (`sharding_owners`) when it exists already (the
+        loop's), which the memory record counts by."""
+        self.reach(Step.OPEN)
         plan, dist, objective = self.plan, self.dist, self.objective
-        owners = sharding_owners(self.optimizer) if self.optimizer is not None else None
         profiles = objective.ema_profiles
         self.record["memory"] = memory_by_rank(objective.model, world_size=dist.world_size, sharding_degree=self.shards,
                                                stage=self.stage, ema=objective.ema is not None,
-                                               owners=owners[0] if owners else None,
+                                               owners=partition[0] if partition else None,
                                                ema_profiles=len(profiles.profiles) if profiles else 0)
         log_largest(self.record["memory"])
         if profiles is not None:
@@ -260,36 +265,31 @@ class TrainingRun:
         # before any work: a host that cannot hold the state and the snapshot's reservation ends here in one line
         check_host_memory(self.record["memory"], dist, async_save=self.run_args.async_save,
                           on_host=all(p.place.is_cpu_place() for p in self.trained[:1]))
-        self.batches = start_batches(objective, self.resume, self.data, batch_size=plan.batch_size, seed=self.seed,
-                                     dist=dist, num_workers=plan.num_workers)
-        try:  # from here on, every exit stops the loader (`finally`)
-            self.clock = SampleClock(plan.batch_size * plan.accumulation * dist.world_size, dist.world_size,
-                                     plan.max_steps)
-            if self.resume:
-                self.clock.restore(self.resume.training_state)
-                if self.clock.message and plan.trainer_drives:  # the loop says it once restored (`restore`)
-                    logger.warning("%s%s", self.clock.message, plan.resize_note)
+        try:  # from here on, every exit closes what was opened (`finally`)
+            if self.resume:  # a checkpoint of another autoencoder or text encoder is refused before it is read
+                objective.check_resume(self.resume)
+            self.manager = CheckpointManager(
+                self.run_dir, dist, objective, save_steps=plan.save_steps, seed=self.seed, trained=self.trained,
+                data_position=Part(self.position.state_dict, self.position.load_state_dict), record=self.record,
+                async_save=self.run_args.async_save, parts={
+                    # the driver's, handed over at `HAND` (in this order in the training state)
+                    "optimizer": Late(lambda optimizer: optimizer_part(lambda: optimizer), own_file=True),
+                    "lr_scheduler": Late(stateful), "scaler": Late(scaler_part, missing=lambda state: None),
+                    "samples": Part(self.clock.state_dict, self.clock.load_state_dict,
+                                    missing=lambda state: self.clock.assume(state["step"], state.get("world_size")))})
+            self.restore()
+            self.reach(Step.CHECK)
+            self.batches = make_batches(objective, self.position, self.data, batch_size=plan.batch_size,
+                                        seed=self.seed, dist=dist, num_workers=plan.num_workers)
             self.guard = NonFiniteGuard(dist, self.run_args.max_nonfinite_updates)
             self.vote, self.window = UpdateVote(dist.world_size), MetricsWindow()
             self.flops = check_before_writing(objective, self.batches, self.record, self.resume,
                                               allow_config_change=self.run_args.allow_config_change, dist=dist)
+            self.reach(Step.WRITE)
             self.run_dir.create(self.resume.path if self.resume else None, self.record)  # the first write
-            objective.start(self.run_dir)
-            self.manager = CheckpointManager(
-                self.run_dir, dist, objective, save_steps=plan.save_steps, seed=self.seed, trained=self.trained,
-                data_position=self.batches.tracker.state_dict, record=self.record, async_save=self.run_args.async_save,
-                parts={**self.parts, "samples": Part(self.clock.state_dict)})  # restored above, from the view
-            self.manager.last = self.resume.path if self.resume else None
-            if plan.trainer_drives:  # the Trainer restores in its hooks
-                self.step = self.resume.step if self.resume else 0
-            else:
-                self.step = self.restore()
-            if not plan.trainer_drives:
-                self.writer = make_writer(plan.report_to, self.run_dir.path(), hyperparameters(self.record),
-                                          dist.is_main, resume_step=self.step if self.resume else None)
+            objective.write_frozen(self.run_dir)
             heartbeat.started(self.step)  # a failure from here on is one at update step + 1
-            target, label = (self.max_steps, "train") if plan.trainer_drives else \
-                progress_target(self.step, self.max_steps, plan.save_steps)
+            target, label = progress_target(self.step, self.max_steps, plan.save_steps)
             self.progress = Progress(plan.progress, total=target, initial=self.step, label=label,
                                      enabled=dist.is_main, seconds=self.run_args.progress_seconds)
             yield self
@@ -297,21 +297,41 @@ class TrainingRun:
             self.run_dir.record_failure(e)
             raise
         finally:
+            self.reach(Step.CLOSE)
             if self.progress is not None:
                 self.progress.close()  # an error's message then starts on a line of its own
             if self.manager is not None:
                 self.manager.close()  # never leave with a save in flight
-            self.batches.close()  # loader workers and reader thread stop here, not during interpreter exit
+            if self.batches is not None:
+                self.batches.close()  # loader workers and reader thread stop here, not during interpreter exit
             self.writer.close()
             for thing in self.closing:
                 thing.close()
             self.run_dir.release()
         dist.barrier()
 
+    def restore(self) -> None:
+        """`Step.RESTORE`: resuming, the one restore (`CheckpointManager.restore`); the step the run continues from."""
+        self.reach(Step.RESTORE)
+        if self.resume is None:
+            return
+        self.step = self.manager.restore(self.resume)
+        logger.info("resumed from %s at update %d (read in %.2f s)", self.resume.path, self.step,
+                    self.manager.load_seconds)
+        if self.clock.message:
+            logger.warning("%s%s", self.clock.message, self.plan.resize_note)
+
+    def track(self) -> None:
+        """The run's own trackers and metrics file (the loop's; the Trainer's are its own, `ldm.train.trainer`)."""
+        self.writer = make_writer(self.plan.report_to, self.run_dir.path(), hyperparameters(self.record),
+                                  self.dist.is_main, resume_step=self.step if self.resume else None)
+
     @contextlib.contextmanager
     def stoppable(self):
-        """The updates (and the loop's export): the first SIGTERM or SIGINT is a stop every rank agrees on at the next
-        update (`ldm.train.signals`); a repeated one during the last save is the same request."""
+        """`Step.SIGNALS`, around the updates (and the loop's export): the first SIGTERM or SIGINT is a stop every rank
+        agrees on at the next update (`ldm.train.signals`); a repeated one during the last save is the same
+        request."""
+        self.reach(Step.SIGNALS)
         self.eval_clock = EvalClock()  # the evaluation's share of time counts from the first update
         self.phases = PhaseClock(self.run_args.phase_timing)
         window = self.run_args.profile_window
@@ -331,6 +351,11 @@ class TrainingRun:
         finally:
             self.profile.close()  # a run that ended inside the window
 
+    def begin(self) -> None:
+        """`Step.BEGIN`: the updates begin; the random state is restored (a fresh run's noise seeded per rank)."""
+        self.reach(Step.BEGIN)
+        self.manager.begin()
+
     def log(self, values: dict, step: int) -> None:
         """Scalars for the trackers, or through the driver's logger (the Trainer's: `log_through`)."""
         if self.log_through is not None:
@@ -338,25 +363,10 @@ class TrainingRun:
         else:
             self.writer.scalars(values, step)
 
-    def restore(self, names=None, *, weights: bool = True) -> int:
-        """Resuming: the objective's weights (`weights`) and the parts `names` (all when None) from the checkpoint;
-        a fresh run seeds each rank's noise. Returns the step the run continues from. The loop's run restores all at
-        its start; the Trainer's in its hooks, in three calls."""
-        if self.resume is None:
-            if names is None or "random" in names:
-                paddle.seed(rank_seed(self.seed, self.dist.rank))
-            return 0
-        step = self.manager.load(self.resume, names, weights=weights)
-        if names is None:
-            logger.info("resumed from %s at update %d (read in %.2f s)", self.resume.path, step,
-                        self.manager.load_seconds)
-            if self.clock.message:
-                logger.warning("%s%s", self.clock.message, self.plan.resize_note)
-        return step
-
     def end(self, step: int, stopped: bool) -> None:
-        """After the last update (`stopped`: on a signal, before the end): the last save, written by every rank, sealed
-        before anything reads it."""
+        """`Step.END`, after the last update (`stopped`: on a signal, before the end): the last save, written by every
+        rank, sealed before anything reads it."""
+        self.reach(Step.END)
         self.step, self.stopped = step, stopped
         self.manager.wait()
         self.log_saves(step)
@@ -366,14 +376,16 @@ class TrainingRun:
                            "were cut (data_%s in metrics.jsonl)", cut, int(self.data_counts.get("data_ok", 0)),
                            self.data.model_max_length, TRUNCATED_CAPTIONS)
 
-    def finish(self, batches=None) -> None:
-        """The stop's last line, or the objective's export (`batches`: the iterator the driver drew from, which the
-        export may go on drawing from; default the batches)."""
+    def export(self, batches=None) -> None:
+        """`Step.EXPORT`: the stop's last line, or the objective's export (`batches`: the iterator the driver drew
+        from, which the export may go on drawing from; default the batches)."""
+        self.reach(Step.EXPORT)
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
-            self.update.release()
-            self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
+            if self.update is not None:  # none when a run resumed at its end made none
+                self.update.free()
+            self.objective.export(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 
     @property
@@ -440,15 +452,9 @@ class TrainingRun:
         self.guard.stop_if_exhausted(self.manager)  # every rank at the same update: the verdict is shared
 
     def between_updates(self, step: int, *, last: bool, logging_step: bool, batch=None) -> None:
-        """After update `step` and (on the loop) its log: progress, the stop of an exhausted guard (the Trainer logs
-        later, and stops then), held-out evaluation and sample images when due, the checkpoint when due (the Trainer
-        saves on its own schedule: `save`), the sealed saves' metrics."""
-        drives = self.plan.trainer_drives
-        if drives:
-            self.log_saves(step)
+        """After update `step` and the driver's log: progress, held-out evaluation and sample images when due, the
+        post-hoc EMA's snapshot when due."""
         self.progress.update(step, logging_step=logging_step, saving=self.manager.in_flight)
-        if not drives:
-            self.stop_if_exhausted()
         if self.objective.validation_due(step, last) and not self.stop.agreed:
             self.log(evaluate(self.objective, self.dist, step, self.eval_clock, self.batches), step)
         if self.plan.image_logging_steps and step % self.plan.image_logging_steps == 0:
@@ -458,10 +464,13 @@ class TrainingRun:
             self.phases.lap("other")
             self.manager.save_ema_snapshot(step)
             self.phases.lap("checkpoint")
-        if not drives and self.manager.due(step, last=last, stopping=self.stop.agreed):
-            self.save(step)
-        if not drives:
-            self.log_saves(step)
+
+    def save_due(self, step: int, last: bool) -> bool:
+        """Whether checkpoint-<step> is due on the run's schedule (`--save_steps`, the last update, a stop)."""
+        return self.manager.due(step, last=last, stopping=self.stop.agreed)
+
+    def done(self, step: int) -> None:
+        """Update `step`'s bookkeeping done: its time, the profile's window."""
         self.phases.lap("other")
         self.profile.after(step)
 
@@ -475,5 +484,5 @@ class TrainingRun:
         self.phases.lap("other")
         self.manager.save(step, also=also)
         self.phases.lap("checkpoint")
-        if not self.plan.trainer_drives and step >= self.progress.total and not self.stop.agreed:
+        if step >= self.progress.total and not self.stop.agreed:
             self.progress.retarget(*progress_target(step, self.max_steps, self.plan.save_steps))

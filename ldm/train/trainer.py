@@ -23,6 +23,7 @@ from paddlenlp.utils.log import logger as paddlenlp_logger
 from ldm.config import args
 from ldm.config.record import hyperparameters
 from ldm.runtime.compat import check_trainer_hooks, innermost_optimizer, loss_scale, private, save_trainer_checkpoint
+from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import MetricsFile, Tracker, keep_wandb_run, tracker_name
 from ldm.train.flat import FlatAdamW
 from ldm.train.objective import TextToImage
@@ -41,7 +42,7 @@ class LDMCallback(TrainerCallback):
         self.grad_norm, self.skipped = None, False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.run.restore(["random"], weights=False)
+        self.run.begin()  # after PaddleNLP's `set_seed`: the random state restored
         self.run.writer.add_config(self.run.record, hyperparameters(self.run.record))
         self.run.phases.restart()  # the Trainer's set-up and the restore are no phase of an update
 
@@ -74,7 +75,9 @@ class LDMCallback(TrainerCallback):
         self.trainer.update_loss = paddle.zeros([])
         if run.guard.exhausted:
             control.should_log = True  # the window that ends the run is logged first (`LDMTrainer.log` stops it)
+        run.log_saves(step)
         run.between_updates(step, last=step == state.max_steps, logging_step=step % args.logging_steps == 0)
+        run.done(step)  # PaddleNLP saves on its own schedule (`_save_checkpoint`)
         if run.stop.agreed:  # SIGTERM/SIGINT (voted with the guard): save this update, stop
             control.should_save = control.should_training_stop = True
 
@@ -86,14 +89,12 @@ class LDMTrainer(Trainer):
         self.run, self.objective = run, run.objective
         self.update_loss = paddle.zeros([])  # the update's loss so far (micro-steps summed), for the guard
         self.metrics: MetricsFile | None = None
-        if self.do_grad_scaling:
-            run.keep(scaler=lambda: self.scaler)
         self.add_callback(LDMCallback(self))
 
     def create_optimizer(self, lr_scheduler=None):
         optimizer = super().create_optimizer(lr_scheduler)
         if self.run.flat_update and type(optimizer) is paddle.optimizer.AdamW:
-            self.optimizer = optimizer = FlatAdamW.like(optimizer)  # laid out flat by `run.adopt`
+            self.optimizer = optimizer = FlatAdamW.like(optimizer)  # laid out flat at `run.hand`
         return optimizer
 
     def get_train_dataloader(self):
@@ -132,19 +133,16 @@ class LDMTrainer(Trainer):
         self.control.should_log = should_log
 
     def _load_from_checkpoint(self, resume_from_checkpoint=None):
-        # PaddleNLP passes back the checkpoint `train` was given: the run's, read once (`run.resume`)
-        if resume_from_checkpoint:
-            self.run.restore((), weights=True)
+        """The run restored the weights with the rest of its state (`Step.RESTORE`)."""
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        self.run.adopt(self.optimizer)  # made (and under sharding wrapped) by the Trainer now
+        # made (and under sharding wrapped) by the Trainer now: they load what the run's restore held for them
+        self.run.hand(self.optimizer, self.lr_scheduler, self.scaler if self.do_grad_scaling else None)
         if self.run.update.form != PER_TENSOR:
             clear_through(self.optimizer, self.run.update)
-        if checkpoint:
-            self.run.restore(["optimizer", "lr_scheduler", "scaler", *self.run.manager.averaging_parts], weights=False)
 
     def _load_rng_state(self, checkpoint):
-        """Restored at `on_train_begin` with the rest (PaddleNLP calls this only when it replays data)."""
+        """Restored at `on_train_begin` (`Step.BEGIN`; PaddleNLP calls this only when it replays data)."""
 
     def _rotate_checkpoints(self, *args, **kwargs):
         """The run folder rotates, counting complete checkpoints only."""
@@ -175,7 +173,7 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
     import paddle.distributed as pdist
 
     run = TrainingRun(trainer_plan(training_args, run_args, sampling.image_logging_steps, pdist.get_rank() == 0),
-                      run_args)
+                      Distributed(pdist.get_rank(), pdist.get_world_size()), run_args)  # PaddleNLP's process group
     training_args.seed = run.seed
     if run.precision == "no":
         training_args.fp16 = training_args.bf16 = False
@@ -185,9 +183,7 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
     run.build(lambda: TextToImage(model_args, data, sampling, recompute=training_args.recompute, seed=run.seed,
                                   resume=run.resume, validation=validation),
               data, (model_args, data, sampling, training_args, run_args, validation))
-    trainer = None
-    run.keep(optimizer=lambda: trainer.optimizer, schedule=lambda: trainer.lr_scheduler)
-    with run.started():
+    with run.opened():
         training_args.max_steps = run.max_steps
         if run.dist.is_main:
             keep_wandb_run(training_args.report_to, run.run_dir.path())
@@ -217,5 +213,5 @@ def train(training_args, model_args: args.ModelArguments, data: args.DataArgumen
                 if not stopped:
                     save_trainer_checkpoint(trainer)  # returns at once if saved already
                 run.end(step, stopped)
-        run.finish()
+        run.export()
     return run.result

@@ -8,7 +8,7 @@ was asked and can be, and returns the `Update` it built. `Update.form` is what r
 dtypes, AMSGrad) is "flat", a driver's optimizer that is no AdamW (PaddleNLP's `--optim adafactor`) "per_tensor".
 
 The loop calls the same five methods whatever the form: `sync` (the mean over ranks), `norm`, `clip` (the factor
-the update's vote agreed), `step` (through the loss scaler), `clear`; `release` at the end. PaddleNLP's Trainer
+the update's vote agreed), `step` (through the loss scaler), `clear`; `free` at the end. PaddleNLP's Trainer
 steps and clears itself and asks only the `norm`.
 """
 
@@ -56,7 +56,7 @@ class Update:
         """The gradients to zero for the next update (the flat ones in place: their views stay)."""
         self.gradients.clear()
 
-    def release(self) -> None:
+    def free(self) -> None:
         """Free the gradients and the optimizer's moments once the last save holds them: the export loads into their
         memory."""
         self.gradients.release()
