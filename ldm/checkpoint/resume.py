@@ -3,9 +3,10 @@
 A resume needs the checkpoint's training state (the step, the world size it was saved on, every rank's data
 position and random state, the small parts), the record of the run that wrote it (its seed, its settings, its
 lineage) and its model record (the autoencoder it was trained with). `Resume` reads each file once, before
-anything is written, and every part of the run that needs one of them is handed the view: the seed, the model's
-set-up, the data position, the check of the settings, the clock of samples and the checkpoint manager.
-The optimizer's and the EMA's own files are read by the manager when it restores them.
+anything is written. What it says about the configuration is read from it before the model is built (the seed,
+the autoencoder and frozen text encoder, the record the checks compare); the run's state is restored from it in one
+call (`ldm.checkpoint.manager.CheckpointManager.restore`), which reads the optimizer's and the EMA's own files
+when their parts load.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def release_gradients(parameters) -> None:
 
 
 def release_optimizer_state(optimizer) -> None:
-    """Free the optimizer's moments once the updates are over and the last save holds them (`TrainingRun.finish`):
+    """Free the optimizer's moments once the updates are over and the last save holds them (`TrainingRun.export`):
     the export at the end loads its copy of the model into their memory. `ldm-12layer`'s AdamW moments are 7 GB beside
     3.7 GB of weights; with them the end-of-run export passed 22 GiB on a 24 GiB host."""
     from ldm.runtime.compat import innermost_optimizer
