@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT, metrics_lines
-from corpus import write_aspect_corpus, write_corpus
+from corpus import decode, write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
@@ -135,6 +135,12 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
         got = from_bytes(data, "float16", list(meta.shape))
         np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
         assert not np.allclose(got[0], got[1], atol=1e-2)  # the mirror image is another crop
+        # each copy's geometry: the image's size before the resize, the crop's corner in the resized image (the
+        # mirror's left edge mirrored in it), the 32 x 32 crop
+        _, placed = ImageTransform(RESOLUTION).place(image, sample_rng(0, 0, seed_keys[source], number))
+        top, left, width = placed.top, placed.left, placed.resized[1]
+        h, w = decode(image).size[::-1]
+        assert meta.geometry == ((h, w, top, left, 32, 32), (h, w, top, width - 32 - left, 32, 32))
     assert meta.vae == latents.fingerprint(autoencoder_identity(load_autoencoder(vae, False)))
 
     stats = run_python(["-m", "ldm.data", "stats", "--file_list", listing, "--json"])
@@ -219,7 +225,8 @@ def test_records_whose_moments_do_not_fit_the_stored_dtype_are_skipped_and_count
     (tmp_path / ".encode").mkdir()
     writers = ShardWriters(str(tmp_path), rank=0)
     moments = np.array([[1.0, 2.0], [np.nan, 0.0], [7e4, 0.0], [-3.0, 0.5]], np.float32).reshape(4, 1, 2, 1, 1)
-    writers.write(0, [[f"c{i}", f"k{i}", None] for i in range(4)], moments, meta)  # (caption, key, metadata)
+    writers.write(0, [[f"c{i}", f"k{i}", None, [[8, 8, 0, 0, 8, 8]]] for i in range(4)], moments, meta)  # (caption,
+    # key, metadata, geometry)
     writers.finish(0, {"counts": {"ok": 4}, "unreadable": "", "missing": ""}, meta)
     lines = list(iter_lines(str(tmp_path / "latents-000000.gz")))
     assert [parse_latent_record(line)[0] for line in lines] == ["c0", "c3"]  # NaN and 7e4 (> float16's max) dropped
