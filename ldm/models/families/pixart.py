@@ -108,8 +108,7 @@ class PixArtFamily(ModelFamily):
         added = {"resolution": None, "aspect_ratio": None}
         if backbone.use_additional_conditions:
             self.check_conditioning(conditioning, backbone)
-            geometry = conditioning.added[GEOMETRY].astype("float32")
-            added = {"resolution": geometry[:, 0:2], "aspect_ratio": geometry[:, 4:5] / geometry[:, 5:6]}
+            added = size_conditions(conditioning.added[GEOMETRY])
         return backbone(sample, encoder_hidden_states=conditioning.states, timestep=per_sample(timesteps, sample),
                         encoder_attention_mask=conditioning.mask, added_cond_kwargs=added).sample
 
@@ -166,6 +165,13 @@ def buildable_caption_projection() -> None:
 
     projection.__init__ = __init__
     projection._ldm_buildable = True
+
+
+def size_conditions(geometry: paddle.Tensor) -> dict[str, paddle.Tensor]:
+    """A multi-scale DiT's `added_cond_kwargs` of images' geometry ([B, 6]): the resolution, their (height, width)
+    before any resize ([B, 2]), and the aspect ratio, their crop's height / width ([B, 1])."""
+    geometry = geometry.astype("float32")
+    return {"resolution": geometry[:, 0:2], "aspect_ratio": geometry[:, 4:5] / geometry[:, 5:6]}
 
 
 def additional_conditions(config: dict) -> bool:
