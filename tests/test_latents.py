@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT, metrics_lines
-from corpus import decode, write_aspect_corpus, write_corpus
+from corpus import decode, gzip_lines, write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
@@ -485,3 +485,57 @@ def test_bucketed_latents_train_in_their_buckets_and_a_square_run_refuses_them(b
     assert square.returncode == 2, square.stderr[-3000:]
     last = square.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "aspect-ratio buckets" in last, last
+
+
+def test_multi_scale_pixart_trains_each_bucketed_latent_once_and_refuses_a_corpus_without_geometry(
+        bucket_encoded, vae, tmp_path, monkeypatch):
+    """PixArt-α's multi-scale DiT (pixart-ms-tiny: resolution and aspect-ratio conditions) on bucketed latents: a pass
+    reads every record once, a batch one bucket, each conditioned on its stored geometry. The same corpus as encoded
+    before records stored their geometry (each record's meta without it) is refused in one line at start, naming the
+    encode; a model that does not read it (ldm-tiny) still trains on it."""
+    from ldm.data.dataset import CONSUMED_LOG
+
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    common = ["--vae_name_or_path", vae, "--resolution", str(RESOLUTION), "--aspect_buckets", "auto",
+              "--train_batch_size", "4", "--num_workers", "0", "--model_max_length", "16", "--report_to", "none"]
+    pixart = ["--pretrained_model_name_or_path", "pixart-ms-tiny", "--allow_untrained_text_encoder"]
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *pixart, *common, "--file_list", bucket_encoded, "--max_train_steps", "10", "--save_steps", "10",
+        "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in log.read_text().splitlines()]
+    pass0 = [(shard, line) for p, _, shard, line, *_ in rows if p == "0"]
+    assert len(pass0) == len(set(pass0)) == 30  # the whole pass, each record once
+    shapes = {}
+    for _, _, _, _, shape, _, batch in rows:
+        shapes.setdefault(batch, set()).add(shape)
+    assert all(len(s) == 1 for s in shapes.values()) and len(set.union(*shapes.values())) >= 3
+    monkeypatch.delenv(CONSUMED_LOG)
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in os.listdir(os.path.dirname(bucket_encoded)):
+        path = os.path.join(os.path.dirname(bucket_encoded), name)
+        if name.startswith("latents-") and name.endswith(".gz"):
+            lines = []
+            for line in iter_lines(path):
+                fields = line.split(b"\t")
+                meta = json.loads(fields[3])
+                assert len(meta.pop("geometry")) == 1  # one copy: encoded without --random_flip
+                fields[3] = json.dumps(meta, separators=(",", ":")).encode()
+                lines.append(b"\t".join(fields))
+            gzip_lines(str(old / name), lines)
+        elif os.path.isfile(path):
+            shutil.copy(path, old / name)
+    listing = str(old / os.path.basename(bucket_encoded))
+    refused = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *pixart, *common, "--file_list", listing, "--max_train_steps", "1", "--output_dir", str(tmp_path / "no")])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert ("latents encoded without each image's size and crop (its geometry), which this run's model is "
+            "conditioned on: encode the corpus again") in line and "python -m ldm.prepare encode" in line, line
+    assert not (tmp_path / "no").exists()
+    payload = parse_latent_record(next(iter(iter_lines(str(old / "latents-000000.gz")))))[1]
+    moments, geometry = latents.LatentTransform(buckets=BUCKETS).sample(payload, sample_rng(0, 0, "a", 1))
+    assert geometry is None and moments.shape[0] == 8  # what every other model trains on, as before

@@ -266,11 +266,12 @@ def test_a_multi_scale_transformer_predicts_from_the_geometry_what_diffusers_pre
     embedding's unit scale). Sampling 48 x 32 conditions on what diffusers' `PixArtAlphaPipeline` gives."""
     import hashlib
 
+    from transformer_fixtures import relative
+
     from ldm.models.conditioning import GEOMETRY, Conditioning
     from ldm.models.families import PIXART, predict_with_variance
     from ldm.models.families.pixart import size_conditions
     from ldm.models.torch_layout import load_pretrained
-    from transformer_fixtures import relative
 
     reference = json.loads((MULTI_SCALE / "reference.json").read_text())
     for name, digest in reference["weights_sha256"].items():
