@@ -17,6 +17,9 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
   truncated shard gives the records before the break. A shard that cannot be read (missing, or a store
   that kept failing) is not written: the run ends with exit status 1 and names it, and running the same
   command again retries it.
+- **Geometry:** each record stores each copy's geometry (the image's original size, the crop's corner in the resized
+  image, the crop's size; the mirror copy's left edge mirrored), what SDXL's time ids and PixArt-α's resolution and
+  aspect ratio are made of, so that training from the corpus is conditioned as training from its images.
 - **Text states:** with `--text_embeddings`, each record also holds its caption's states from the frozen text
   encoder of `--model_name_or_path` (`ldm.data.latents`), whose identity (fingerprint) they are recorded with;
   a run with another encoder, or one that trains its text encoder, refuses the corpus.
