@@ -7,7 +7,9 @@ import pytest
 from corpus import GOOD_KINDS, bad_lines, decode, image_bytes, photo
 from PIL import Image
 
+from ldm.data import record
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, to_rgb
+from ldm.models import conditioning
 from ldm.prepare.write import encode_image, record_line
 
 
@@ -133,3 +135,4 @@ def test_an_images_geometry_is_the_time_ids_of_diffusers_sdxl_script(case):
     crop, geometry = transform.sample(encode_image(photo(width, height, case["seed"]), "PNG"), Placed(draws))
     assert crop.shape == (out_h, out_w, 3)
     assert geometry.dtype == np.float32 and geometry.tolist() == case["time_ids"]
+    assert record.GEOMETRY == conditioning.GEOMETRY  # the batch's key is the models' name of it

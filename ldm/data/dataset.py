@@ -35,12 +35,11 @@ from ldm.data.filelist import FileListError, Shard, shard_set_change
 from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.readers import count_records as shard_records
-from ldm.data.record import ImageTransform, SkipRecord, sample_rng
+from ldm.data.record import GEOMETRY, ImageTransform, SkipRecord, sample_rng
 from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError
 from ldm.data.stream import PHASE_END, TRUNCATED_CAPTIONS, Record, SlotStream
 from ldm.data.watchdog import ReadingBoard, error_batch, in_worker_process
-from ldm.models.conditioning import GEOMETRY
 from ldm.runtime.compat import READER_POLL_SECONDS, check_loader_classes
 from ldm.runtime.heartbeat import RESTARTS_ENV
 

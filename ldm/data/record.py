@@ -97,6 +97,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+# a batch's key of each image's geometry (`Placement.geometry`): `ldm.models.conditioning.GEOMETRY`, named here too
+# because the data path stands on the runtime alone (tests/test_structure.py)
+GEOMETRY = "geometry"
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a crop was taken from, in pixels, each size as (height, width): the decoded image's size before any
