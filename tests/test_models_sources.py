@@ -91,25 +91,31 @@ def variant(tmp_path, source, name: str, **config):
     return folder
 
 
-def test_a_1024_px_pixart_folder_is_refused_by_training_generate_and_export_alike(tmp_path, capsys):
-    """PixArt-α's 1024 px transformer (sample_size 128) takes resolution and aspect-ratio conditions: one check, read
-    from the config, by every command."""
-    folder = variant(tmp_path, DIFFUSERS_PIXART, "pixart-1024", sample_size=128)
-    named = "its transformer takes resolution and aspect-ratio conditions (use_additional_conditions"
-    assert all(named in line for line in every_refusal(folder, tmp_path, capsys))
+def test_a_multi_scale_pixart_config_is_read_and_one_adaln_single_cannot_split_is_refused(tmp_path):
+    """PixArt-α's 1024 px transformer (sample_size 128, its conditions by default) and a multi-scale DiT at any size
+    (`use_additional_conditions`) are read (`tests/test_models_pixart.py` trains and predicts them); one whose width
+    adaLN-single cannot split in three for the resolution and aspect-ratio embeddings is one line, before any weight."""
+    from ldm.models.families import PIXART
+
+    config = json.loads((DIFFUSERS_PIXART / "transformer" / "config.json").read_text())
+    tiny_1024 = {**config, "sample_size": 128, "num_attention_heads": 2, "attention_head_dim": 12}
+    assert PIXART.unsupported(tiny_1024) is None
+    assert PIXART.unsupported({**json.loads((PRESETS_DIR / "pixart-alpha-1024" / "transformer" / "config.json")
+                                            .read_text())}) is None
+    line = train_refusal(variant(tmp_path, DIFFUSERS_PIXART, "conditions-16", use_additional_conditions=True))
+    assert ("takes resolution and aspect-ratio conditions at a width of 16, which adaLN-single cannot split in three"
+            in line), line
 
 
 def test_transformer_variants_ppdiffusers_builds_otherwise_are_named_before_any_weight_is_read(tmp_path):
     """What the config says and ppdiffusers' class would not build (it would read the weights as damaged, or build
-    another model): SD3.5's MMDiT, PixArt's added conditions at a sample_size other than 128 or none at 128, another
-    interpolation scale."""
+    another model): SD3.5's MMDiT, PixArt without added conditions at 128 (PixArt-Σ's), another interpolation
+    scale."""
     sd35 = variant(tmp_path, PRESETS_DIR / "sd3-tiny", "sd3.5", qk_norm="rms_norm", dual_attention_layers=[0, 1])
     assert ("its transformer is a Stable Diffusion 3.5 MMDiT (qk_norm 'rms_norm' and dual attention in layers 0-1), "
             "which ppdiffusers' SD3Transformer2DModel, the one this framework trains, does not have") in \
         train_refusal(sd35)
     for name, config, named in (
-            ("conditions-8", {"use_additional_conditions": True},
-             "takes resolution and aspect-ratio conditions (use_additional_conditions"),
             ("none-128", {"use_additional_conditions": False, "sample_size": 128},
              "a PixArt DiT at sample_size 128 without resolution and aspect-ratio conditions"),
             ("scale-2", {"interpolation_scale": 2}, "position embedding has interpolation_scale 2")):

@@ -93,7 +93,7 @@ def generate(
         channels = unet.config.in_channels
         uncond_ids = paddle.to_tensor(tokenize(negative_prompt))[None]
         factor = autoencoder_factor(vae.config)
-        added = family_of(unet, text_encoder).sampling_added(rows * factor, cols * factor, 1)
+        added = family_of(unet, text_encoder).sampling_added(rows * factor, cols * factor, 1, unet)
         images = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])

@@ -158,7 +158,7 @@ class LatentDiffusion(nn.Layer):
             raise ValueError("cached text states need the empty caption's (keep_empty_caption)")
         else:
             found = given.text_where(paddle.to_tensor(dropped).astype("bool"), self.empty)
-        self.family.check_conditioning(found)
+        self.family.check_conditioning(found, self.unet)
         return found
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,

@@ -109,7 +109,9 @@ def ldm_training_flops(model, *, resolution: int | tuple[int, int], text_length:
     pixels = paddle.zeros([1, 3, height, width], dtype="float32")
     # a set of encoders (`ldm.models.text_set`) reads each one's ids end to end
     ids = paddle.zeros([1, text_length * getattr(model.text_encoder, "id_groups", 1)], dtype="int64")
-    forward = forward_flops(model, lambda: model(pixels, ids))
+    # the added conditions its backbone reads (an image's geometry: SDXL's time ids, PixArt-α's resolution), as sampled
+    added = model.family.sampling_added(height, width, 1, model.unet)
+    forward = forward_flops(model, lambda: model(pixels, ids, conditioning={"added": added}))
     text_trains = any(not p.stop_gradient for p in model.text_encoder.parameters())
     flops = {
         "unet": 3 * forward.get("unet", 0),
