@@ -170,6 +170,43 @@ def test_the_moments_are_freed_when_the_updates_are_over(flat):
     assert not any(optimizer._accumulators.values()) and not getattr(optimizer, "moments", {})
 
 
+def test_the_update_is_built_once_and_says_the_form_it_built():
+    """`build_update` returns what runs, which the run's record says: a fused pass asked for over weights it cannot
+    step (fp64: it steps fp32) is the flat form; an optimizer that is no FlatAdamW steps per tensor. Every form
+    answers the loop's calls alike, and the Trainer's AdamW becomes a FlatAdamW of its own settings (a new object,
+    not its class)."""
+    from ldm.train.update import build_update
+
+    def built(optimizer, layer, requested):
+        ema = EMA(layer)
+        update = build_update(requested, optimizer, list(layer.parameters()), [ema])
+        layer(paddle.ones([2, 8], dtype=layer.weight.dtype)).sum().backward()
+        norm = float(update.norm())
+        update.clip(0.5)
+        assert float(update.norm()) == pytest.approx(norm / 2, rel=4 * UNIT_ROUNDOFF)
+        update.step(paddle.amp.GradScaler(enable=False))
+        update.clear()
+        assert float(update.norm()) == 0
+        return update
+
+    layer = paddle.nn.Linear(8, 4)
+    layer.to(dtype="float64")
+    update = built(FlatAdamW(1e-3, parameters=layer.parameters()), layer, "fused")
+    assert update.form == "flat" and not update.gradients.broken_views()
+    layer = paddle.nn.Linear(8, 4)
+    assert built(paddle.optimizer.AdamW(1e-3, parameters=layer.parameters()), layer, "fused").form == "per_tensor"
+    layer = paddle.nn.Linear(8, 4)
+    assert built(FlatAdamW(1e-3, parameters=layer.parameters()), layer, None).form == "per_tensor"
+
+    rule = lambda name: name.endswith(".w_0")  # noqa: E731 - PaddleNLP's kind of rule
+    given = paddle.optimizer.AdamW(1e-3, parameters=layer.parameters(), weight_decay=0.02, beta1=0.8,
+                                   apply_decay_param_fun=rule, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1))
+    flat = FlatAdamW.like(given)
+    assert type(flat) is FlatAdamW and type(given) is paddle.optimizer.AdamW
+    assert (flat._weight_decay, flat._beta1, flat._apply_decay_param_fun, flat._grad_clip) == (
+        0.02, 0.8, rule, given._grad_clip) and flat._parameter_list == given._parameter_list
+
+
 def test_decay_excluded_parameters_form_their_own_span():
     rule = lambda name: name.endswith(".w_0") and "norm" not in name  # noqa: E731 - PaddleNLP's: no bias, no norm
     per_tensor, _, _ = run(False, 6, decay_fun=rule)
@@ -306,6 +343,8 @@ def test_the_trainer_path_flat_or_per_tensor_ends_alike(corpus, tmp_path, vocab_
         assert result.returncode == 0, result.stderr[-3000:]
         assert ("in 2 spans" in result.stderr) == (flat != "off")  # decayed and undecayed
         assert ("one fused pass" in result.stderr) == (flat == "fused")
+        with open(tmp_path / flat / "run.json") as f:  # built after the first write: the record amended
+            assert json.load(f)["world"]["update"] == {"fused": "fused", "on": "flat", "off": "per_tensor"}[flat]
         states[flat] = checkpoint_state(tmp_path / flat / "checkpoint-3")
     assert_same_training(states["fused"], states["off"], learning_rate=1e-3, updates=3)
     assert_same_training(states["on"], states["off"], learning_rate=1e-3, updates=3)

@@ -381,6 +381,18 @@ class RunFolder:
         self.dist.from_main(make)
         self.created = True
 
+    def amend(self, entries: dict) -> None:
+        """Replace `entries` of this start's record in `run.json` (the newest resume's, or the first start's): what a
+        driver learns after the first write (the Trainer's update, built once its optimizer exists)."""
+        def write() -> None:
+            marker = self.path(RUN_MARKER)
+            with open(marker) as f:
+                run = json.load(f)
+            (run["resumes"][-1] if run.get("resumes") else run).update(entries)
+            write_json(marker, run)
+
+        self.dist.from_main(write)
+
     def record_failure(self, error: BaseException) -> None:
         """After an error that ends the run: a run that wrote its folder but no checkpoint says so in `run.json`,
         so that the corrected command starts afresh in its place instead of being refused. Whichever rank fails

@@ -112,16 +112,6 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-def route_clear_grad(optimizer, clear) -> None:
-    """Make `optimizer.clear_grad()` call `clear` at every level of fleet's wrappers (`_inner_opt`) above the innermost
-    optimizer: fleet's sharding optimizer clears each parameter's gradient itself (`clear_gradient`), which would
-    detach it from the flat gradient buffer (`ldm.train.flat`)."""
-    inner = innermost_optimizer(optimizer)
-    while optimizer is not inner:
-        optimizer.clear_grad = lambda set_to_zero=True: clear()
-        optimizer = private(optimizer, "_inner_opt", "the flat update under fleet's wrappers")
-
-
 def sharding_owners(optimizer):
     """({parameter name: the sharding rank that holds its optimizer state}, this rank's sharding rank, the sharding
     group) of fleet's sharding optimizer (stage 1, `DygraphShardingOptimizer`; stage 2's

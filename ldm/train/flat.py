@@ -208,7 +208,7 @@ class FlatParameters:
 
     # -- the gradients' side of an update, as `ldm.train.gradients.TensorGradients` has it -----------------------
     @paddle.no_grad()
-    def clear(self, optimizer=None) -> None:
+    def clear(self) -> None:
         """The gradients to zero in place: one fill per dtype; the views stay (Paddle's `clear_grad` would detach
         them, fleet's sharding optimizer's too)."""
         if self.zeroed:  # the fused pass zeroed the spans it stepped; under sharding, not the others'
@@ -286,14 +286,22 @@ class FlatAdamW(paddle.optimizer.AdamW):
         self.host_pows: dict[int, tuple] = {}  # id(span) -> its bias-correction powers, fp32 on the host (`fuse`)
 
     @classmethod
-    def of(cls, optimizer: paddle.optimizer.AdamW) -> FlatAdamW:
-        """PaddleNLP's Trainer makes its AdamW itself (decay rule, clip, precision): that object, its settings
-        kept, becomes a FlatAdamW (before its first step)."""
-        if type(optimizer) is not paddle.optimizer.AdamW or optimizer._already_create_accumulator:
-            raise TypeError(f"a fresh paddle.optimizer.AdamW becomes a FlatAdamW, not {type(optimizer).__name__}")
-        optimizer.__class__ = cls
-        optimizer.flat, optimizer.moments, optimizer.emas, optimizer.host_pows = None, {}, [], {}
-        return optimizer
+    def like(cls, optimizer: paddle.optimizer.AdamW) -> FlatAdamW:
+        """A FlatAdamW with every setting of a fresh `optimizer` (PaddleNLP's Trainer makes its AdamW itself: decay
+        rule, clip, precision), over the same parameters; before the first step, when no state exists to carry."""
+        use = "the flat update of the Trainer's AdamW"
+        parameters = private(optimizer, "_parameter_list", use)
+        if type(optimizer) is not paddle.optimizer.AdamW or private(optimizer, "_already_create_accumulator", use) \
+                or not parameters or isinstance(parameters[0], dict):
+            raise TypeError(f"a fresh paddle.optimizer.AdamW over a list of parameters becomes a FlatAdamW, not "
+                            f"{type(optimizer).__name__}")
+        return cls(private(optimizer, "_learning_rate", use), private(optimizer, "_beta1", use),
+                   private(optimizer, "_beta2", use), private(optimizer, "_epsilon", use), parameters,
+                   private(optimizer, "_weight_decay", use), private(optimizer, "_use_lowprecision_moment", use),
+                   private(optimizer, "_lr_ratio", use), private(optimizer, "_apply_decay_param_fun", use),
+                   private(optimizer, "_grad_clip", use), private(optimizer, "_lazy_mode", use),
+                   private(optimizer, "_multi_precision", use), private(optimizer, "_amsgrad", use),
+                   private(optimizer, "_name", use))
 
     def flatten(self, parameters=None, owner: dict[str, int] | None = None) -> FlatParameters:
         """Lay `parameters` out flat (default: the optimizer's; under sharding, every trained parameter, fleet

@@ -27,8 +27,10 @@ class TensorGradients:
     def scale(self, factor: float) -> None:
         scale_gradients(self.parameters, factor)
 
-    def clear(self, optimizer) -> None:
-        optimizer.clear_grad()
+    def clear(self) -> None:
+        """Each gradient to zero, as Paddle's optimizers clear them (`clear_grad`)."""
+        for parameter in self.parameters:
+            parameter.clear_gradient(True)
 
     def release(self) -> None:
         release_gradients(self.parameters)

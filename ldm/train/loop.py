@@ -77,7 +77,7 @@ def run(loop: args.LoopArguments, data: args.DataArguments, build_objective, *, 
 def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max_norm: float):
     """The updates from where the run starts to its last (or a stop), then `training.end`; returns the iterator of
     batches (the export may go on drawing from it)."""
-    model, gradients, dist, window = training.objective.model, training.gradients, training.dist, training.window
+    model, update, dist, window = training.objective.model, training.update, training.dist, training.window
     ddp = paddle.DataParallel(model) if dist.world_size > 1 else model
     no_sync = ddp.no_sync if dist.world_size > 1 else contextlib.nullcontext
     model.train()
@@ -93,23 +93,22 @@ def updates(training: TrainingRun, optimizer, lr, scaler, accumulation: int, max
             scaler.scale(loss / accumulation).backward()
             window.add_micro_step(loss, extra, 1 / accumulation)
             lap("backward")
-        gradients.sync(dist.world_size)
+        update.sync(dist.world_size)
         lap("sync")
         scaler.unscale_(optimizer)
-        grad_norm, update_loss = gradients.norm(), window.update_loss()
+        grad_norm, update_loss = update.norm(), window.update_loss()
         lap("clip")
         # the update's one host read: the non-finite verdict, the stop and save votes and the clip factor, agreed
         # by every rank; a norm within the maximum has a factor of exactly 1: no rescaling pass
         skip = training.agree(update_loss, grad_norm, clip_factor(grad_norm, max_norm))
         lap("vote")
         if training.guard.clip_factor < 1 and not skip:
-            gradients.scale(training.guard.clip_factor)
+            update.clip(training.guard.clip_factor)
             lap("clip")
         training.guard.hand_to(optimizer, skip, scaler)
-        scaler.step(optimizer)
-        scaler.update()
+        update.step(scaler)
         skipped = training.guard.was_skipped(optimizer)  # ours, or an fp16 overflow
-        gradients.clear(optimizer)
+        update.clear()
         lap("optimizer")
         step += 1
         training.updated(step, skipped, loss=update_loss, grad_norm=grad_norm)

@@ -8,7 +8,8 @@ what only it makes; `TrainingRun` does everything else, once:
    (read once: `ldm.checkpoint.resume.Resume`), the seed and the precision. Nothing is written.
 2. `build(...)`: the objective (`ldm.train.objective`) and the run's record; `keep(...)`: the parts of the run
    state only the driver makes (its optimizer, schedule, scaler: functions that return them, so the Trainer's may
-   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it).
+   come late); `adopt(optimizer)`: the driver's optimizer once it exists (the EMA is sharded like it, and the
+   update built for its form: `ldm.train.update`). docs/architecture.md tells the order and the resume.
 3. `with run.started():` the memory record, the batches, the checkpoint manager (`ldm.checkpoint.manager`), the
    non-finite guard, the checks before the first write, the first write, the restored state (the loop's; the
    Trainer restores in its hooks, `restore`), the trackers and progress; at every exit the save in flight, the
@@ -36,25 +37,23 @@ from ldm.config.record import describe_run, hyperparameters, resolve_seed
 from ldm.data.stream import TRUNCATED_CAPTIONS
 from ldm.models.flops import throughput_metrics
 from ldm.runtime import heartbeat
-from ldm.runtime.compat import innermost_optimizer, route_clear_grad, sharding_owners
+from ldm.runtime.compat import sharding_owners
 from ldm.runtime.device import check_sharding, resolve_precision
 from ldm.runtime.distributed import Distributed, rank_seed
 from ldm.runtime.tracking import NullWriter, make_writer
 from ldm.runtime.vote import UpdateVote
 from ldm.train.elastic import NO_PRACTICAL_END, SampleClock
-from ldm.train.flat import FlatAdamW, FlatEMA
-from ldm.train.gradients import TensorGradients, release_optimizer_state
 from ldm.train.health import NonFiniteGuard, batch_positions
 from ldm.train.memory import check_host_memory, log_largest, memory_by_rank, readable
 from ldm.train.metrics import EvalClock, MetricsWindow, evaluate
 from ldm.train.native import agreed_flat_update
-from ldm.train.native import load as load_kernel
 from ldm.train.objective import start_batches
 from ldm.train.phases import PhaseClock, ProfileWindow
 from ldm.train.preflight import check_before_writing
 from ldm.train.progress import Progress, resolve_mode
 from ldm.train.setup import setup_logging, sharding_layout
 from ldm.train.signals import GracefulStop
+from ldm.train.update import PER_TENSOR, build_update
 
 logger = logging.getLogger("ldm.train")
 
@@ -186,7 +185,7 @@ class TrainingRun:
         self.resume = Resume(found) if found else None
         self.seed = resolve_seed(plan.seed, self.resume)
         self.precision = resolve_precision(plan.mixed_precision)
-        self.objective = self.record = self.data = self.trained = self.gradients = None  # `build`
+        self.objective = self.record = self.data = self.trained = self.update = None  # `build`, `adopt`
         self.optimizer, self.parts = None, {}  # `adopt`, `keep`
         # `started`:
         self.batches = self.clock = self.manager = self.guard = self.vote = self.window = self.flops = None
@@ -206,30 +205,20 @@ class TrainingRun:
         groups = tuple(self.data if group is data else group for group in groups)  # recorded as resolved
         self.record = describe_run(groups, dist=self.dist, num_workers=self.plan.num_workers,
                                    model=self.objective.identity(), precision=self.precision,
-                                   update=self.flat_update or "per_tensor")
+                                   update=self.flat_update or PER_TENSOR)  # as asked, until `adopt`
         self.trained = [p for p in self.objective.model.parameters() if not p.stop_gradient]
-        self.gradients = TensorGradients(self.trained)
 
     def adopt(self, optimizer) -> None:
-        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition. A
-        `FlatAdamW` lays the weights out flat here, each rank's share together (`ldm.train.flat`), and the EMA and
-        the gradients' norm, clip and all-reduce follow (`gradients`)."""
+        """The driver's optimizer (sharded already when the run shards): the EMA keeps the same partition, and the
+        update is built for the form asked (`ldm.train.update`); the run's record says the form built."""
         self.optimizer = optimizer
         averages = self.averages
         for ema in averages:
             shard_ema(ema, self.objective.model, optimizer)
-        inner = innermost_optimizer(optimizer)
-        if isinstance(inner, FlatAdamW) and inner.flat is None:
-            shards = sharding_owners(optimizer)
-            self.gradients = inner.flatten(self.trained, shards[0] if shards else None)
-            route_clear_grad(optimizer, self.gradients.clear)
-            for ema in averages:
-                FlatEMA.adopt(ema, self.gradients)
-            fused = self.flat_update == "fused" and inner.fuse(load_kernel()[0], [ema.flat for ema in averages])
-            if self.flat_update == "fused" and not fused:  # weights of several dtypes, or AMSGrad
-                logger.warning("flat update: Paddle's kernels, not the fused one (it steps fp32 AdamW only)")
-            logger.info("flat update: %d trained tensors in %d spans%s", len(self.trained), len(self.gradients.spans),
-                        f", one fused pass on {self.gradients.kernel.threads} thread(s)" if fused else "")
+        self.update = build_update(self.flat_update, optimizer, self.trained, averages)
+        self.record["world"]["update"] = self.update.form
+        if self.run_dir.created:  # the Trainer's optimizer comes after the first write
+            self.run_dir.amend({"world": self.record["world"]})
 
     @property
     def averages(self) -> list:
@@ -383,8 +372,7 @@ class TrainingRun:
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
-            self.gradients.release()
-            release_optimizer_state(self.optimizer)
+            self.update.release()
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 

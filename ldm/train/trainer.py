@@ -22,11 +22,12 @@ from paddlenlp.utils.log import logger as paddlenlp_logger
 
 from ldm.config import args
 from ldm.config.record import hyperparameters
-from ldm.runtime.compat import check_trainer_hooks, loss_scale, save_trainer_checkpoint
+from ldm.runtime.compat import check_trainer_hooks, innermost_optimizer, loss_scale, private, save_trainer_checkpoint
 from ldm.runtime.tracking import MetricsFile, Tracker, keep_wandb_run, tracker_name
 from ldm.train.flat import FlatAdamW
 from ldm.train.objective import TextToImage
 from ldm.train.run import TrainingRun, trainer_plan
+from ldm.train.update import PER_TENSOR
 
 logger = logging.getLogger("ldm.train")
 
@@ -51,7 +52,7 @@ class LDMCallback(TrainerCallback):
         # gradients are synchronised here and, under fp16, still multiplied by the loss scale
         t, lap = self.trainer, self.run.phases.lap
         lap("sync")  # from the last micro-step's backward: the gradients' all-reduce
-        norm = self.run.gradients.norm()  # PaddleNLP clips (with --max_grad_norm) in its step
+        norm = self.run.update.norm()  # PaddleNLP clips (with --max_grad_norm) in its step
         self.grad_norm = norm / loss_scale(scaler) if scaler is not None else norm
         lap("clip")
         # the update's one host read: the non-finite verdict and the stop and save votes, agreed by every rank
@@ -92,7 +93,7 @@ class LDMTrainer(Trainer):
     def create_optimizer(self, lr_scheduler=None):
         optimizer = super().create_optimizer(lr_scheduler)
         if self.run.flat_update and type(optimizer) is paddle.optimizer.AdamW:
-            self.optimizer = optimizer = FlatAdamW.of(optimizer)  # laid out flat by `run.adopt`
+            self.optimizer = optimizer = FlatAdamW.like(optimizer)  # laid out flat by `run.adopt`
         return optimizer
 
     def get_train_dataloader(self):
@@ -137,6 +138,8 @@ class LDMTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         self.run.adopt(self.optimizer)  # made (and under sharding wrapped) by the Trainer now
+        if self.run.update.form != PER_TENSOR:
+            clear_through(self.optimizer, self.run.update)
         if checkpoint:
             self.run.restore(["optimizer", "lr_scheduler", "scaler", *self.run.manager.averaging_parts], weights=False)
 
@@ -151,6 +154,17 @@ class LDMTrainer(Trainer):
             return  # already saved at this update (a stop at the last update, or a resume of the last checkpoint)
         self.run.save(self.state.global_step,
                       also=lambda f: self.state.save_to_json(os.path.join(f, TRAINER_STATE_NAME)))
+
+
+def clear_through(optimizer, update) -> None:
+    """PaddleNLP clears the gradients through fleet's wrappers of its optimizer (`HybridParallelOptimizer`, the
+    sharding optimizer), which clear each parameter's gradient itself: that detaches it from the flat buffers
+    (`ldm.train.flat`), and fleet picks those classes, so no subclass can stand in. Each wrapper's `clear_grad` is
+    the update's `clear` (the hand-written loop calls `update.clear` and needs none of this)."""
+    inner = innermost_optimizer(optimizer)
+    while optimizer is not inner:
+        optimizer.clear_grad = lambda set_to_zero=True: update.clear()
+        optimizer = private(optimizer, "_inner_opt", "the flat update under fleet's wrappers")
 
 
 def train(training_args, model_args: args.ModelArguments, data: args.DataArguments, sampling: args.SamplingArguments,
