@@ -372,7 +372,8 @@ class TrainingRun:
         if self.stopped:
             self.stop.announce(self.step, self.manager.last, self.manager.sealed)
         else:
-            self.update.release()
+            if self.update is not None:  # None: a resumed finished run, on the Trainer path, built no optimizer
+                self.update.release()
             self.objective.finish(self.manager.last, self.batches if batches is None else batches, self.dist,
                                   self.run_dir)
 
