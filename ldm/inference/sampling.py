@@ -108,8 +108,9 @@ def generate(
                 conditioning = Conditioning.concat([unconditional, conditioning])
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
-            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
+            # after set_timesteps: Euler's initial sigma is the largest of the steps taken (flow matching: pure noise)
             scheduler.set_timesteps(num_inference_steps)
+            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)
             for t in scheduler.timesteps:
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 if hasattr(scheduler, "scale_model_input"):

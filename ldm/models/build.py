@@ -414,7 +414,7 @@ def model_family(model_name_or_path: str) -> ModelFamily:
 
 def source_families(source: str, name: str) -> tuple[ModelFamily, TextFamily]:
     """(the model's family, its text encoder's) of a model folder (`name`: as the user gave it)."""
-    if folder_family(source) is None:
+    if check_source_family(source) is None:
         raise ModelSourceError(f"{name}: no unet/config.json nor transformer/config.json (expected a preset, a "
                                "folder of configs or a pipeline folder)")
     try:
