@@ -334,9 +334,9 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
     if family.parts:  # each of its tokenizers, at the first's caption length
         from ldm.models.text_set import TokenizerSet, part_folders
 
-        tokenizers = TokenizerSet(load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
-                                  zip(family.parts, part_folders(folder, family.set_class.tokenizer_parts),
-                                      strict=True))
+        parts = family.set_class.tokenizer_parts
+        tokenizers = TokenizerSet((load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
+                                   zip(family.parts, part_folders(folder, parts), strict=True)), parts)
         tokenizers.model_max_length = tokenizers.model_max_length
         return tokenizers
     if family.tokenizer_folder is None:  # LDMBert's, as its pipeline saved it

@@ -218,8 +218,8 @@ class TokenizerSet:
     """The three tokenizers of a set, as one: a caption's ids are each one's, padded to the same caption length,
     end to end."""
 
-    def __init__(self, tokenizers):
-        self.tokenizers = list(tokenizers)
+    def __init__(self, tokenizers, parts: tuple[str, ...]):
+        self.tokenizers, self.parts = list(tokenizers), parts  # `parts`: each one's folder
 
     @property
     def model_max_length(self) -> int:
@@ -248,5 +248,5 @@ class TokenizerSet:
 
     def save_pretrained(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
-        for part, tokenizer in zip(TOKENIZER_PARTS, self.tokenizers, strict=True):
+        for part, tokenizer in zip(self.parts, self.tokenizers, strict=True):
             tokenizer.save_pretrained(os.path.join(folder, part))

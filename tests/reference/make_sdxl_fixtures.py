@@ -2,15 +2,15 @@
 `StableDiffusionXLPipeline` of the sdxl-tiny preset's shapes built from diffusers' and transformers' own classes
 (seeded PyTorch initialisation), saved by `save_pretrained` three ways, as the Hub's SDXL folders come: float32
 safetensors, the float16 variant alone (`diffusion_pytorch_model.fp16.safetensors`), and float32 in shards
-(`*.safetensors.index.json`: the UNet's, kept alone). Then the project's `python -m ldm.export --format diffusers` of the float32 folder, read
-back by diffusers. Runs in its own virtualenv (the project needs no torch):
+(`*.safetensors.index.json`: the UNet's, kept alone). Then the project's `python -m ldm.export --format diffusers` of
+the float32 folder, read back by diffusers. Runs in its own virtualenv (the project needs no torch):
 
     /work/refvenv/bin/python tests/reference/make_sdxl_fixtures.py
 
-Writes tests/fixtures/sdxl/: `float32/`, `fp16/`, `sharded/unet/` (the saved folders), `diffusers.npz` (diffusers' outputs
-on float32/: the prompts' states and pooled vectors from the pipeline's `encode_prompt`, the UNet's prediction for a
-square batch and a non-square one, each row with its own time ids, and two guided Euler steps of the whole pipeline at
-48x24 px from the noise of `ldm.generate --seed 7`: its negative is zeros, `force_zeros_for_empty_prompt`),
+Writes tests/fixtures/sdxl/: `float32/`, `fp16/`, `sharded/unet/` (the saved folders), `diffusers.npz` (diffusers'
+outputs on float32/: the prompts' states and pooled vectors from the pipeline's `encode_prompt`, the UNet's prediction
+for a square batch and a non-square one, each row with its own time ids, and two guided Euler steps of the whole
+pipeline at 48x24 px from the noise of `ldm.generate --seed 7`: its negative is zeros, `force_zeros_for_empty_prompt`),
 `exported.npz` (the same on the project's export) and `reference.json` (versions, the weight files' sha256 of the
 saved and the exported folders).
 """

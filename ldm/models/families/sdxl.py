@@ -97,9 +97,9 @@ class SDXLFamily(UNetFamily):
 
     def loading_lines(self, tokens):
         length = trained_length(tokens)
-        return [f"diffusers (PyTorch). The pipeline pads both prompts to the tokenizers' `model_max_length` ({length}), "
-                "the caption length this model was trained with, and conditions on the requested size as original "
-                "and target, crop (0, 0), as this model samples here:", "",
+        return [f"diffusers (PyTorch). The pipeline pads both prompts to the tokenizers' `model_max_length` "
+                f"({length}), the caption length this model was trained with, and conditions on the requested size "
+                "as original and target, crop (0, 0), as this model samples here:", "",
                 *diffusers_lines(self.pipeline_class, f"{PROMPT}, num_inference_steps=30"),
                 "ppdiffusers (PaddlePaddle) reads this layout:", "", "```python",
                 "from ppdiffusers import StableDiffusionXLPipeline", "",
