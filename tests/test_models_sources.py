@@ -1,6 +1,6 @@
-"""Model folders of pipeline classes this framework does not train (`ldm.models.build`): Stable Diffusion XL's, told by
-its `model_index.json` class, its second text encoder on disk or its UNet's added conditions, refused in one line by
-training, `ldm.generate` and `ldm.export` alike, before any weight is read."""
+"""Model folders this framework does not train (`ldm.models.build`): Stable Diffusion XL's refiner, told by its
+`model_index.json` or its parts on disk, and PixArt's 1024 px DiT, refused in one line by training, `ldm.generate` and
+`ldm.export` alike, before any weight is read."""
 
 import json
 import shutil
@@ -15,30 +15,25 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 DIFFUSERS_PIXART = FIXTURES / "pixart-diffusers" / "float32" / "pipeline"  # saved by diffusers 0.42 itself
 
 
-def sdxl_folder(tmp_path, index: bool = True, second_encoder: bool = True):
-    """sd-tiny's configs laid out as a Stable Diffusion XL pipeline: a UNet with SDXL's added text and time
-    conditions, a second CLIP (with projection) and tokenizer, model_index.json naming StableDiffusionXLPipeline."""
-    folder = tmp_path / "sdxl"
-    shutil.copytree(PRESETS_DIR / "sd-tiny", folder)
+def refiner_folder(tmp_path, index: bool = True):
+    """sdxl-tiny's configs laid out as Stable Diffusion XL's refiner: OpenCLIP-bigG alone (`text_encoder_2/`), a UNet
+    whose added embedding reads five time ids (an aesthetic score for the target size), and the refiner's
+    model_index.json (`StableDiffusionXLImg2ImgPipeline`, `requires_aesthetics_score`)."""
+    folder = tmp_path / "refiner"
+    shutil.copytree(PRESETS_DIR / "sdxl-tiny", folder)
+    for part in ("text_encoder", "tokenizer"):
+        shutil.rmtree(folder / part)
     unet = json.loads((folder / "unet" / "config.json").read_text())
-    unet.update(addition_embed_type="text_time", addition_time_embed_dim=8, cross_attention_dim=64,
-                projection_class_embeddings_input_dim=80)
+    unet.update(cross_attention_dim=24, projection_class_embeddings_input_dim=16 + 5 * 8)
     (folder / "unet" / "config.json").write_text(json.dumps(unet))
-    parts = {}
-    if second_encoder:
-        shutil.copytree(folder / "text_encoder", folder / "text_encoder_2")
-        shutil.copytree(folder / "tokenizer", folder / "tokenizer_2")
-        config = json.loads((folder / "text_encoder_2" / "config.json").read_text())
-        config["architectures"] = ["CLIPTextModelWithProjection"]
-        (folder / "text_encoder_2" / "config.json").write_text(json.dumps(config))
-        parts = {"text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-                 "tokenizer_2": ["transformers", "CLIPTokenizer"]}
     if index:
         (folder / "model_index.json").write_text(json.dumps({
-            "_class_name": "StableDiffusionXLPipeline", "_diffusers_version": "0.30.0",
-            "force_zeros_for_empty_prompt": True, "scheduler": ["diffusers", "EulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-            "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"], **parts}))
+            "_class_name": "StableDiffusionXLImg2ImgPipeline", "_diffusers_version": "0.19.0.dev0",
+            "force_zeros_for_empty_prompt": False, "requires_aesthetics_score": True,
+            "scheduler": ["diffusers", "EulerDiscreteScheduler"], "text_encoder": [None, None],
+            "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "tokenizer": [None, None],
+            "tokenizer_2": ["transformers", "CLIPTokenizer"], "unet": ["diffusers", "UNet2DConditionModel"],
+            "vae": ["diffusers", "AutoencoderKL"]}))
     return folder
 
 
@@ -69,18 +64,11 @@ def every_refusal(folder, tmp_path, capsys) -> list[str]:
     return lines
 
 
-def test_a_stable_diffusion_xl_pipeline_is_refused_by_its_class_by_training_generate_and_export(tmp_path, capsys):
-    named = "a StableDiffusionXLPipeline folder, which this framework does not train, sample or export"
-    assert all(named in line for line in every_refusal(sdxl_folder(tmp_path), tmp_path, capsys))
-
-
-def test_an_sdxl_folder_without_its_model_index_is_refused_by_its_parts(tmp_path):
-    """A second text encoder on disk is never left out silently; without one, SDXL's UNet conditions are named."""
-    assert "its text_encoder_2, tokenizer_2 are parts this framework does not read" in train_refusal(
-        sdxl_folder(tmp_path / "a", index=False))
-    line = train_refusal(sdxl_folder(tmp_path / "b", index=False, second_encoder=False))
-    assert "addition_embed_type 'text_time' (Stable Diffusion XL's pooled text and image sizes)" in line
-    assert "cross_attention_dim" not in line and "wide" not in line
+def test_the_sdxl_refiner_is_refused_by_training_generate_and_export_before_any_weight(tmp_path, capsys):
+    """By its pipeline (`requires_aesthetics_score`), and without a model index by its parts: bigG alone."""
+    named = "a Stable Diffusion XL refiner (an aesthetic score among its time ids, OpenCLIP-bigG alone"
+    assert all(named in line for line in every_refusal(refiner_folder(tmp_path), tmp_path, capsys))
+    assert named in train_refusal(refiner_folder(tmp_path / "bare", index=False))
 
 
 def variant(tmp_path, source, name: str, **config):

@@ -90,6 +90,11 @@ class ModelFamily:
         weights: a variant ppdiffusers' class does not build, or conditions this framework does not give), or None."""
         return None
 
+    def unsupported_source(self, source: str) -> str | None:
+        """Why this framework cannot train or sample the model folder `source` of this family's backbone (a variant
+        its pipeline or parts say: Stable Diffusion XL's refiner), read before any weight, or None."""
+        return None
+
     def prepare_library(self) -> None:
         """Make ppdiffusers' class of the backbone buildable and trainable here (`ldm.runtime.compat.private`)."""
 
@@ -161,7 +166,10 @@ class ModelFamily:
         """FLOPs of one training sample of a `LatentDiffusion` of this family (`ldm.models.flops`)."""
         from ldm.models.flops import ldm_training_flops
 
-        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents)
+        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+        added = {name: value.numpy() for name, value in self.sampling_added(height, width, 1).items()}
+        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents,
+                                  added=added)
 
     def cached_text(self, entry: dict) -> dict:
         """What its cached text states keep of what its text encoder makes (`ldm.models.text.cache_entry`): the
