@@ -120,14 +120,14 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
 
 
 # --model: the preset whose pipeline, with seeded weights, the runs train (its text encoders frozen)
-PIPELINES = {"sd": "sd-tiny", "pixart": "pixart-tiny", "sd3": "sd3-tiny"}
+PIPELINES = {"sd": "sd-tiny", "pixart": "pixart-tiny", "sd3": "sd3-tiny", "sdxl": "sdxl-tiny"}
 
 
 def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
     """The flags that name the model the runs train: ldm-tiny (LDMBert trained with the UNet) from scratch, or a
     pipeline of a frozen-encoder family's tiny architecture (`PIPELINES`: Stable Diffusion's CLIP, PixArt-α's DiT and
-    T5, SD3's MMDiT and three encoders), written here with seeded weights, its text encoders frozen and written once
-    beside the checkpoints."""
+    T5, SD3's MMDiT and three encoders, SDXL's UNet and two encoders), written here with seeded weights, its text
+    encoders frozen and written once beside the checkpoints."""
     if kind == "ldm-tiny":
         return ["--model_name_or_path", "ldm-tiny", "--allow_untrained_vae", "--tokenizer_name", tokenizer]
     from ldm.inference.export import export_pipeline
@@ -716,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--model", choices=("ldm-tiny", *PIPELINES), default="ldm-tiny",
                         help="ldm-tiny (LDMBert trained), or a pipeline whose text encoders are frozen: sd (Stable "
-                             "Diffusion, CLIP), pixart (PixArt-alpha: a DiT, T5), sd3 (SD3: an MMDiT, three encoders)")
+                             "Diffusion, CLIP), pixart (PixArt-alpha: a DiT, T5), sd3 (SD3: an MMDiT, three encoders), "
+                             "sdxl (SDXL: a UNet, two CLIP encoders)")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
                              "must be bit-identical to the same run uninterrupted)")

@@ -8,7 +8,7 @@ zeroes the UNet's output layers, which would make its prediction 0 whatever the 
     .venv/bin/python tests/interop_models.py FOLDER --sd3   writes FOLDER/diffusers, the seeded sd3-tiny pipeline
     .venv/bin/python tests/interop_models.py FOLDER --pixart   writes FOLDER/diffusers, the seeded pixart-tiny one
     .venv/bin/python tests/interop_models.py FOLDER --objective PRESET PREDICTION   writes FOLDER/ppdiffusers, the
-        seeded tiny PRESET (ldm-tiny, sd-tiny, pixart-tiny, sd3-tiny) trained for PREDICTION (epsilon,
+        seeded tiny PRESET (ldm-tiny, sd-tiny, pixart-tiny, sd3-tiny, sdxl-tiny) trained for PREDICTION (epsilon,
         v_prediction, flow_matching)
 """
 

@@ -39,7 +39,7 @@ class ImageKeyStream(KeyStream):
 
     def make_sample(self, record, counts=None):
         self.kind = False  # the record is an image; its sample is batched as an array of keys
-        image, _ = CaptionImageStream.make_sample(self, record)
+        image, *_ = CaptionImageStream.make_sample(self, record)
         self.kind = True
         key = np.array([record.pass_index, self.index[record.shard], record.copy, record.line_number])
         CROPS[(key[1], key[3])] = image.shape[:2]

@@ -210,7 +210,7 @@ def test_a_resume_inside_a_tar_continues_as_the_uninterrupted_stream(img2dataset
     dataset = _stream(c["tar_list"])
 
     def make(record):
-        sample, ids = dataset.make_sample(record)
+        sample, ids, _ = dataset.make_sample(record)
         return record.shard, record.line_number, record.pass_index, sample.tobytes(), ids.tobytes()
 
     def take(stream, n):

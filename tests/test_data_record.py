@@ -1,11 +1,15 @@
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 from corpus import GOOD_KINDS, bad_lines, decode, image_bytes, photo
 from PIL import Image
 
+from ldm.data import record
 from ldm.data.record import ImageTransform, SkipRecord, parse_record, to_rgb
+from ldm.models import conditioning
 from ldm.prepare.write import encode_image, record_line
 
 
@@ -86,3 +90,49 @@ def test_uint8_batches_scale_on_the_device_to_the_float_pixels():
     scaled = unit_range(paddle.to_tensor(batch)).numpy()
     np.testing.assert_allclose(scaled, to_pixel_values(crops), rtol=0, atol=1e-6)
     assert scaled.min() == -1.0 and scaled.max() == 1.0
+
+
+class Placed(random.Random):
+    """A record's generator that places the crop where diffusers' script placed it: `ImageTransform` draws the crop's
+    left edge, then its top (a random crop), then the flip."""
+
+    def __init__(self, draws):
+        super().__init__(0)
+        self.draws = list(draws)
+
+    def randint(self, a, b):
+        value = self.draws.pop(0)
+        assert a <= value <= b
+        return value
+
+    def random(self):
+        return self.draws.pop(0)
+
+
+TIME_IDS = json.loads((Path(__file__).resolve().parent / "fixtures" / "sdxl_time_ids.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", TIME_IDS, ids=[case["name"] for case in TIME_IDS])
+def test_an_images_geometry_is_the_time_ids_of_diffusers_sdxl_script(case):
+    """tests/reference/make_sdxl_time_ids_fixtures.py: diffusers' `preprocess_train` and `compute_time_ids` on photos,
+    square and not, centre- and random-cropped, flipped and not; in a bucket (the script has none), the same steps
+    with the bucket's resize and crop. The transform resizes as the script does (`resize_ratio` 1: the shorter side to
+    the resolution; these sizes round and truncate alike) and crops where it did (its centre, or the script's corner;
+    this transform flips the crop, the script the resized image before cropping: the same pixels when the left edge is
+    mirrored). Its geometry is the script's time ids: (h, w) before the resize, the crop's (top, left) in the resized,
+    flipped image, the crop's (h, w)."""
+    width, height = case["image"]
+    bucket = tuple(case["bucket"]) if case["bucket"] else None
+    out_h, out_w = bucket or (case["resolution"], case["resolution"])
+    transform = ImageTransform(case["resolution"] or max(bucket), resize_ratio=1.0, center_crop=case["center_crop"],
+                               random_flip=True, buckets=(bucket,) if bucket else None)
+    resized_h, resized_w = case["resized"]
+    assert transform.output_size(width, height) == (out_w, out_h, resized_w, resized_h)  # the script's resize
+    top, left = case["crop_top_left"]
+    if case["flip"]:  # the script's corner in the flipped image is this one's in the image before its flip
+        left = resized_w - out_w - left
+    draws = ([] if case["center_crop"] else [left, top]) + [0.0 if case["flip"] else 0.9]
+    crop, geometry = transform.sample(encode_image(photo(width, height, case["seed"]), "PNG"), Placed(draws))
+    assert crop.shape == (out_h, out_w, 3)
+    assert geometry.dtype == np.float32 and geometry.tolist() == case["time_ids"]
+    assert record.GEOMETRY == conditioning.GEOMETRY  # the batch's key is the models' name of it

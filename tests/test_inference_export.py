@@ -101,17 +101,18 @@ def test_the_ema_is_applied_one_tensor_at_a_time(tmp_path):
     assert not apply_ema(str(tmp_path / "none"), unet, c.text_encoder)  # no EMA: the weights as they are
 
 
-@pytest.mark.parametrize("preset", ["ldm-tiny", "sd-tiny", "pixart-tiny"])
+@pytest.mark.parametrize("preset", ["ldm-tiny", "sd-tiny", "pixart-tiny", "sdxl-tiny"])
 def test_the_model_cards_loading_section_is_written_for_the_pipeline_class_exported(tmp_path, preset):
     """How diffusers and ppdiffusers load the folder, and what each does with the caption length, for its class: an
     LDM's LDMBert needs 77 tokens and ldm-laion; a Stable Diffusion pipeline pads to its tokenizer's length and
-    ppdiffusers reads ldm-laion's export; PixArt's takes `max_sequence_length` and loads in ppdiffusers directly."""
+    ppdiffusers reads ldm-laion's export; PixArt's takes `max_sequence_length` and loads in ppdiffusers directly;
+    SDXL's pads both prompts to its tokenizers' length and conditions on the requested size."""
     from ldm.inference.model_card import model_card
     from ldm.models.noise import scheduler_config
     from ldm.models.text import prompt_length
 
-    if preset == "pixart-tiny":
-        c, tokenizer = build_components("pixart-tiny"), None
+    if preset in ("pixart-tiny", "sdxl-tiny"):
+        c, tokenizer = build_components(preset), None
     else:
         c, tokenizer = tiny_parts(tmp_path, preset)
     tokens = 120 if tokenizer is None else prompt_length(c.text_encoder, tokenizer)
@@ -119,13 +120,16 @@ def test_the_model_cards_loading_section_is_written_for_the_pipeline_class_expor
                       tokens=tokens)
     loading = card.split("## Loading")[1]
     pipeline = {"ldm-tiny": "LDMTextToImagePipeline", "sd-tiny": "StableDiffusionPipeline",
-                "pixart-tiny": "PixArtAlphaPipeline"}[preset]
+                "pixart-tiny": "PixArtAlphaPipeline", "sdxl-tiny": "StableDiffusionXLPipeline"}[preset]
     assert f'{pipeline}.from_pretrained("THIS_FOLDER")' in loading
     assert ("LDMBert" in loading) == (preset == "ldm-tiny")
     assert ("gives the text encoder 77 tokens" in loading) == (preset == "ldm-tiny")
     if preset == "sd-tiny":
         assert f"`model_max_length` ({tokens} tokens)" in loading and "StableDiffusionPipeline.from_pretrained` loads" \
             in loading
+    if preset == "sdxl-tiny":
+        assert "`model_max_length` (120 tokens)" in loading and "crop (0, 0)" in loading
+        assert 'StableDiffusionXLPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)' in loading
     if preset == "pixart-tiny":
         assert "max_sequence_length=120, use_resolution_binning=False, clean_caption=False" in loading
         assert 'PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)' in loading
@@ -166,7 +170,8 @@ def test_an_export_for_diffusers_runs_its_cards_snippet_there_or_is_refused_in_o
                hashlib.sha256(Path(root, "tokenizer.json").read_bytes()).hexdigest()
                for root, _, names in os.walk(tmp_path / "diffusers") if "tokenizer.json" in names}
     assert all(run["tokenizer_json_sha256"] == written for run in seen), (written, seen)
-    assert written or preset in ("ldm-tiny", "sd-tiny")  # T5's: spiece.model alone did not load without sentencepiece
+    # T5's: spiece.model alone did not load without sentencepiece (CLIP's tokenizers need no tokenizer.json)
+    assert written or preset in ("ldm-tiny", "sd-tiny", "sdxl-tiny")
 
 
 def test_a_part_is_loaded_beside_one_tensor_not_a_second_model(tmp_path):

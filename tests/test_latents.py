@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 from conftest import ROOT, metrics_lines
-from corpus import write_aspect_corpus, write_corpus
+from corpus import decode, gzip_lines, write_aspect_corpus, write_corpus
 from entry import FILE_SIZE_LIMIT, launch_report, run_entry, run_python, start_python, weights
 
 from ldm.data import latents
@@ -135,6 +135,12 @@ def test_encode_writes_every_usable_record_once_with_its_mirror_image(corpus, va
         got = from_bytes(data, "float16", list(meta.shape))
         np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)
         assert not np.allclose(got[0], got[1], atol=1e-2)  # the mirror image is another crop
+        # each copy's geometry: the image's size before the resize, the crop's corner in the resized image (the
+        # mirror's left edge mirrored in it), the 32 x 32 crop
+        _, placed = ImageTransform(RESOLUTION).place(image, sample_rng(0, 0, seed_keys[source], number))
+        top, left, width = placed.top, placed.left, placed.resized[1]
+        h, w = decode(image).size[::-1]
+        assert meta.geometry == ((h, w, top, left, 32, 32), (h, w, top, width - 32 - left, 32, 32))
     assert meta.vae == latents.fingerprint(autoencoder_identity(load_autoencoder(vae, False)))
 
     stats = run_python(["-m", "ldm.data", "stats", "--file_list", listing, "--json"])
@@ -219,7 +225,8 @@ def test_records_whose_moments_do_not_fit_the_stored_dtype_are_skipped_and_count
     (tmp_path / ".encode").mkdir()
     writers = ShardWriters(str(tmp_path), rank=0)
     moments = np.array([[1.0, 2.0], [np.nan, 0.0], [7e4, 0.0], [-3.0, 0.5]], np.float32).reshape(4, 1, 2, 1, 1)
-    writers.write(0, [[f"c{i}", f"k{i}", None] for i in range(4)], moments, meta)  # (caption, key, metadata)
+    writers.write(0, [[f"c{i}", f"k{i}", None, [[8, 8, 0, 0, 8, 8]]] for i in range(4)], moments, meta)  # (caption,
+    # key, metadata, geometry)
     writers.finish(0, {"counts": {"ok": 4}, "unreadable": "", "missing": ""}, meta)
     lines = list(iter_lines(str(tmp_path / "latents-000000.gz")))
     assert [parse_latent_record(line)[0] for line in lines] == ["c0", "c3"]  # NaN and 7e4 (> float16's max) dropped
@@ -478,3 +485,57 @@ def test_bucketed_latents_train_in_their_buckets_and_a_square_run_refuses_them(b
     assert square.returncode == 2, square.stderr[-3000:]
     last = square.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "aspect-ratio buckets" in last, last
+
+
+def test_multi_scale_pixart_trains_each_bucketed_latent_once_and_refuses_a_corpus_without_geometry(
+        bucket_encoded, vae, tmp_path, monkeypatch):
+    """PixArt-α's multi-scale DiT (pixart-ms-tiny: resolution and aspect-ratio conditions) on bucketed latents: a pass
+    reads every record once, a batch one bucket, each conditioned on its stored geometry. The same corpus as encoded
+    before records stored their geometry (each record's meta without it) is refused in one line at start, naming the
+    encode; a model that does not read it (ldm-tiny) still trains on it."""
+    from ldm.data.dataset import CONSUMED_LOG
+
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    common = ["--vae_name_or_path", vae, "--resolution", str(RESOLUTION), "--aspect_buckets", "auto",
+              "--train_batch_size", "4", "--num_workers", "0", "--model_max_length", "16", "--report_to", "none"]
+    pixart = ["--pretrained_model_name_or_path", "pixart-ms-tiny", "--allow_untrained_text_encoder"]
+    result = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *pixart, *common, "--file_list", bucket_encoded, "--max_train_steps", "10", "--save_steps", "10",
+        "--output_dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in log.read_text().splitlines()]
+    pass0 = [(shard, line) for p, _, shard, line, *_ in rows if p == "0"]
+    assert len(pass0) == len(set(pass0)) == 30  # the whole pass, each record once
+    shapes = {}
+    for _, _, _, _, shape, _, batch in rows:
+        shapes.setdefault(batch, set()).add(shape)
+    assert all(len(s) == 1 for s in shapes.values()) and len(set.union(*shapes.values())) >= 3
+    monkeypatch.delenv(CONSUMED_LOG)
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in os.listdir(os.path.dirname(bucket_encoded)):
+        path = os.path.join(os.path.dirname(bucket_encoded), name)
+        if name.startswith("latents-") and name.endswith(".gz"):
+            lines = []
+            for line in iter_lines(path):
+                fields = line.split(b"\t")
+                meta = json.loads(fields[3])
+                assert len(meta.pop("geometry")) == 1  # one copy: encoded without --random_flip
+                fields[3] = json.dumps(meta, separators=(",", ":")).encode()
+                lines.append(b"\t".join(fields))
+            gzip_lines(str(old / name), lines)
+        elif os.path.isfile(path):
+            shutil.copy(path, old / name)
+    listing = str(old / os.path.basename(bucket_encoded))
+    refused = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *pixart, *common, "--file_list", listing, "--max_train_steps", "1", "--output_dir", str(tmp_path / "no")])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert ("latents encoded without each image's size and crop (its geometry), which this run's model is "
+            "conditioned on: encode the corpus again") in line and "python -m ldm.prepare encode" in line, line
+    assert not (tmp_path / "no").exists()
+    payload = parse_latent_record(next(iter(iter_lines(str(old / "latents-000000.gz")))))[1]
+    moments, geometry = latents.LatentTransform(buckets=BUCKETS).sample(payload, sample_rng(0, 0, "a", 1))
+    assert geometry is None and moments.shape[0] == 8  # what every other model trains on, as before

@@ -509,7 +509,7 @@ run_main(main)
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(900)  # four tries of two real ranks
+@pytest.mark.timeout(900)  # three tries of two real ranks
 def test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first(tmp_path):
     """SIGKILL of rank 1 at several moments of a real gloo run: whichever rank Paddle's launcher sees fail first, and
     whether gloo says the connection closed or timed out, the restart names rank 1, killed by SIGKILL, at the
@@ -517,7 +517,7 @@ def test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first(tmp_pat
     (tmp_path / "killed.py").write_text(KILLED)
     (tmp_path / "out").mkdir()
     logs = tmp_path / "logs"
-    moments = [("waiting", 3), ("computing", 4), ("alone", 5), ("waiting", 5)]
+    moments = [("computing", 4), ("alone", 5), ("waiting", 5)]
     command = [sys.executable, "-m", "ldm.launch", "--max_restarts", "5", "--restart_pause", "0", "--stop_grace", "60",
                "--nproc_per_node", "2", "--log_dir", str(logs), "killed.py", "--output_dir", "out"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MOMENTS": ",".join(f"{m}:{at}" for m, at in moments)}
@@ -538,15 +538,15 @@ def test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first(tmp_pat
         _, err = job.communicate(timeout=300)
     finally:
         job.kill()
-    assert killed == [0, 1, 2, 3], err[-3000:]
+    assert killed == [0, 1, 2], err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last == ("error: ldm.launch: the run failed twice at update 5 (rank 1: killed by SIGKILL): not restarted "
                     "again (a crash loop: the same failure would repeat)"), err[-3000:]
     assert job.returncode == 4
     restarts = json.loads((tmp_path / "out" / "run.json").read_text())["restarts"]
     assert [(r["rank"], r["exit_code"], r["cause"], r["update"]) for r in restarts] == [
-        (1, -9, "killed by SIGKILL", at) for _, at in moments[:3]], restarts
-    assert [r["updates_lost"] for r in restarts] == [at - 1 for _, at in moments[:3]]
+        (1, -9, "killed by SIGKILL", at) for _, at in moments[:2]], restarts
+    assert [r["updates_lost"] for r in restarts] == [at - 1 for _, at in moments[:2]]
 
 
 # Rank 1 a heartbeat ahead of rank 0 when rank 0 dies by a signal, as a rank that passed the update's vote while

@@ -182,7 +182,7 @@ def test_one_batch_overfits(tokenizer):
     optimizer = paddle.optimizer.AdamW(2e-3, parameters=[p for p in model.parameters() if not p.stop_gradient])
     model.train()
     paddle.seed(0)
-    for _ in range(80):
+    for _ in range(40):  # the loss is at 0.22 of its start after 40 updates (0.18 after 80)
         model(pixels, ids).backward()
         optimizer.step()
         optimizer.clear_grad()

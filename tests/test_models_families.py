@@ -9,7 +9,7 @@ from ldm.models.build import PIPELINE_CLASSES, PRESETS, model_family
 from ldm.models.conditioning import Conditioning
 from ldm.models.families import FAMILIES, config_family
 
-FAMILY_OF_PRESET = {"ldm": "ldm", "sd": "sd", "pixart": "pixart", "dit": "pixart", "sd3": "sd3"}
+FAMILY_OF_PRESET = {"ldm": "ldm", "sd": "sd", "pixart": "pixart", "dit": "pixart", "sd3": "sd3", "sdxl": "sdxl"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -25,6 +25,7 @@ def test_the_registry_holds_one_family_per_name_and_each_pipeline_class_is_read(
 
 def test_a_backbone_config_without_its_class_name_is_told_by_its_shape():
     assert config_family({"cross_attention_dim": 8}).name == "ldm"
+    assert config_family({"cross_attention_dim": 8, "addition_embed_type": "text_time"}).name == "sdxl"
     assert config_family({"norm_type": "ada_norm_single"}).name == "pixart"
     assert config_family({"joint_attention_dim": 8, "pos_embed_max_size": 4}).name == "sd3"
     assert config_family({}, folder="transformer").name == "pixart"  # an unreadable config: its loader says so

@@ -252,3 +252,40 @@ def test_what_a_pixart_model_cannot_make_is_refused_at_start_in_one_line(tmp_pat
                                          tmp_path / f"{part}-run")
         assert named in said(capsys, generate, ["--model", str(damaged), "--prompt", "a", "--output_dir",
                                                 str(tmp_path / "samples")])
+
+
+MULTI_SCALE = DIFFUSERS_SAVED / "multi-scale"  # make_diffusers_pixart_fixtures.py --multi-scale
+
+
+def test_a_multi_scale_transformer_predicts_from_the_geometry_what_diffusers_predicts_from_its_conditions():
+    """diffusers' `PixArtTransformer2DModel` with `use_additional_conditions` (sample_size 128, as PixArt-α's 1024 px
+    models), saved by diffusers: our prediction from each image's geometry (original 300 x 200 and 96 x 64, a 48 x 32
+    crop) equals diffusers' from resolution (the original size) and aspect ratio (the crop's height / width), within
+    1e-4 of the largest value, as every transformer fixture here: float32 sums of at most 2^6 terms through at most 2^4
+    reductions (K·D·u = 2^-14) and the sin-cos size embedding's arguments, at most 300, known to 300·u (2e-5 of the
+    embedding's unit scale). Sampling 48 x 32 conditions on what diffusers' `PixArtAlphaPipeline` gives."""
+    import hashlib
+
+    from transformer_fixtures import relative
+
+    from ldm.models.conditioning import GEOMETRY, Conditioning
+    from ldm.models.families import PIXART, predict_with_variance
+    from ldm.models.families.pixart import size_conditions
+    from ldm.models.torch_layout import load_pretrained
+
+    reference = json.loads((MULTI_SCALE / "reference.json").read_text())
+    for name, digest in reference["weights_sha256"].items():
+        assert hashlib.sha256((MULTI_SCALE / name).read_bytes()).hexdigest() == digest, name
+    expected = dict(np.load(MULTI_SCALE / "multi_scale.npz"))
+    transformer = load_pretrained(PIXART.model_class(), str(MULTI_SCALE / "transformer"))
+    assert transformer.use_additional_conditions and PIXART.reads_added(transformer) == (GEOMETRY,)
+    geometry = paddle.to_tensor([[300, 200, 3, 5, 48, 32], [96, 64, 0, 0, 48, 32]], dtype="float32")
+    conditioning = Conditioning(paddle.to_tensor(expected["states"]), paddle.to_tensor(expected["mask"]),
+                                added={GEOMETRY: geometry})
+    with paddle.no_grad():
+        prediction, variance = predict_with_variance(transformer, paddle.to_tensor(expected["latents"]),
+                                                     paddle.to_tensor(expected["timesteps"]), conditioning)
+    assert relative(paddle.concat([prediction, variance], axis=1).numpy(), expected["prediction"]) < 1e-4
+    sampled = size_conditions(PIXART.sampling_added(48, 32, 2, transformer)[GEOMETRY])
+    np.testing.assert_array_equal(sampled["resolution"].numpy(), expected["sampled_resolution"])
+    np.testing.assert_array_equal(sampled["aspect_ratio"].numpy(), expected["sampled_aspect_ratio"])

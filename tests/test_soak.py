@@ -17,7 +17,7 @@ def test_a_short_soak_finds_no_violation(tmp_path):
     # tests check it in the suite
     # a count of segments, not minutes: a busy machine fits fewer in a minute (no test asserts how much work fits
     # in a time budget)
-    result = run_python([str(ROOT / "scripts" / "soak.py"), "--segments", "3", "--seed", "5", "--max_runs", "1",
+    result = run_python([str(ROOT / "scripts" / "soak.py"), "--segments", "2", "--seed", "5", "--max_runs", "1",
                          "--paths", "loop", "--run_updates", "12", "16",
                          "--no_graceful", "--clean", "0", "--damage", "0.5", "--nan", "0.5",
                          "--work_dir", str(tmp_path / "soak")], timeout=900)
@@ -27,4 +27,4 @@ def test_a_short_soak_finds_no_violation(tmp_path):
     match = re.fullmatch(r"soak: (\d+) segments, (\d+) faults, (\d+) records audited, 0 violations", last)
     assert match, last
     segments, faults, records = map(int, match.groups())
-    assert segments == 3 and faults >= 2 and records > 0
+    assert segments == 2 and faults >= 1 and records > 0

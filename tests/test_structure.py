@@ -245,10 +245,11 @@ KNOWN_FAMILY_WORDS = {"ldm", "sd", "unet", "pixart", "sd3", "ldmbert", "clip", "
                       "LDMBertConfig", "CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel",
                       "TextEncoderSet", "LDMTextToImagePipeline", "StableDiffusionPipeline", "PixArtAlphaPipeline",
                       "StableDiffusion3Pipeline", "UNET", "PIXART", "SD3", "LDM", "SD", "LDMBERT", "CLIP", "T5",
-                      "SD3_TEXT"}
+                      "SD3_TEXT", "sdxl", "SDXL", "SDXL_TEXT", "StableDiffusionXLPipeline", "SD3TextEncoders",
+                      "SDXLTextEncoders"}
 # attributes only some families' parts have: asking for one asks which family it is
 FAMILY_ATTRIBUTES = {"text_projection", "states_length", "encoders", "tokenizers", "caption_projection", "adaln_single",
-                     "time_text_embed", "to_logits"}
+                     "time_text_embed", "to_logits", "add_embedding", "encoder_parts", "force_zeros_for_empty_prompt"}
 FAMILY_CLASS_FIELDS = {"name", "backbone_class", "config_names", "pipeline_class"}
 
 

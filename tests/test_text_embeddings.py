@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from conftest import metrics_lines
-from corpus import write_corpus
+from corpus import write_aspect_corpus, write_corpus
 from entry import run_entry, run_python
 from interop_models import tiny_sd_pipeline
 
@@ -325,3 +325,81 @@ def test_encode_stores_each_encoders_states_and_pooled_vector_with_its_identity(
     real = int(mask.sum())
     assert t5_real == real < 16 and t5_pooled is None and t5_states.shape == (16, 32)
     np.testing.assert_allclose(t5_states[:real], states[0, :real].numpy(), rtol=1e-5, atol=1e-6)
+
+
+
+def test_a_cached_corpus_gives_a_batch_the_conditioning_it_has_on_the_fly(model, tmp_path):
+    """The same records, bucketed, centre-cropped and flipped at random, read as images (their captions encoded on the
+    fly) and from their latent records with cached text states, each drawn with the image record's generator (the
+    same caption dropout and flips): a batch's conditioning is the same, its geometry to the pixel (a mirror copy's
+    left edge mirrored in the resized image) and its text states as the encoder computes them."""
+    import paddle
+
+    from ldm.data.dataset import CaptionImageStream
+    from ldm.data.filelist import read_file_list
+    from ldm.data.latents import from_bytes
+    from ldm.data.record import ImageTransform
+    from ldm.data.stream import Record
+    from ldm.data.tokenize import CaptionTokenizer
+    from ldm.inference.load import load_tokenizer_of
+    from ldm.models.build import build_components, model_buckets
+    from ldm.models.conditioning import GEOMETRY
+    from ldm.models.diffusion import LatentDiffusion
+    from ldm.models.text import CLIP
+
+    corpus = write_aspect_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=8, seed=CACHED_SEED)
+    result = run_python([*ENCODE, "--file_list", corpus, "--vae_name_or_path", model, "--model_name_or_path", model,
+                         "--output_dir", str(tmp_path / "cached"), "--resolution", str(RESOLUTION), "--dtype",
+                         "float32", "--num_workers", "0", "--text_embeddings", "--text_dtype", "float32",
+                         "--aspect_buckets", "auto", "--random_flip", "--center_crop"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    buckets = model_buckets("auto", RESOLUTION, 2.0, model)
+    shard = read_file_list(corpus)[0]
+    latent_lines = {parse_latent_record(line)[0]: line for line in iter_lines(
+        str(tmp_path / "cached" / "latents-000000.gz"))}
+    meta = parse_latent_record(next(iter(latent_lines.values())))[1][1]
+    c = build_components(model)
+    diffusion = LatentDiffusion(c.unet, c.text_encoder, c.vae, c.noise_scheduler, freeze_text_encoder=True)
+    tokenize = CaptionTokenizer(load_tokenizer_of(CLIP, f"{model}/tokenizer"), meta.text["shape"][0])
+    diffusion.keep_empty_caption(tokenize(""))
+    stream = CaptionImageStream(
+        [shard], tokenize=tokenize, batch_size=8, caption_dropout_prob=0.5, seed=CACHED_SEED,
+        transform=ImageTransform(RESOLUTION, center_crop=True, random_flip=True, buckets=buckets),
+        latents=LatentTransform(random_flip=True, buckets=buckets, cached_text=meta.text["encoder"]))
+    held = {"on the fly": [], "cached": []}
+    for number, line in enumerate(iter_lines(shard.path), 1):
+        for name, source in (("on the fly", line), ("cached", latent_lines[line.split(b"\t", 1)[0].decode()])):
+            stream.kind = stream.text_kind = None  # one stream reads both kinds here, record by record
+            record = Record(shard.path, number, 0, 0, source, shard.seed_key, (0, number))
+            held[name].append((*stream.make_sample(record), record))
+    shape = held["on the fly"][0][0].shape[:2]  # a batch holds one bucket's samples
+    rows = [i for i, sample in enumerate(held["on the fly"]) if sample[0].shape[:2] == shape]
+    stream.kind = True
+    cache = stream.make_batch([held["cached"][i] for i in rows], {})
+    stream.kind = False
+    fly = stream.make_batch([held["on the fly"][i] for i in rows], {})
+
+    geometry = cache["conditioning"]["added"][GEOMETRY]
+    np.testing.assert_array_equal(geometry, fly["conditioning"]["added"][GEOMETRY])
+    flipped = []
+    for i, moments in zip(rows, cache["latent_moments"], strict=True):
+        data, record_meta, _ = parse_latent_record(held["cached"][i][-1].line)[1]
+        stored = from_bytes(data, "float32", list(record_meta.shape))
+        flipped.append(bool(np.array_equal(moments, stored[1])))
+        assert np.array_equal(moments, stored[int(flipped[-1])])
+        assert tuple(geometry[len(flipped) - 1]) == record_meta.geometry[int(flipped[-1])]
+    dropped = cache["conditioning"]["dropped"]
+    assert any(flipped) and not all(flipped) and dropped.any() and not dropped.all()  # both ways of each
+    # a flipped crop whose left edge moves when mirrored (an odd horizontal margin): a wrong mirror would show
+    mirrored = [record_meta.geometry for i in rows
+                for record_meta in [parse_latent_record(held["cached"][i][-1].line)[1][1]]]
+    assert any(f and g[0][3] != g[1][3] for f, g in zip(flipped, mirrored, strict=True))
+    with paddle.no_grad():
+        a = diffusion.context(paddle.to_tensor(fly["input_ids"]), fly["conditioning"])
+        b = diffusion.context(None, cache["conditioning"])
+    # the same encoder on the same tokens, in batches of other sizes: float32 rounding of its few layers
+    np.testing.assert_allclose(b.states.numpy(), a.states.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(b.added[GEOMETRY].numpy(), a.added[GEOMETRY].numpy())
+
+
+CACHED_SEED = 6  # a corpus and seed whose first bucket holds a mirrored crop with an odd margin

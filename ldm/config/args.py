@@ -47,7 +47,8 @@ def arg_list(default: list, help: str, **metadata):
 class ModelArguments:
     model_name_or_path: str = arg(
         "ldm-32layer", "preset (ldm-32layer, ldm-12layer, ldm-tiny, sd-1.5, sd-2-base, sd-tiny, pixart-alpha-512, "
-        "pixart-tiny), folder of configs, pipeline folder (ours, or a diffusers Stable Diffusion or PixArt-alpha one) "
+        "pixart-alpha-1024, pixart-tiny, pixart-ms-tiny), folder of configs, pipeline folder (ours, or a diffusers "
+        "Stable Diffusion or PixArt-alpha one) "
         "or hub name",
         aliases=["--pretrained_model_name_or_path"])
     vae_name_or_path: Optional[str] = arg(None, "pretrained autoencoder: a folder, or a hub name org/repo[/subfolder] "

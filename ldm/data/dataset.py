@@ -35,7 +35,7 @@ from ldm.data.filelist import FileListError, Shard, shard_set_change
 from ldm.data.filters import MetadataFilters, record_parts
 from ldm.data.latents import LatentMismatch, LatentTransform, is_latent_line
 from ldm.data.readers import count_records as shard_records
-from ldm.data.record import ImageTransform, SkipRecord, sample_rng
+from ldm.data.record import GEOMETRY, ImageTransform, SkipRecord, sample_rng
 from ldm.data.resume import Picked, Schedule, counts_of, remainder
 from ldm.data.shard import ShardError
 from ldm.data.stream import PHASE_END, TRUNCATED_CAPTIONS, Record, SlotStream
@@ -231,9 +231,10 @@ class CaptionImageStream(IterableDataset):
         self.first_role = state["batches"] % self.workers
         self.resumes_exactly = True
 
-    def make_sample(self, record: Record, counts: Counter | None = None) -> tuple[np.ndarray, Any]:
+    def make_sample(self, record: Record, counts: Counter | None = None) -> tuple[np.ndarray, Any, np.ndarray | None]:
         """(uint8 HWC image crop, or float32 latent moments; token ids, or the record's cached text states, their mask,
-        pooled vector and whether its caption was dropped): the record's kind is read from its content.
+        pooled vector and whether its caption was dropped; the crop's geometry, `ldm.models.conditioning.GEOMETRY`, or
+        None for a latent record encoded without it): the record's kind is read from its content.
         `counts`: the stream's, which count a caption cut to the tokenizer's length (`truncated_captions`).
 
         A tar's or parquet's record (`ldm.data.readers.Sample`) is an image record; its metadata filters run before
@@ -257,7 +258,7 @@ class CaptionImageStream(IterableDataset):
         if dropped:
             caption = ""
         try:
-            sample = transform(payload, rng)
+            sample, geometry = transform.sample(payload, rng)
         except LatentMismatch as e:
             raise LatentMismatch(f"{record.shard}:{record.line_number}: {e}") from None
         cached = self.latents.text_states(payload) if latent and self.tokenize else None
@@ -269,13 +270,13 @@ class CaptionImageStream(IterableDataset):
                                      "cached text states and the records before it did not: encode all of the corpus "
                                      "with --text_embeddings, or none of it")
         if cached is not None:  # cached text states: a dropped caption's are replaced by the empty caption's
-            return sample, (*cached, dropped)
+            return sample, (*cached, dropped), geometry
         if not self.tokenize:
-            return sample, None
+            return sample, None, geometry
         ids = self.tokenize(caption)
         if counts is not None and getattr(self.tokenize, "cut", 0):
             counts[TRUNCATED_CAPTIONS] += 1
-        return sample, ids
+        return sample, ids, geometry
 
     def slot_stream(self, role: int) -> SlotStream:
         slot = self.rank * self.workers + role
@@ -319,14 +320,14 @@ class CaptionImageStream(IterableDataset):
                 yield batch(taken)
 
     def make_batch(self, taken: list[Held], state: dict) -> dict:
-        samples = [sample for sample, _, _ in taken]
+        samples = [sample for sample, *_ in taken]
         batch = {"stream_state": json.dumps(state)}
         if self.kind:
             batch["latent_moments"] = np.stack(samples)
         else:
             batch["pixel_values"] = to_uint8_batch(samples)
         if self.tokenize:
-            texts = [text for _, text, _ in taken]
+            texts = [text for _, text, *_ in taken]
             cached = [isinstance(text, tuple) for text in texts]
             if all(cached):  # the fields of the model's conditioning record (`ldm.models.conditioning`)
                 states, masks, pooled, dropped = zip(*texts, strict=True)
@@ -336,19 +337,26 @@ class CaptionImageStream(IterableDataset):
                 if pooled[0] is not None:  # the pooled vectors a backbone reads (SD3's)
                     batch["conditioning"]["pooled"] = np.stack(pooled)
             elif any(cached):
-                record = taken[cached.index(False)][2]
+                record = taken[cached.index(False)][-1]
                 raise LatentMismatch(f"{record.shard}:{record.line_number} has no cached text states and other records "
                                      "of the corpus have: encode all of it with --text_embeddings, or none")
             else:
                 batch["input_ids"] = np.stack(texts)
+            # Every text-to-image batch carries its images' geometry, whichever model it trains: 24 bytes a sample, and
+            # the data path then never asks which family reads it (a corpus serves any). Latent records encoded before
+            # it was stored have none: their batches carry none, and a model that reads it refuses them at the first
+            # record (`LatentTransform.reads_geometry`).
+            geometry = [g for _, _, g, _ in taken]
+            if all(g is not None for g in geometry):
+                batch.setdefault("conditioning", {})["added"] = {GEOMETRY: np.stack(geometry)}
         if os.environ.get(CONSUMED_LOG):
             shape = batch_shape(batch, latent_scale=1)  # of latents: in latent units (the stream knows no autoencoder)
             batch["records"] = "".join(f"{r.pass_index} {r.copy} {r.shard} {r.line_number} {shape}\n"
-                                       for _, _, r in taken)
+                                       for *_, r in taken)
         return batch
 
 
-Held = tuple[np.ndarray, Any, Record]  # (sample, token ids, the record it was made of)
+Held = tuple[np.ndarray, Any, np.ndarray | None, Record]  # (sample, token ids, geometry, the record it was made of)
 
 
 class ShapeGroups:
@@ -394,7 +402,7 @@ class ShapeGroups:
 
     def pointers(self) -> list[tuple[int, int]]:
         """Where the held samples' records are in the stream (`Record.pointer`), in the order they arrived."""
-        waiting = sorted((n, held[2].pointer) for group in self.groups.values() for n, held in group)
+        waiting = sorted((n, held[-1].pointer) for group in self.groups.values() for n, held in group)
         return [pointer for _, pointer in waiting]
 
 

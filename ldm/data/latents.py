@@ -14,7 +14,11 @@ A latent shard is a gzip text shard like an image shard, one record per line:
   "resolution": R}`, with `"bucket": [height, width]` (the crop's size in pixels) when the corpus was encoded
   in aspect-ratio buckets (`--aspect_buckets`: the latent is then that bucket's shape, not R / f square), and
   `"metadata": {...}`, the source record's metadata, when it had some (a tar sample's
-  `.json`, a parquet row's columns, a text record's fourth column: what `--metadata_filter` reads).
+  `.json`, a parquet row's columns, a text record's fourth column: what `--metadata_filter` reads), and
+  `"geometry": [[...6], ...]`, each copy's `ldm.models.conditioning.GEOMETRY` (original height and width, the crop's
+  top and left in the resized image, its height and width, in pixels; the mirror copy's left edge mirrored): what
+  Stable Diffusion XL's time ids and PixArt-α's resolution and aspect ratio are made of. Corpora encoded before it
+  was stored lack it: they train every model that does not read it, and a model that does refuses them.
 
 - text (`encode --text_embeddings`): the frozen text encoder's hidden states of the record's caption, shape
   `[tokens, width]` in the meta's `"text": {"encoder": <fingerprint>, "dtype": ..., "shape": [...]}` (float16 by
@@ -99,6 +103,7 @@ class LatentMeta:
     bucket: tuple[int, int] | None = None  # (height, width) of the crop, encoded in aspect-ratio buckets
     text: dict | None = None  # the cached text states': {"encoder": fingerprint, "dtype": ..., "shape": [L, D]}, or
     # several encoders': {"encoders": [{"part": ..., "encoder": ..., "dtype": ..., "shape": ..., "pooled": [P]}, ...]}
+    geometry: tuple[tuple[int, ...], ...] | None = None  # each copy's GEOMETRY (6 pixel counts); None: not stored
 
     @property
     def copies(self) -> int:
@@ -111,6 +116,8 @@ class LatentMeta:
             meta["bucket"] = list(self.bucket)
         if self.text:
             meta["text"] = self.text
+        if self.geometry:
+            meta["geometry"] = [list(row) for row in self.geometry]
         return json.dumps(meta, separators=(",", ":")).encode()
 
     @classmethod
@@ -122,8 +129,13 @@ class LatentMeta:
         text = meta.get("text")
         if text is not None and not (isinstance(text, dict) and valid_text(text)):
             raise ValueError(f"unknown text states {text!r}")
-        return cls(str(meta["vae"]), meta["dtype"], tuple(int(n) for n in meta["shape"]), int(meta["resolution"]),
-                   bucket, text)
+        shape = tuple(int(n) for n in meta["shape"])
+        geometry = meta.get("geometry")
+        if geometry is not None:
+            geometry = tuple(tuple(int(n) for n in row) for row in geometry)
+            if len(geometry) != shape[0] or any(len(row) != 6 for row in geometry):
+                raise ValueError(f"geometry {meta['geometry']!r} is not 6 numbers for each of {shape[0]} copies")
+        return cls(str(meta["vae"]), meta["dtype"], shape, int(meta["resolution"]), bucket, text, geometry)
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape[1:]))
@@ -236,6 +248,7 @@ class LatentTransform:
     # the run's frozen text encoder (its fingerprint, `text_fingerprint`): cached text states must be its; "": the run
     # trains its text encoder (a corpus with text states is refused); None: checks nothing (data tools, held-out)
     cached_text: str | None = None
+    reads_geometry: bool = False  # the run's model reads each image's geometry: a record without it is refused
 
     parse = staticmethod(parse_latent_record)
 
@@ -256,6 +269,11 @@ class LatentTransform:
                                  "--random_flip: encode with --random_flip or train without it")
         if meta.text is not None and self.cached_text is not None:
             self.check_text(meta.text)
+        if self.reads_geometry and meta.geometry is None:
+            raise LatentMismatch("latents encoded without each image's size and crop (its geometry), which this run's "
+                                 "model is conditioned on: encode the corpus again with this version (python -m "
+                                 "ldm.prepare encode, into a new --output_dir), or train a model that does not read "
+                                 "them")
 
     def check_text(self, text: dict) -> None:
         """The record's text states are the run's frozen encoders' (`cached_text`: one fingerprint, or a tuple of
@@ -301,6 +319,12 @@ class LatentTransform:
                                  "the buckets the corpus was encoded with")
 
     def __call__(self, payload: tuple[bytes, LatentMeta, bytes | None], rng: random.Random) -> np.ndarray:
+        return self.sample(payload, rng)[0]
+
+    def sample(self, payload: tuple[bytes, LatentMeta, bytes | None], rng: random.Random
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the moments of the copy drawn, that copy's geometry as `ImageTransform.sample` gives it, or None: a
+        record encoded without it)."""
         data, meta, _ = payload
         self.check(meta)
         try:
@@ -308,7 +332,7 @@ class LatentTransform:
         except ValueError as e:
             raise SkipRecord("bad_latent", str(e)) from None
         copy = 1 if self.random_flip and rng.random() < 0.5 else 0
-        return moments[copy]
+        return moments[copy], None if meta.geometry is None else np.array(meta.geometry[copy], np.float32)
 
     def encoder_states(self, payload: tuple[bytes, LatentMeta, bytes | None]
                        ) -> list[tuple[np.ndarray, int, np.ndarray | None]] | None:

@@ -97,6 +97,32 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+# a batch's key of each image's geometry (`Placement.geometry`): `ldm.models.conditioning.GEOMETRY`, named here too
+# because the data path stands on the runtime alone (tests/test_structure.py)
+GEOMETRY = "geometry"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a crop was taken from, in pixels, each size as (height, width): the decoded image's size before any
+    resize (its header's), the size it was resized to (covering the crop), the crop's corner in that resized image
+    and the crop's size."""
+
+    original: tuple[int, int]
+    resized: tuple[int, int]
+    top: int
+    left: int
+    size: tuple[int, int]
+
+    def geometry(self, flipped: bool) -> np.ndarray:
+        """float32 [6]: the crop's `ldm.models.conditioning.GEOMETRY`, Stable Diffusion XL's time ids (original
+        h, w, crop top, left, target h, w). A flipped crop is the crop of the flipped resized image whose left edge is
+        the mirror of this one's, as diffusers' SDXL script computes it since #6547 (it flips the resized image, then
+        crops; before, it took the width of the crop, not of the resized image: #6234)."""
+        left = self.resized[1] - self.size[1] - self.left if flipped else self.left
+        return np.array([*self.original, self.top, left, *self.size], dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class ImageTransform:
     """Shorter side to `resolution / resize_ratio`, crop `resolution` (random or center), optional flip. With
@@ -104,8 +130,9 @@ class ImageTransform:
     header, before decoding), then cropped to it; `resize_ratio` is not applied, so a crop loses only what the
     bucket's shape does not hold.
 
-    Returns uint8 HWC; the crop position and flip come from the record's own generator, so a
-    record's sample depends only on (seed, pass, record), never on reading order.
+    Returns uint8 HWC (`sample`: with the crop's geometry, `Placement.geometry`); the crop position and flip come
+    from the record's own generator, so a record's sample depends only on (seed, pass, record), never on reading
+    order.
     """
 
     resolution: int = 256
@@ -128,6 +155,16 @@ class ImageTransform:
         return size, size, max(size, round(width * scale)), max(size, round(height * scale))
 
     def __call__(self, image_bytes: bytes, rng: random.Random) -> np.ndarray:
+        return self.sample(image_bytes, rng)[0]
+
+    def sample(self, image_bytes: bytes, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 HWC crop, flipped at random when `random_flip` asks for it; its geometry: `Placement.geometry`)."""
+        array, placement = self.place(image_bytes, rng)
+        flipped = self.random_flip and rng.random() < 0.5
+        return (array[:, ::-1] if flipped else array), placement.geometry(flipped)
+
+    def place(self, image_bytes: bytes, rng: random.Random) -> tuple[np.ndarray, Placement]:
+        """(uint8 HWC crop, not flipped; where it was taken from)."""
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -171,9 +208,7 @@ class ImageTransform:
             array = region
         else:
             array = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
-        if self.random_flip and rng.random() < 0.5:
-            array = array[:, ::-1]
-        return array
+        return array, Placement((height, width), (resized_h, resized_w), top, left, (out_h, out_w))
 
 
 def sample_rng(seed: int, pass_index: int, shard: str, line_number: int, copy: int = 0) -> random.Random:

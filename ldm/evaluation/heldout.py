@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import numpy as np
 import paddle
@@ -38,27 +39,32 @@ def fixed_timesteps(count: int, num_train_timesteps: int) -> list[int]:
 
 
 def read_records(file_list: str, samples: int, *, resolution: int, tokenizer, model_max_length: int,
-                 autoencoder: str | None = None, autoencoder_source: str = "", buckets=None) -> list[dict]:
+                 autoencoder: str | None = None, autoencoder_source: str = "", buckets=None,
+                 added_conditions: tuple[str, ...] = ()) -> list[dict]:
     """The first `samples` usable records of `file_list` in order (one pass; fewer when it holds fewer), each
-    {"pixel_values" or "latent_moments", "input_ids"} without a batch axis."""
+    {"pixel_values" or "latent_moments", "input_ids", "added": the added conditions} without a batch axis."""
     from ldm.data.dataset import CaptionImageStream
     from ldm.data.filelist import check_shards, read_file_list
     from ldm.data.latents import LatentTransform
     from ldm.data.record import ImageTransform
     from ldm.data.tokenize import CaptionTokenizer
+    from ldm.models.conditioning import GEOMETRY
 
     shards = read_file_list(file_list)
     check_shards(shards, file_list)
     stream = CaptionImageStream(
         shards, tokenize=CaptionTokenizer(tokenizer, model_max_length),
         transform=ImageTransform(resolution, center_crop=True, random_flip=False, buckets=buckets),
-        latents=LatentTransform(autoencoder, autoencoder_source, resolution, False, buckets) if autoencoder else None,
+        latents=LatentTransform(autoencoder, autoencoder_source, resolution, False, buckets,
+                                reads_geometry=GEOMETRY in added_conditions) if autoencoder else None,
         batch_size=1, caption_dropout_prob=0.0, seed=0, rank=0, world_size=1, num_workers=0, shuffle_buffer=1)
     records = []
     for batch in stream.batches(0):
         if json.loads(batch["stream_state"])["pass"] > 0 or len(records) == samples:
             break
-        records.append({name: value[0] for name, value in batch.items() if name != "stream_state"})
+        record = {name: value[0] for name, value in batch.items() if name not in ("stream_state", "conditioning")}
+        record["added"] = {name: value[0] for name, value in batch.get("conditioning", {}).get("added", {}).items()}
+        records.append(record)
     return records
 
 
@@ -122,7 +128,9 @@ class HeldOut:
             np.random.default_rng([NOISE_SEED, i]).standard_normal(latents.shape[1:]).astype("float32")
             for i in indices]))
         ids = paddle.to_tensor(np.stack([self.records[p]["input_ids"] for p in chunk]))
-        conditioning = encode_prompt(model.text_encoder, ids)
+        names = set.intersection(*(set(self.records[p]["added"]) for p in chunk))
+        added = {name: paddle.to_tensor(np.stack([self.records[p]["added"][name] for p in chunk])) for name in names}
+        conditioning = replace(encode_prompt(model.text_encoder, ids), added=added)
         sums = []
         for t in self.timesteps:
             timesteps = paddle.full([len(indices)], t, dtype="int64" if model.flow is None else "float32")

@@ -19,7 +19,7 @@ from ldm.models.autoencoder import to_uint8, unscaled_latents
 from ldm.models.backbone import autoencoder_factor, check_image_size
 from ldm.models.conditioning import Conditioning
 from ldm.models.families import family_of, predict
-from ldm.models.text import encode_prompt
+from ldm.models.text import empty_caption, encode_prompt
 
 
 def ddim_scheduler(noise_scheduler_config: dict, prediction_type: str | None = None):
@@ -83,7 +83,8 @@ def generate(
     rank), gets the noise it has in the whole list. `height` and `width` (pixels, multiples of the autoencoder's
     downsampling) default to the size the UNet was trained at. `negative_prompt` is the unconditional input of the
     guidance (as diffusers' pipelines take it): the empty caption by default, what the model learned from dropped
-    captions."""
+    captions (`ldm.models.text.empty_caption`: zeros where its pipeline says `force_zeros_for_empty_prompt`, as
+    diffusers' pipeline makes the negative when none is given)."""
     modes = [(m, m.training) for m in (unet, text_encoder, vae)]
     for model, _ in modes:
         model.eval()
@@ -93,7 +94,7 @@ def generate(
         channels = unet.config.in_channels
         uncond_ids = paddle.to_tensor(tokenize(negative_prompt))[None]
         factor = autoencoder_factor(vae.config)
-        added = family_of(unet, text_encoder).sampling_added(rows * factor, cols * factor, 1)
+        added = family_of(unet, text_encoder).sampling_added(rows * factor, cols * factor, 1, unet)
         images = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start : start + batch_size])
@@ -101,12 +102,15 @@ def generate(
             conditioning = replace(encode_prompt(text_encoder, ids), added=added).repeat(len(chunk))
             guided = guidance_scale != 1.0
             if guided:
-                unconditional = replace(encode_prompt(text_encoder, uncond_ids), added=added).repeat(len(chunk))
+                negative = encode_prompt(text_encoder, uncond_ids) if negative_prompt else empty_caption(
+                    text_encoder, uncond_ids)
+                unconditional = replace(negative, added=added).repeat(len(chunk))
                 conditioning = Conditioning.concat([unconditional, conditioning])
             latents = paddle.to_tensor(np.stack([initial_noise([channels, rows, cols], seed, first_index + start + i)
                                                  for i in range(len(chunk))]))
-            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching starts at pure noise
+            # after set_timesteps: Euler's initial sigma is the largest of the steps taken (flow matching: pure noise)
             scheduler.set_timesteps(num_inference_steps)
+            latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)
             for t in scheduler.timesteps:
                 model_input = paddle.concat([latents] * 2) if guided else latents
                 if hasattr(scheduler, "scale_model_input"):

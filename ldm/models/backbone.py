@@ -67,7 +67,14 @@ def context_width(config) -> int:
                or config.cross_attention_dim)
 
 
+# Stable Diffusion XL's time ids: an image's original size, crop corner and target size (`conditioning.GEOMETRY`)
+TIME_IDS = 6
+
+
 def reads_pooled(config) -> int | None:
-    """The width of the pooled text vector the backbone reads (SD3's `pooled_projections`), or None."""
+    """The width of the pooled text vector the backbone reads (SD3's `pooled_projections`; Stable Diffusion XL's
+    UNet's `text_embeds`, beside its six time ids in its added embedding's input), or None."""
+    if getattr(config, "addition_embed_type", None) == "text_time":
+        return int(config.projection_class_embeddings_input_dim) - TIME_IDS * int(config.addition_time_embed_dim)
     width = getattr(config, "pooled_projection_dim", None)
     return int(width) if width else None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ldm.models.backbone import autoencoder_factor, context_width, reads_pooled
 from ldm.models.families import FAMILIES, ModelFamily, config_family, folder_family
-from ldm.models.text import LDMBERT, SD3_TEXT, TextEncoderError, TextFamily, text_family
+from ldm.models.text import LDMBERT, TextEncoderError, TextFamily, text_family
 from ldm.models.text import family_of as text_family_of
 from ldm.models.torch_layout import is_torch_layout, load_pretrained
 from ldm.runtime.errors import UserError
@@ -98,6 +98,7 @@ def check_model_index(folder: str) -> None:
     named), or whose `model_index.json` names a part of a class it does not read, or a part it would leave out (a
     `text_encoder_2`): it would be read as another model, silently.
     The scheduler may be of any class: its noise schedule is trained with, and it samples (`sampling_scheduler`)."""
+    check_source_family(folder)
     path = os.path.join(folder, "model_index.json")
     try:
         index = read_config(folder, "model_index.json")
@@ -125,6 +126,15 @@ def check_model_index(folder: str) -> None:
                                    "text-to-image pipeline folder")
 
 
+def check_source_family(folder: str) -> ModelFamily | None:
+    """The family of a model folder's backbone, after it refuses what its parts or pipeline say it cannot train
+    (`ModelFamily.unsupported_source`: the SDXL refiner), before any weight is read; None: no backbone."""
+    family = folder_family(folder)
+    if family is not None and (why := family.unsupported_source(folder)):
+        raise ModelSourceError(f"{folder}: {why}")
+    return family
+
+
 EXTRA_TEXT_PART = re.compile(r"(text_encoder|tokenizer)_\d+")
 
 
@@ -132,7 +142,7 @@ def check_unread_parts(folder: str) -> None:
     """Refuse a model folder holding a second text encoder (or tokenizer: `text_encoder_2/`, Stable Diffusion XL's
     and 3's), with or without a model index naming it: trained or exported without it, the model would silently be
     another one. Stable Diffusion 3's three (`ldm.models.text_set`) are read."""
-    family = folder_family(folder)
+    family = check_source_family(folder)
     if family is not None and family.reads_text_parts(folder):
         return
     try:
@@ -356,13 +366,13 @@ def load_text_encoder(folder: str, vocab_size: int | None, max_length: int | Non
 def load_frozen_text_encoder(family: TextFamily, folder: str):
     """(model, loaded) of a pretrained text encoder (CLIP's): its weights in either layout, or its config alone; SD3's
     set: each of its three so (loaded: all three had weights)."""
-    if family.name == "sd3":
-        from ldm.models.text import SD3_PARTS
-        from ldm.models.text_set import ENCODER_PARTS, TextEncoderSet, part_folders
+    if family.parts:
+        from ldm.models.text_set import part_folders
 
+        kind = family.set_class
         built = [load_frozen_text_encoder(part, f) for part, f in
-                 zip(SD3_PARTS, part_folders(folder, ENCODER_PARTS), strict=True)]
-        return TextEncoderSet(*(model for model, _ in built)), all(loaded for _, loaded in built)
+                 zip(family.parts, part_folders(folder, kind.encoder_parts), strict=True)]
+        return kind(*(model for model, _ in built), **kind.read_settings(folder)), all(loaded for _, loaded in built)
     model_class = family.model_class(folder)
     if has_weights(folder):
         return load_pretrained(model_class, folder), True
@@ -404,7 +414,7 @@ def model_family(model_name_or_path: str) -> ModelFamily:
 
 def source_families(source: str, name: str) -> tuple[ModelFamily, TextFamily]:
     """(the model's family, its text encoder's) of a model folder (`name`: as the user gave it)."""
-    if folder_family(source) is None:
+    if check_source_family(source) is None:
         raise ModelSourceError(f"{name}: no unet/config.json nor transformer/config.json (expected a preset, a "
                                "folder of configs or a pipeline folder)")
     try:
@@ -574,7 +584,7 @@ def check_context(unet, text_encoder, name: str) -> None:
         raise ModelSourceError(f"{name}: the {type(unet).__name__} reads text states {context_width(unet.config)} "
                                f"wide and its text encoder's are {width} wide: they cannot work together")
     pooled = reads_pooled(unet.config)
-    made = text_encoder.config.projection_dim if text_family_of(text_encoder) is SD3_TEXT else None
+    made = text_encoder.config.projection_dim if text_family_of(text_encoder).parts else None
     if pooled != made:
         raise ModelSourceError(f"{name}: the {type(unet).__name__} reads a pooled text vector {pooled or 'no'} wide "
                                f"and its text encoders make {made or 'none'}: they cannot work together (an SD3 "

@@ -26,7 +26,7 @@ from ldm.models.noise import (
     scheduler_config,
     variational_bound,
 )
-from ldm.models.text import encode_prompt
+from ldm.models.text import empty_caption, encode_prompt
 
 
 def freeze(layer: nn.Layer) -> None:
@@ -78,13 +78,15 @@ class LatentDiffusion(nn.Layer):
         if self.flow is None:
             alphas_cumprod = noise_scheduler.alphas_cumprod.astype("float32")
             self.register_buffer("snr", alphas_cumprod / (1.0 - alphas_cumprod), persistable=False)
-        self.empty: Conditioning | None = None  # the empty caption's text conditioning (cached text)
+        self.empty: Conditioning | None = None  # the empty caption's text conditioning (a frozen encoder's)
+        self.empty_ids: paddle.Tensor | None = None  # its token ids [1, L]
 
     def keep_empty_caption(self, input_ids) -> None:
         """Encode the empty caption's token ids once: a dropped caption's cached states are replaced by these (a
         frozen encoder gives every dropped caption the same states)."""
+        self.empty_ids = paddle.to_tensor(input_ids)[None]
         with paddle.no_grad():
-            self.empty = encode_prompt(self.text_encoder, paddle.to_tensor(input_ids)[None]).astype("float32")
+            self.empty = empty_caption(self.text_encoder, self.empty_ids).astype("float32")
 
     def train(self):
         super().train()
@@ -152,13 +154,16 @@ class LatentDiffusion(nn.Layer):
         given = Conditioning.from_arrays(fields)
         if input_ids is not None:
             found = replace(self.encode_text(input_ids), added=given.added)
+            if self.empty is not None:  # a dropped caption's conditioning, as from cached states (`empty_caption`)
+                dropped = (input_ids == self.empty_ids.astype(input_ids.dtype)).all(axis=1)
+                found = found.text_where(dropped, self.empty.astype(found.states.dtype))
         elif given.states is None:
             raise ValueError("a batch without token ids needs cached text states")
         elif self.empty is None:
             raise ValueError("cached text states need the empty caption's (keep_empty_caption)")
         else:
             found = given.text_where(paddle.to_tensor(dropped).astype("bool"), self.empty)
-        self.family.check_conditioning(found)
+        self.family.check_conditioning(found, self.unet)
         return found
 
     def forward(self, pixel_values: paddle.Tensor | None, input_ids: paddle.Tensor | None,

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +47,16 @@ class TextFamily:
     # built from scratch follows it (its vocabulary, its caption length)
     tokenizer_folder: str | None = "tokenizer"
     frozen_only: str | None = None  # why it cannot be trained here; None: it can
+    parts: tuple[TextFamily, ...] = ()  # several encoders read as one (`ldm.models.text_set`): each one's family
+
+    @property
+    def set_class(self):
+        """The class of a set of encoders (`ldm.models.text_set.TextEncoderSet`), or None: one encoder."""
+        if not self.parts:
+            return None
+        from ldm.models.text_set import SETS
+
+        return SETS[self.model_types[0]]
 
     def model_class(self, folder: str | None = None):
         """The class of the family's encoder in `folder`: CLIP's with its projection (SDXL's and SD3's
@@ -56,10 +66,8 @@ class TextFamily:
             from ppdiffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertModel
 
             return LDMBertModel
-        if self.name == "sd3":
-            from ldm.models.text_set import TextEncoderSet
-
-            return TextEncoderSet
+        if self.parts:
+            return self.set_class
         # ppdiffusers' own copies: transformers' weight names, as its pipelines use them
         from ppdiffusers.transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
@@ -80,9 +88,13 @@ T5 = TextFamily("t5", "text_encoder", False, ("t5",), masked=True)
 # Stable Diffusion 3's three (`ldm.models.text_set`): CLIP-L, CLIP-G and T5, read as one
 SD3_TEXT = TextFamily("sd3", "text_encoder", False, ("sd3_text_encoders",),
                       frozen_only="Stable Diffusion 3's three text encoders train frozen here (they are saved and "
-                                  "checked as one frozen part)")
-SD3_PARTS = (CLIP, CLIP, T5)  # the family of each of its three, in `text_set`'s order
-FAMILIES = (LDMBERT, CLIP, T5, SD3_TEXT)
+                                  "checked as one frozen part)", parts=(CLIP, CLIP, T5))
+# Stable Diffusion XL's two: CLIP-L and OpenCLIP-bigG, read as one
+SDXL_TEXT = TextFamily("sdxl", "text_encoder", False, ("sdxl_text_encoders",),
+                       frozen_only="Stable Diffusion XL's two text encoders train frozen here (they are saved and "
+                                   "checked as one frozen part)", parts=(CLIP, CLIP))
+# a set with more parts first: SD3's folders hold SDXL's two as well
+FAMILIES = (LDMBERT, CLIP, T5, SD3_TEXT, SDXL_TEXT)
 
 
 def named(name: str) -> TextFamily:
@@ -93,10 +105,9 @@ def named(name: str) -> TextFamily:
 def text_family(source: str) -> TextFamily:
     """The family of the text encoder a model folder (preset, configs or pipeline) holds: its `bert/` or its
     `text_encoder/`, told by the config's `model_type`; SD3's set: its `text_encoder/`, `_2/` and `_3/`."""
-    from ldm.models.text_set import is_set_source
-
-    if is_set_source(source):
-        return SD3_TEXT
+    for family in FAMILIES:
+        if family.parts and family.set_class.is_source(source):
+            return family
     for folder in ("bert", "text_encoder"):
         config = os.path.join(source, folder, "config.json")
         if not os.path.isfile(config):
@@ -144,17 +155,20 @@ def has_projection(folder: str) -> bool:
 def family_of(text_encoder) -> TextFamily:
     """The family of a text encoder model (by its class)."""
     name = type(text_encoder).__name__
-    if name == "TextEncoderSet":
-        return SD3_TEXT
+    if getattr(text_encoder, "composite", False):
+        return named_type(text_encoder.model_type)
     return LDMBERT if name.startswith("LDMBert") else T5 if name.startswith("T5") else CLIP
 
 
-def text_parts(text_encoder) -> list[tuple[str, str, object]]:
-    """(encoder folder, tokenizer folder, model) of each text encoder a pipeline holds: one, or SD3's three."""
-    if family_of(text_encoder) is SD3_TEXT:
-        from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS
+def named_type(model_type: str) -> TextFamily:
+    """The family of a set of encoders, by its config's `model_type`."""
+    return next(f for f in FAMILIES if model_type in f.model_types)
 
-        return list(zip(ENCODER_PARTS, TOKENIZER_PARTS, text_encoder.encoders, strict=True))
+
+def text_parts(text_encoder) -> list[tuple[str, str, object]]:
+    """(encoder folder, tokenizer folder, model) of each text encoder a pipeline holds: one, or a set's."""
+    if family_of(text_encoder).parts:
+        return list(zip(text_encoder.encoder_parts, text_encoder.tokenizer_parts, text_encoder.encoders, strict=True))
     return [(family_of(text_encoder).folder, "tokenizer", text_encoder)]
 
 
@@ -168,7 +182,7 @@ def encode_prompt(text_encoder, input_ids) -> Conditioning:
     one (a CLIP with a projection, which puts it first; SD3's set)."""
     from ldm.models.conditioning import Conditioning
 
-    if family_of(text_encoder) is SD3_TEXT:
+    if family_of(text_encoder).parts:
         states, pooled = text_encoder(input_ids)
         return Conditioning(states, pooled=pooled)
     if hasattr(text_encoder, "text_projection"):
@@ -178,6 +192,19 @@ def encode_prompt(text_encoder, input_ids) -> Conditioning:
         return Conditioning(text_encoder(input_ids)[0])
     mask = (input_ids != text_encoder.config.pad_token_id).astype("int64")
     return Conditioning(text_encoder(input_ids, attention_mask=mask)[0], mask)
+
+
+def empty_caption(text_encoder, input_ids) -> Conditioning:
+    """The text conditioning of the empty caption's token ids: what a dropped caption trains on and what guidance
+    samples against when no negative prompt is given. Zeros (states and pooled vector) for encoders whose pipeline says
+    `force_zeros_for_empty_prompt` (Stable Diffusion XL's, `ldm.models.text_set.SDXLTextEncoders`), as its pipeline
+    makes the negative and Stability's base model learned its unconditional; else their encoding."""
+    import paddle
+
+    encoded = encode_prompt(text_encoder, input_ids)
+    if not getattr(text_encoder.config, "force_zeros_for_empty_prompt", False):
+        return encoded
+    return replace(encoded, states=paddle.zeros_like(encoded.states), pooled=paddle.zeros_like(encoded.pooled))
 
 
 def cache_entry(text_encoder, length: int) -> dict:
@@ -190,7 +217,7 @@ def cache_entry(text_encoder, length: int) -> dict:
     entry = {"shape": [rows, width]}
     if is_masked(text_encoder):
         entry["length"] = length
-    if hasattr(text_encoder, "text_projection") or family_of(text_encoder) is SD3_TEXT:
+    if hasattr(text_encoder, "text_projection") or family_of(text_encoder).parts:
         entry["pooled"] = [int(config.projection_dim)]
     return entry
 
@@ -207,12 +234,8 @@ def describe_text_encoder(text_encoder, tokens: int | None) -> str:
         return (f"- CLIP text encoder: {parameters}, {b.num_hidden_layers} layers of width {b.hidden_size}, "
                 f"{b.num_attention_heads} heads, vocabulary {b.vocab_size}, {b.max_position_embeddings} positions, "
                 f"prompts of {tokens or b.max_position_embeddings} tokens")
-    if family is SD3_TEXT:
-        clip_l, clip_g, t5 = (e.config for e in text_encoder.encoders)
-        return (f"- Stable Diffusion 3's text encoders (frozen): {parameters}; CLIP-L {clip_l.num_hidden_layers} "
-                f"layers of width {clip_l.hidden_size} and CLIP-G {clip_g.num_hidden_layers} layers of width "
-                f"{clip_g.hidden_size}, both with projections (pooled {b.projection_dim}), T5 {t5.num_layers} layers "
-                f"of width {t5.d_model}; prompts of {tokens} tokens for each")
+    if family.parts:
+        return text_encoder.describe(parameters, tokens)
     return (f"- T5 text encoder (frozen): {parameters}, {b.num_layers} layers of width {b.d_model}, {b.num_heads} "
             f"heads, vocabulary {b.vocab_size}, prompts of {tokens} tokens, padding masked")
 
@@ -250,13 +273,12 @@ def check_vocabulary(tokenizer, tokenizer_source: str, text_encoder, encoder_sou
     """Every token id the tokenizer makes has a row in the encoder's embedding: a larger tokenizer fails deep in
     Paddle ("expected >= 0 and < N") at the first caption that uses a token past the end, or at the empty caption's
     end-of-text token."""
-    if family_of(text_encoder) is SD3_TEXT:
-        from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS, part_folders
+    if family_of(text_encoder).parts:
+        from ldm.models.text_set import part_folders
 
-        for one, folder, encoder, encoder_folder in zip(tokenizer.tokenizers,
-                                                        part_folders(tokenizer_source, TOKENIZER_PARTS),
-                                                        text_encoder.encoders,
-                                                        part_folders(encoder_source, ENCODER_PARTS), strict=True):
+        for one, folder, encoder, encoder_folder in zip(
+                tokenizer.tokenizers, part_folders(tokenizer_source, text_encoder.tokenizer_parts),
+                text_encoder.encoders, part_folders(encoder_source, text_encoder.encoder_parts), strict=True):
             check_vocabulary(one, folder, encoder, encoder_folder)
         return
     rows = int(text_encoder.config.vocab_size)
@@ -275,7 +297,7 @@ def train_text_encoder(family: TextFamily, asked: bool | None) -> bool:
 def config_dict(layer) -> dict:
     """A part's config as a plain dict: ppdiffusers' FrozenDict or PaddleNLP's PretrainedConfig; SD3's set: its own
     with each of its encoders'."""
-    if family_of(layer) is SD3_TEXT:
+    if family_of(layer).parts:
         parts = {part: config_dict(encoder) for part, _, encoder in text_parts(layer)}
         return {**layer.config.to_dict(), "parts": parts}
     config = layer.config.to_dict() if hasattr(layer.config, "to_dict") else dict(layer.config)
@@ -298,7 +320,7 @@ def text_encoder_identity(layer, family: TextFamily, max_length: int) -> dict:
     config = json.dumps(config_dict(layer), sort_keys=True, default=str)
     return {"family": family.name, "class": type(layer).__name__,
             "config_sha256": hashlib.sha256(config.encode()).hexdigest(), "weights_sha256": weights_sha256(layer),
-            "hidden_layer": "penultimate CLIP, last T5" if family is SD3_TEXT else "last",
+            "hidden_layer": family.set_class.hidden_layer if family.parts else "last",
             "max_length": int(max_length)}
 
 
@@ -309,11 +331,12 @@ def load_text_tokenizer(family: TextFamily, folder: str, model_max_length: int |
     read): its BPE vocabulary and merges are written out as the two files first. `own_copy`: read from a copy of the
     folder that lives as long as the process (a tokenizer saves itself by copying the files it was read from, and a
     training run's checkpoint it resumed from may be rotated away meanwhile)."""
-    if family is SD3_TEXT:  # its three, each at the first's caption length
-        from ldm.models.text_set import TOKENIZER_PARTS, TokenizerSet, part_folders
+    if family.parts:  # each of its tokenizers, at the first's caption length
+        from ldm.models.text_set import TokenizerSet, part_folders
 
-        tokenizers = TokenizerSet(load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
-                                  zip(SD3_PARTS, part_folders(folder, TOKENIZER_PARTS), strict=True))
+        parts = family.set_class.tokenizer_parts
+        tokenizers = TokenizerSet((load_text_tokenizer(part, f, model_max_length, own_copy) for part, f in
+                                   zip(family.parts, part_folders(folder, parts), strict=True)), parts)
         tokenizers.model_max_length = tokenizers.model_max_length
         return tokenizers
     if family.tokenizer_folder is None:  # LDMBert's, as its pipeline saved it

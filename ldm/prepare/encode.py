@@ -17,6 +17,9 @@ Training on the result (`ldm.data.latents`) skips the autoencoder's forward pass
   truncated shard gives the records before the break. A shard that cannot be read (missing, or a store
   that kept failing) is not written: the run ends with exit status 1 and names it, and running the same
   command again retries it.
+- **Geometry:** each record stores each copy's geometry (the image's original size, the crop's corner in the resized
+  image, the crop's size; the mirror copy's left edge mirrored), what SDXL's time ids and PixArt-α's resolution and
+  aspect ratio are made of, so that training from the corpus is conditioned as training from its images.
 - **Text states:** with `--text_embeddings`, each record also holds its caption's states from the frozen text
   encoder of `--model_name_or_path` (`ldm.data.latents`), whose identity (fingerprint) they are recorded with;
   a run with another encoder, or one that trains its text encoder, refuses the corpus.
@@ -115,12 +118,15 @@ class ShardBatches(IterableDataset):
             for number, line in iter_records(path):  # a text shard's lines, a tar's or parquet's samples
                 try:
                     latent, caption, image = record_parts(line, parse_record, parse_record, self.filters)
-                    crop = self.transform(image, sample_rng(self.seed, 0, seed_key, number))
+                    crop, placement = self.transform.place(image, sample_rng(self.seed, 0, seed_key, number))
                 except SkipRecord as e:
                     counts[e.reason] += 1
                     continue
                 key, source = record_key_meta(line)
-                full = groups.add((crop, (caption, key or f"{os.path.basename(path)}:{number}", source), None))
+                # the crop's geometry and its mirror image's, copy 1 when the encode flips
+                geometry = [placement.geometry(flipped).astype(int).tolist() for flipped in (False, True)]
+                full = groups.add((crop, (caption, key or f"{os.path.basename(path)}:{number}", source, geometry),
+                                   None, None))
                 if full is not None:
                     self.board.post(worker, f"slot {self.first_slot + worker}: reading {path} (line {number})")
                     yield self.batch(index, full)
@@ -142,10 +148,11 @@ class ShardBatches(IterableDataset):
 
     @staticmethod
     def batch(index: int, taken: list, done: dict | None = None) -> dict:
-        """`taken`: (crop, (caption, key, metadata), None) each, as `ShapeGroups` holds them."""
-        batch = {"shard": np.array([index], np.int64), "records": json.dumps([r for _, r, _ in taken], default=str)}
+        """`taken`: (crop, (caption, key, metadata, geometry of each orientation), None, None) each, as `ShapeGroups`
+        holds them."""
+        batch = {"shard": np.array([index], np.int64), "records": json.dumps([r for _, r, *_ in taken], default=str)}
         if taken:
-            batch["pixel_values"] = to_uint8_batch([crop for crop, _, _ in taken])
+            batch["pixel_values"] = to_uint8_batch([crop for crop, *_ in taken])
         if done is not None:  # the shard's last batch
             batch["done"] = json.dumps(done)
         return batch
@@ -193,9 +200,11 @@ class ShardWriters:
             self.skipped[index]["non_finite_text"] += int((finite & ~text_ok).sum())
             finite &= text_ok
         texts = [None] * len(records) if texts is None else texts
-        self.open[index].write(b"".join(latent_line(caption, key, m, meta, source[0] if source else None, text)
-                                        for (caption, key, *source), m, text, ok in zip(records, moments, texts, finite,
-                                                                                        strict=True) if ok))
+        self.open[index].write(b"".join(
+            latent_line(caption, key, m, dataclasses.replace(meta, geometry=tuple(map(tuple, geometry[:meta.copies]))),
+                        source, text)
+            for (caption, key, source, geometry), m, text, ok in zip(records, moments, texts, finite, strict=True)
+            if ok))
 
     def finish(self, index: int, done: dict, meta: LatentMeta) -> None:
         self.write(index, [], np.zeros([0, *meta.shape], np.float32), meta)
@@ -328,6 +337,7 @@ def settings_of(args, shards: list[Shard], meta: LatentMeta, buckets: tuple[Buck
             "resolution": meta.resolution, "random_flip": args.random_flip, "center_crop": args.center_crop,
             "min_image_size": args.min_image_size, "seed": args.seed, "vae_dtype": args.vae_dtype,
             "aspect_buckets": [bucket_name(b) for b in buckets] if buckets else None, "text": meta.text,
+            "geometry": True,  # a folder begun before records stored it is not completed with records that do
             **({"metadata_filter": list(args.metadata_filter)} if getattr(args, "metadata_filter", None) else {})}
 
 

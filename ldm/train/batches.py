@@ -24,6 +24,7 @@ from ldm.data.loader import watched
 from ldm.data.record import ImageTransform
 from ldm.data.tokenize import CaptionTokenizer
 from ldm.models.buckets import bucket_name, far_from_area
+from ldm.models.conditioning import GEOMETRY
 from ldm.runtime.distributed import Distributed
 from ldm.runtime.tracking import StepClock
 
@@ -132,7 +133,8 @@ class TimedBatches:
 def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int, dist: Distributed,
                   num_workers: int, saved_streams: list[dict] | None = None, autoencoder: str | None = None,
                   autoencoder_source: str = "", buckets: tuple[tuple[int, int], ...] | None = None,
-                  latent_scale: int = 8, cached_text: str | None = None) -> TimedBatches:
+                  latent_scale: int = 8, cached_text: str | None = None,
+                  added_conditions: tuple[str, ...] = ()) -> TimedBatches:
     """The streaming loader of this rank, resumed from a checkpoint's per-rank stream states if given.
 
     Without a tokenizer (the autoencoder) batches carry images only and captions are not read. Latent
@@ -141,7 +143,9 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
     the run's aspect-ratio buckets (the objective's, for its model; None: square crops); `latent_scale`, the
     autoencoder's downsampling, names a latent batch's bucket in pixels. `cached_text`: the fingerprint of the run's
     frozen text encoder, whose cached text states latent records may carry (batches then carry them in
-    `conditioning` instead of `input_ids`); "" when the run trains its text encoder.
+    `conditioning` instead of `input_ids`); "" when the run trains its text encoder. `added_conditions`: those the
+    run's model reads (image batches carry the geometry whatever the model; latent records encoded without it are
+    refused when the model reads it).
     """
     if buckets and dist.is_main:
         logger.info("aspect-ratio buckets (height x width): %s", ", ".join(map(bucket_name, buckets)))
@@ -159,7 +163,7 @@ def build_batches(data: DataArguments, tokenizer, *, batch_size: int, seed: int,
         transform=ImageTransform(data.resolution, center_crop=data.center_crop, random_flip=data.random_flip,
                                  min_image_size=data.min_image_size, buckets=buckets),
         latents=LatentTransform(autoencoder, autoencoder_source, data.resolution, data.random_flip, buckets,
-                                cached_text) if autoencoder is not None else None,
+                                cached_text, GEOMETRY in added_conditions) if autoencoder is not None else None,
         batch_size=batch_size,
         caption_dropout_prob=data.caption_dropout_prob,
         seed=seed,

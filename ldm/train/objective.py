@@ -57,6 +57,7 @@ class Objective:
     latent_scale = 8  # the autoencoder's downsampling
     autoencoder_source = ""
     cached_text: str | None = None  # cached text states it takes (`build_batches`): its frozen encoder's fingerprint
+    added_conditions: tuple[str, ...] = ()  # the added conditions its model reads (`ModelFamily.reads_added`)
     on_cached_text = False  # its batches carry cached text states (known once they started)
 
     def loss(self, net, batch: dict) -> tuple[paddle.Tensor, dict[str, paddle.Tensor]]:
@@ -149,6 +150,7 @@ class TextToImage(Objective):
         self.latent_scale = size_step(self.components.vae.config)
         self.buckets = backbone_buckets(data.aspect_buckets, data.resolution, data.max_aspect_ratio,
                                         self.components.vae.config, self.components.unet.config)
+        self.added_conditions = self.model.family.reads_added(self.model.unet)
         self.vae_folder = None
         self.nan_batches = nan_fault_batches()
         self.batches_seen = 0
@@ -170,7 +172,8 @@ class TextToImage(Objective):
         records = read_records(v.validation_file_list, v.validation_samples, resolution=self.data.resolution,
                                tokenizer=self.tokenizer, model_max_length=self.data.model_max_length,
                                autoencoder=self.latents_of, autoencoder_source=self.autoencoder_source,
-                               buckets=self.buckets if v.validation_aspect_buckets else None)
+                               buckets=self.buckets if v.validation_aspect_buckets else None,
+                               added_conditions=self.added_conditions)
         timesteps = fixed_timesteps(v.validation_timesteps, self.model.noise_scheduler.config.num_train_timesteps)
         self.held_out = HeldOut(records, timesteps, dist, v.validation_batch_size)
         crops = (f"in buckets {', '.join(map(bucket_name, self.buckets))}" if v.validation_aspect_buckets
@@ -370,7 +373,7 @@ def make_batches(objective: Objective, position: DataPosition, data: DataArgumen
                             num_workers=num_workers, saved_streams=position.saved,
                             autoencoder=objective.latents_of, autoencoder_source=objective.autoencoder_source,
                             buckets=objective.buckets, latent_scale=objective.latent_scale,
-                            cached_text=objective.cached_text)
+                            cached_text=objective.cached_text, added_conditions=objective.added_conditions)
     position.follow(batches.tracker)
     batches.start()
     objective.on_cached_text = batches.cached_text

@@ -20,6 +20,7 @@ from ldm.models.build import (
     build_components,
     check_autoencoder_source,
     check_autoencoder_trained,
+    check_source_family,
     has_weights,
     read_config,
     resolve_source,
@@ -93,6 +94,7 @@ class TextSource:
 def text_source(model_args: ModelArguments, resume=None) -> TextSource:
     try:
         source = resolve_source(model_args.model_name_or_path)
+        check_source_family(source)  # a model its family refuses by its parts (SDXL's refiner), said first
         family = text_family(source)
     except TextEncoderError as e:
         raise ModelSourceError(f"{model_args.model_name_or_path}: {e}") from None

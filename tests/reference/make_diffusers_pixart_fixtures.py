@@ -4,15 +4,23 @@ built from diffusers' and transformers' own classes (its transformer a `PixArtTr
 then read back with `torch_dtype=torch.bfloat16` and saved again, as SD3.5 and PixArt-Σ ship. Runs in its own
 virtualenv (the project needs no torch):
 
-    /work/refvenv/bin/python tests/reference/make_diffusers_pixart_fixtures.py
+    /work/refvenv/bin/python tests/reference/make_diffusers_pixart_fixtures.py [--multi-scale]
 
 Writes tests/fixtures/pixart-diffusers/{float32,bfloat16}/: `pipeline/` (the saved folder), `diffusers.npz` (what
 diffusers' pipeline computes on it, read in float32: `make_transformer_fixtures.pipeline_outputs`, so the guided steps
 take the unconditional branch from the T5 encoding of the empty caption, with its mask) and `reference.json`.
+
+And tests/fixtures/pixart-diffusers/multi-scale/: a tiny multi-scale transformer (`use_additional_conditions`, at
+PixArt-α's 1024 px models' sample_size 128, the only one diffusers' pipeline gives the conditions at; 24 wide:
+adaLN-single gives a third of its width to each of the resolution's two numbers and the aspect ratio) saved by
+diffusers (`transformer/`), and `multi_scale.npz`: its prediction on non-square latents for two images' resolution
+(original height, width) and aspect ratio (their crop's height / width), and the `added_cond_kwargs` diffusers'
+`PixArtAlphaPipeline` gives the transformer when sampling 48 x 32 pixels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,16 +94,70 @@ def write(folder: str, pipeline) -> None:
     print(folder, json.dumps(reference, indent=1))
 
 
+def multi_scale() -> None:
+    """The multi-scale transformer, its prediction with resolution and aspect-ratio conditions, and what the pipeline
+    conditions a sample on."""
+    import diffusers
+
+    folder = os.path.join(OUT, "multi-scale")
+    torch.manual_seed(1)
+    transformer = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=24, sample_size=128, patch_size=2, caption_channels=16, use_additional_conditions=True)
+    shutil.rmtree(os.path.join(folder, "transformer"), ignore_errors=True)
+    transformer.save_pretrained(os.path.join(folder, "transformer"))
+    rng = np.random.default_rng(5)
+    latents = rng.standard_normal([2, 4, 12, 8]).astype(np.float32)
+    states = rng.standard_normal([2, 5, 16]).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], np.int64)
+    timesteps = np.array([10, 700], np.int64)
+    resolution = np.array([[300, 200], [96, 64]], np.float32)  # the images' sizes before the resize
+    aspect_ratio = np.array([[48 / 32], [48 / 32]], np.float32)  # their 48 x 32 crops' (a bucket's) height / width
+    with torch.no_grad():
+        prediction = transformer(torch.from_numpy(latents), encoder_hidden_states=torch.from_numpy(states),
+                                 encoder_attention_mask=torch.from_numpy(mask), timestep=torch.from_numpy(timesteps),
+                                 added_cond_kwargs={"resolution": torch.from_numpy(resolution),
+                                                    "aspect_ratio": torch.from_numpy(aspect_ratio)}).sample.numpy()
+    given = {}
+
+    class Given(Exception):
+        """The first call's conditions are recorded: the sampling stops there."""
+
+    def record(module, args, kwargs):
+        given.update({name: value.numpy() for name, value in kwargs["added_cond_kwargs"].items()})
+        raise Given
+
+    pipeline = tiny_pipeline()
+    pipeline = diffusers.PixArtAlphaPipeline(tokenizer=pipeline.tokenizer, text_encoder=pipeline.text_encoder,
+                                             vae=pipeline.vae, transformer=transformer, scheduler=pipeline.scheduler)
+    handle = transformer.register_forward_pre_hook(record, with_kwargs=True)
+    with contextlib.suppress(Given):
+        pipeline("a red circle", height=48, width=32, num_inference_steps=2, use_resolution_binning=False,
+                 clean_caption=False, max_sequence_length=16)
+    handle.remove()
+    np.savez_compressed(os.path.join(folder, "multi_scale.npz"), latents=latents, states=states, mask=mask,
+                        timesteps=timesteps, resolution=resolution, aspect_ratio=aspect_ratio, prediction=prediction,
+                        sampled_resolution=given["resolution"], sampled_aspect_ratio=given["aspect_ratio"])
+    with open(os.path.join(folder, "reference.json"), "w") as f:
+        json.dump({"versions": versions(), "weights_sha256": {"transformer/diffusion_pytorch_model.safetensors": sha256(
+            os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors"))}}, f, indent=1)
+    print(folder, given)
+
+
 def main() -> None:
     import diffusers
 
     torch.set_num_threads(2)
+    if "--multi-scale" in sys.argv:  # that fixture alone (the others stay as they were made)
+        multi_scale()
+        return
     for dtype in ("float32", "bfloat16"):
         os.makedirs(os.path.join(OUT, dtype), exist_ok=True)
     write(os.path.join(OUT, "float32"), tiny_pipeline())
     bf16 = diffusers.PixArtAlphaPipeline.from_pretrained(os.path.join(OUT, "float32", "pipeline"),
                                                          torch_dtype=torch.bfloat16)
     write(os.path.join(OUT, "bfloat16"), bf16)
+    multi_scale()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 - `ldm` and `sd` (`unet`): ppdiffusers' `UNet2DConditionModel`, with LDMBert trained jointly (the CompVis LDM), or
   a frozen CLIP or T5 (Stable Diffusion 1.x and 2.x);
 - `pixart` (`pixart`): PixArt-α's DiT, with a frozen T5 (or LDMBert, the demo's);
+- `sdxl` (`sdxl`): Stable Diffusion XL's UNet (`addition_embed_type: text_time`) with CLIP-L and OpenCLIP-bigG
+  frozen, conditioned on the pooled vector and each image's size and crop;
 - `sd3` (`sd3`): Stable Diffusion 3's MMDiT with its three frozen text encoders.
 
 A family is found from a model folder (`folder_family`: its backbone's folder and config, and its text encoder), from
@@ -22,11 +24,13 @@ from ldm.models.conditioning import Conditioning
 from ldm.models.families.base import ModelFamily, PipelineError
 from ldm.models.families.pixart import PIXART
 from ldm.models.families.sd3 import SD3
+from ldm.models.families.sdxl import SDXL
 from ldm.models.families.unet import LDM, SD
 from ldm.models.text import TextFamily
 from ldm.models.text import family_of as text_kind_of
 
-FAMILIES: tuple[ModelFamily, ...] = (LDM, SD, PIXART, SD3)
+# SDXL's UNet (a narrower config) before SD's
+FAMILIES: tuple[ModelFamily, ...] = (LDM, SDXL, SD, PIXART, SD3)
 
 __all__ = ["FAMILIES", "ModelFamily", "PipelineError", "config_family", "family_of", "folder_family", "predict",
            "predict_with_variance"]

@@ -90,6 +90,11 @@ class ModelFamily:
         weights: a variant ppdiffusers' class does not build, or conditions this framework does not give), or None."""
         return None
 
+    def unsupported_source(self, source: str) -> str | None:
+        """Why this framework cannot train or sample the model folder `source` of this family's backbone (a variant
+        its pipeline or parts say: Stable Diffusion XL's refiner), read before any weight, or None."""
+        return None
+
     def prepare_library(self) -> None:
         """Make ppdiffusers' class of the backbone buildable and trainable here (`ldm.runtime.compat.private`)."""
 
@@ -116,17 +121,23 @@ class ModelFamily:
                         type(backbone).__name__, backbone.config.sample_size, latent)
 
     # -- conditioning and prediction ---------------------------------------------------------------------------------
-    def check_conditioning(self, conditioning: Conditioning) -> None:
-        """Refuse a batch that lacks the added conditions this family's backbone reads."""
-        missing = [name for name in self.added_conditions if name not in conditioning.added]
+    def reads_added(self, backbone) -> tuple[str, ...]:
+        """The added conditions a built backbone of this family reads: the family's `added_conditions`, or, where its
+        configs differ (PixArt-α's multi-scale DiT), this one's."""
+        return self.added_conditions
+
+    def check_conditioning(self, conditioning: Conditioning, backbone=None) -> None:
+        """Refuse a batch that lacks the added conditions this family's backbone (`backbone`, when given) reads."""
+        needed = self.added_conditions if backbone is None else self.reads_added(backbone)
+        missing = [name for name in needed if name not in conditioning.added]
         if missing:
             raise ValueError(f"the {self.name} family's backbone reads the added conditions {', '.join(missing)}, "
                              "which the batch does not carry")
 
-    def sampling_added(self, height: int, width: int, rows: int) -> dict[str, paddle.Tensor]:
+    def sampling_added(self, height: int, width: int, rows: int, backbone=None) -> dict[str, paddle.Tensor]:
         """The added conditions of `rows` images sampled at `height` x `width` pixels (`generate`, validation images,
-        the evaluation): the requested size as original and target, crop (0, 0)."""
-        if GEOMETRY not in self.added_conditions:
+        the evaluation) by `backbone` (when given): the requested size as original and target, crop (0, 0)."""
+        if GEOMETRY not in (self.added_conditions if backbone is None else self.reads_added(backbone)):
             return {}
         return {GEOMETRY: paddle.to_tensor(sampling_geometry(height, width, rows))}
 
@@ -155,7 +166,10 @@ class ModelFamily:
         """FLOPs of one training sample of a `LatentDiffusion` of this family (`ldm.models.flops`)."""
         from ldm.models.flops import ldm_training_flops
 
-        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents)
+        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+        added = {name: value.numpy() for name, value in self.sampling_added(height, width, 1).items()}
+        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents,
+                                  added=added)
 
     def cached_text(self, entry: dict) -> dict:
         """What its cached text states keep of what its text encoder makes (`ldm.models.text.cache_entry`): the

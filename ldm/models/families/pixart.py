@@ -8,12 +8,20 @@ variance PixArt learns with improved DDPM's variational bound ("learned sigma": 
 position embedding is 2-D sin-cos over the patch grid of `sample_size`; ppdiffusers' `PatchEmbed` recomputes it for
 another grid (an aspect-ratio bucket), its positions scaled to the trained grid's span, so a DiT takes any latent
 shape that is a multiple of its patch. `sample_size` sets that span, so it is not changed to follow `--resolution`.
+
+PixArt-α's multi-scale models (1024 px, `use_additional_conditions`) also embed each image's resolution and aspect
+ratio in adaLN-single's timestep embedding. They come from the image's geometry (`GEOMETRY`), as PixArt-α's
+multi-scale data (`InternalDataMS`) gives them: the resolution is the image's size before any resize (`img_hw`: its
+original height and width), the aspect ratio its bucket's height over width (`closest_ratio`: PixArt's table lists
+each bucket's ratio rounded to two decimals, this project's buckets are its own, so the ratio is the crop's exact
+one); sampling gives the requested (height, width) and height / width, as diffusers' `PixArtAlphaPipeline` does.
 """
 
 from __future__ import annotations
 
 import paddle
 
+from ldm.models.conditioning import GEOMETRY
 from ldm.models.families.base import (
     LDM_GENERATE,
     PROMPT,
@@ -46,25 +54,23 @@ class PixArtFamily(ModelFamily):
                                                                       or config.get("joint_attention_dim"))
 
     def unsupported(self, config):
-        """ppdiffusers' `Transformer2DModel` gives a PixArt DiT the resolution and aspect-ratio conditions exactly when
-        its sample_size is 128 and its position embedding's interpolation scale sample_size // 64 (at least 1);
-        diffusers' class reads both from the config (`use_additional_conditions`, `interpolation_scale`; None: those
-        defaults)."""
+        """ppdiffusers' `Transformer2DModel` takes a PixArt DiT's position embedding's interpolation scale as
+        sample_size // 64 (at least 1), and gives it the resolution and aspect-ratio conditions when its sample_size is
+        128; diffusers' class reads both from the config (`use_additional_conditions`, `interpolation_scale`; None:
+        those defaults). The conditions are built as the config says (`buildable_additional_conditions`)."""
         norm = config.get("norm_type", "ada_norm_single")
         if norm != "ada_norm_single":
             return (f"its transformer is a Transformer2DModel with norm_type {norm!r}, not PixArt-α's text-conditioned "
                     "DiT (adaLN-single, ada_norm_single), the only Transformer2DModel this framework trains")
         size = int(config.get("sample_size") or 0)
-        conditions = config.get("use_additional_conditions")
-        if conditions or (conditions is None and size == 128):
-            return ("its transformer takes resolution and aspect-ratio conditions (use_additional_conditions: "
-                    "PixArt-α's 1024 px models), which this framework does not give it; the 512 px PixArt-α "
-                    "(sample_size 64) trains")
-        if size == 128:
+        if size == 128 and config.get("use_additional_conditions") is False:
             return ("its transformer is a PixArt DiT at sample_size 128 without resolution and aspect-ratio conditions "
-                    "(use_additional_conditions false, as PixArt-Σ's 1024 px models), which ppdiffusers' "
-                    "Transformer2DModel, the one this framework trains, cannot build: it gives every sample_size-128 "
-                    "DiT those conditions")
+                    "(use_additional_conditions false, as PixArt-Σ's 1024 px models), which this framework does not "
+                    "train: PixArt-α's 1024 px models (with them) and 512 px models (sample_size 64) train")
+        width = int(config.get("num_attention_heads") or 0) * int(config.get("attention_head_dim") or 0)
+        if additional_conditions(config) and width % 3:
+            return (f"its transformer takes resolution and aspect-ratio conditions at a width of {width}, which "
+                    "adaLN-single cannot split in three (two thirds for the resolution, one for the aspect ratio)")
         scale, built = config.get("interpolation_scale"), max(size // 64, 1)
         if scale is not None and float(scale) != built:
             return (f"its transformer's position embedding has interpolation_scale {scale:g}, which ppdiffusers' "
@@ -74,6 +80,10 @@ class PixArtFamily(ModelFamily):
 
     def prepare_library(self):
         buildable_caption_projection()
+        buildable_additional_conditions()
+
+    def reads_added(self, backbone):
+        return (GEOMETRY,) if backbone.use_additional_conditions else ()
 
     @paddle.no_grad()
     def init_weights(self, backbone):
@@ -93,9 +103,12 @@ class PixArtFamily(ModelFamily):
             zero_(layer)
 
     def predict(self, backbone, sample, timesteps, conditioning):
-        """The resolution and aspect-ratio conditions of PixArt-α's multi-scale models come from `added` (None: a
-        backbone without them)."""
-        added = {name: conditioning.added.get(name) for name in ("resolution", "aspect_ratio")}
+        """The resolution and aspect-ratio conditions of PixArt-α's multi-scale models come from the geometry: the
+        original (height, width) and the target's height / width (None: a backbone without them)."""
+        added = {"resolution": None, "aspect_ratio": None}
+        if backbone.use_additional_conditions:
+            self.check_conditioning(conditioning, backbone)
+            added = size_conditions(conditioning.added[GEOMETRY])
         return backbone(sample, encoder_hidden_states=conditioning.states, timestep=per_sample(timesteps, sample),
                         encoder_attention_mask=conditioning.mask, added_cond_kwargs=added).sample
 
@@ -152,6 +165,55 @@ def buildable_caption_projection() -> None:
 
     projection.__init__ = __init__
     projection._ldm_buildable = True
+
+
+def size_conditions(geometry: paddle.Tensor) -> dict[str, paddle.Tensor]:
+    """A multi-scale DiT's `added_cond_kwargs` of images' geometry ([B, 6]): the resolution, their (height, width)
+    before any resize ([B, 2]), and the aspect ratio, their crop's height / width ([B, 1])."""
+    geometry = geometry.astype("float32")
+    return {"resolution": geometry[:, 0:2], "aspect_ratio": geometry[:, 4:5] / geometry[:, 5:6]}
+
+
+def additional_conditions(config: dict) -> bool:
+    """A PixArt DiT config's resolution and aspect-ratio conditions, as diffusers reads it (None: sample_size 128)."""
+    conditions = config.get("use_additional_conditions")
+    return int(config.get("sample_size") or 0) == 128 if conditions is None else bool(conditions)
+
+
+def buildable_additional_conditions() -> None:
+    """ppdiffusers 0.29's `Transformer2DModel` gives a PixArt DiT the resolution and aspect-ratio embeddings exactly
+    when its sample_size is 128 and takes no `use_additional_conditions`, which diffusers' reads from the config
+    (PixArt-α's multi-scale models at any size, a tiny one for tests). Its constructor is wrapped to take it: the
+    embeddings are built as the config says (the same layers as at 128, `AdaLayerNormSingle`) and it is kept in the
+    config, so the model saves and reloads as it was read."""
+    import functools
+    import inspect
+
+    import ppdiffusers
+    from ppdiffusers.models import normalization
+
+    model = private(ppdiffusers, "Transformer2DModel", "building PixArt-α's multi-scale Transformer2DModel")
+    single = private(normalization, "AdaLayerNormSingle", "building PixArt-α's multi-scale Transformer2DModel")
+    if getattr(model.__init__, "_ldm_additional_conditions", False):
+        return
+    built = model.__init__
+    signature = inspect.signature(built)
+
+    @functools.wraps(built)
+    def __init__(self, *args, use_additional_conditions=None, **kwargs):
+        built(self, *args, **kwargs)
+        if use_additional_conditions is None or self.adaln_single is None:
+            return
+        if bool(use_additional_conditions) != self.use_additional_conditions:
+            self.use_additional_conditions = bool(use_additional_conditions)
+            self.adaln_single = single(self.inner_dim, use_additional_conditions=self.use_additional_conditions)
+        self.register_to_config(use_additional_conditions=self.use_additional_conditions)
+
+    parameters = list(signature.parameters.values())
+    keyword = inspect.Parameter("use_additional_conditions", inspect.Parameter.KEYWORD_ONLY, default=None)
+    __init__.__signature__ = signature.replace(parameters=[*parameters, keyword])
+    __init__._ldm_additional_conditions = True
+    model.__init__ = __init__
 
 
 PIXART = PixArtFamily()

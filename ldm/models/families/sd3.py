@@ -20,7 +20,7 @@ from ldm.models.families.base import (
     trained_length,
 )
 from ldm.models.text import SD3_TEXT
-from ldm.models.text_set import ENCODER_PARTS, TOKENIZER_PARTS, is_set_source
+from ldm.models.text_set import SD3TextEncoders
 from ldm.runtime.compat import private
 
 
@@ -30,7 +30,8 @@ class SD3Family(ModelFamily):
     backbone_class = "SD3Transformer2DModel"
     text_kinds = (SD3_TEXT,)
     pipeline_class = "StableDiffusion3Pipeline"
-    pipeline_parts = ("vae", *ENCODER_PARTS, *TOKENIZER_PARTS, "transformer", "scheduler")
+    pipeline_parts = ("vae", *SD3TextEncoders.encoder_parts, *SD3TextEncoders.tokenizer_parts, "transformer",
+                      "scheduler")
     class_parts = {"text_encoder": ("CLIPTextModelWithProjection",)}  # its first CLIP has a projection
     reads_pooled = True
 
@@ -38,7 +39,7 @@ class SD3Family(ModelFamily):
         return bool(config.get("pos_embed_max_size") or config.get("joint_attention_dim"))
 
     def reads_text_parts(self, folder):
-        return is_set_source(folder)
+        return SD3TextEncoders.is_source(folder)
 
     def unsupported(self, config):
         """Stable Diffusion 3.5's MMDiT normalises queries and keys (`qk_norm`) and, in Medium, adds a second

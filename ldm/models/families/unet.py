@@ -28,6 +28,10 @@ class UNetFamily(ModelFamily):
     backbone_folder = "unet"
     backbone_class = "UNet2DConditionModel"
 
+    def reads_backbone(self, config):
+        """Stable Diffusion XL's UNet (`addition_embed_type: text_time`) is its own family's."""
+        return super().reads_backbone(config) and config.get("addition_embed_type") != "text_time"
+
     def has_shape(self, config):
         return not (config.get("pos_embed_max_size") or config.get("joint_attention_dim")
                     or config.get("norm_type") == "ada_norm_single")
@@ -35,9 +39,8 @@ class UNetFamily(ModelFamily):
     def unsupported(self, config):
         added = config.get("addition_embed_type")
         if added:
-            sdxl = " (Stable Diffusion XL's pooled text and image sizes)" if added == "text_time" else ""
-            return (f"its UNet takes added conditions, addition_embed_type {added!r}{sdxl}, which this framework does "
-                    "not give it: it trains Stable Diffusion 1.x and 2.x UNets")
+            return (f"its UNet takes added conditions, addition_embed_type {added!r}, which this framework does not "
+                    "give it: it trains Stable Diffusion 1.x, 2.x and XL UNets")
         return None
 
     def init_weights(self, backbone):
