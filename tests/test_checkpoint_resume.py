@@ -42,3 +42,38 @@ def test_a_damaged_record_is_one_line_naming_it(tmp_path, name):
     with pytest.raises(CheckpointError, match=f"its {name} is not valid JSON") as refused:
         Resume(str(folder))
     assert isinstance(refused.value, UserError) and "\n" not in str(refused.value)
+
+
+def test_a_late_part_holds_its_restored_state_until_its_object_is_handed_over():
+    """The one restore hands every part its state at once; a part whose object the driver makes later (the Trainer's
+    optimizer, schedule and scaler) keeps it and loads it into the object it is handed."""
+    from types import SimpleNamespace
+
+    from ldm.checkpoint.manager import Late, Part
+
+    def part_of(obj):
+        return Part(state=lambda: {"value": obj.value}, load=lambda saved: setattr(obj, "value", saved["value"]))
+
+    late, obj = Late(part_of), SimpleNamespace(value=0)
+    late.load({"value": 7})  # the restore, before the object exists
+    assert not late.handed and obj.value == 0
+    late.hand(obj)
+    assert obj.value == 7 and late.state() == {"value": 7}
+    obj.value = 8  # a part handed over first loads at once
+    after = Late(part_of)
+    after.hand(obj)
+    after.load({"value": 9})
+    assert obj.value == 9
+
+
+def test_the_runs_steps_come_in_their_order_once_each_and_close_from_any():
+    from ldm.train.run import Step, next_step
+
+    at = Step.PLAN
+    for step in (Step.BUILD, Step.OPEN, Step.RESTORE, Step.CHECK, Step.WRITE, Step.SIGNALS, Step.END, Step.EXPORT):
+        at = next_step(at, step)  # a run resumed at its end passes over HAND and BEGIN
+    with pytest.raises(RuntimeError, match="BEGIN comes after EXPORT"):
+        next_step(at, Step.BEGIN)
+    with pytest.raises(RuntimeError, match="OPEN comes after OPEN"):
+        next_step(Step.OPEN, Step.OPEN)
+    assert next_step(Step.OPEN, Step.CLOSE) is Step.CLOSE

@@ -73,6 +73,14 @@ class Step(enum.IntEnum):
     EXPORT = 11  # `export`: the stop's last line, or the objective's export
     CLOSE = 12  # at any exit of `opened()`: the save in flight, the loader, the trackers, the lock
 
+def next_step(at: Step, step: Step) -> Step:
+    """`step`, reached from `at`: a step after it (some may be passed over: a run resumed at its end has no updates),
+    or `CLOSE` from anywhere; RuntimeError for a step again or before it."""
+    if step <= at and step is not Step.CLOSE:
+        raise RuntimeError(f"the run's step {step.name} comes after {at.name}, not again or before it")
+    return step
+
+
 def progress_target(step: int, max_steps: int, save_steps: int) -> tuple[int, str]:
     """(update the progress bar counts toward, its label). A run with no practical end (the original recipe sets
     max_train_steps 1e9) counts toward the next checkpoint instead, so the ETA means something."""
@@ -200,9 +208,7 @@ class TrainingRun:
 
     def reach(self, step: Step) -> None:
         """The run is at `step`: after the one before it (a driver that calls them out of order is a bug)."""
-        if step <= self.at and step is not Step.CLOSE:
-            raise RuntimeError(f"the run's step {step.name} comes after {self.at.name}, not again or before it")
-        self.at = step
+        self.at = next_step(self.at, step)
 
     def build(self, objective, data, groups):
         """`Step.BUILD`: the objective (`objective()`, built on every rank alike) and the run's record of the argument
