@@ -166,10 +166,7 @@ class ModelFamily:
         """FLOPs of one training sample of a `LatentDiffusion` of this family (`ldm.models.flops`)."""
         from ldm.models.flops import ldm_training_flops
 
-        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
-        added = {name: value.numpy() for name, value in self.sampling_added(height, width, 1).items()}
-        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents,
-                                  added=added)
+        return ldm_training_flops(model, resolution=resolution, text_length=text_length, on_latents=on_latents)
 
     def cached_text(self, entry: dict) -> dict:
         """What its cached text states keep of what its text encoder makes (`ldm.models.text.cache_entry`): the
