@@ -4,7 +4,9 @@ records in run.json), and the activations of one training step measured on this 
     .venv/bin/python scripts/bench_memory.py [--presets ldm-32layer ldm-12layer sd-1.5] [--cards 8 64]
     .venv/bin/python scripts/bench_memory.py --activations ldm-12layer --resolution 256 --batch 1
 
-The state table builds each preset once on the CPU (ldm-32layer: 5.5 GB, about a minute) and counts. The
+The state table builds each preset once on the CPU (ldm-32layer: 5.5 GB, about a minute) and counts; a preset with
+a T5 encoder (T5-XXL: 19 GB of float32 weights) is built with copies of 1 and 2 of its layers, as model_report.py
+counts it, and its frozen part grown by the further layers (nothing else depends on them). The
 activation measurement builds the model, runs one forward and backward pass of the LDM loss (UNet and LDMBert
 trained, or a Stable Diffusion preset's UNet with its CLIP text encoder frozen; the autoencoder encoding), with and
 without recompute, each in a fresh process, and reports the peak resident memory (VmHWM) less what was resident
@@ -22,11 +24,28 @@ GIB = 2**30
 
 
 def layouts(preset: str, cards: list[int], ema: bool) -> list[dict]:
+    import os
+    import tempfile
+
+    from model_report import few_layers, t5_layers
+
+    layers = t5_layers(preset)
+    if layers is None:
+        return counted_layouts(preset, preset, cards, ema)
+    with tempfile.TemporaryDirectory() as temp:
+        one, two = (counted_layouts(preset, few_layers(preset, n, os.path.join(temp, str(n))), cards, ema)
+                    for n in (1, 2))
+    # the first layer (with the relative position table) and the embedding, plus the further layers, each as the second
+    return [{**a, **{k: a[k] + (layers - 1) * (b[k] - a[k]) for k in a if isinstance(a[k], float)}}
+            for a, b in zip(one, two, strict=True)]
+
+
+def counted_layouts(preset: str, source: str, cards: list[int], ema: bool) -> list[dict]:
     from ldm.models.build import build_components
     from ldm.models.diffusion import LatentDiffusion
     from ldm.train.memory import memory_by_rank
 
-    parts = build_components(preset, vocab_size=30522, model_max_length=77)
+    parts = build_components(source, vocab_size=30522, model_max_length=77)
     model = LatentDiffusion(parts.unet, parts.text_encoder, parts.vae, parts.noise_scheduler,
                             freeze_text_encoder=not parts.family.trained_by_default)  # as a run of it trains
     rows = []

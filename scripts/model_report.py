@@ -37,6 +37,14 @@ def t5_part(source: str) -> str:
     return "text_encoder_3" if os.path.isdir(os.path.join(source, "text_encoder_3")) else "text_encoder"
 
 
+def t5_layers(preset: str) -> int | None:
+    """The number of layers of a preset's T5 encoder; None when it has none."""
+    part = os.path.join(resolve_source(preset), t5_part(resolve_source(preset)))
+    if not os.path.isfile(os.path.join(part, "config.json")) or read_config(part).get("model_type") != "t5":
+        return None
+    return read_config(part)["num_layers"]
+
+
 def few_layers(preset: str, layers: int, folder: str) -> str:
     """A copy of a preset's configs whose T5 text encoder has `layers` layers: T5-XXL (4.8 B parameters, 19 GB in
     float32) does not fit beside the rest on a small host, and its layers after the first are alike."""
@@ -63,7 +71,7 @@ def t5_scaled(preset: str, text_length: int, temp: str) -> tuple[int, int]:
         ids = paddle.ones([1, text_length * getattr(encoder, "id_groups", 1)], dtype="int64")
         flops = sum(forward_flops(encoder, lambda encoder=encoder, ids=ids: encoder(ids)).values())
         counted.append((sum(int(p.numel()) for p in encoder.parameters()), flops))
-    total = read_config(os.path.join(resolve_source(preset), t5_part(resolve_source(preset))))["num_layers"]
+    total = t5_layers(preset)
     (p1, f1), (p2, f2) = counted
     return p1 + (total - 1) * (p2 - p1), f1 + (total - 1) * (f2 - f1)
 
@@ -79,9 +87,7 @@ def main() -> None:
     for preset in args.presets:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as temp:
-            part = os.path.join(resolve_source(preset), t5_part(resolve_source(preset)))
-            # a T5 is counted from copies of 1 and 2 layers
-            t5 = os.path.isfile(os.path.join(part, "config.json")) and read_config(part).get("model_type") == "t5"
+            t5 = t5_layers(preset) is not None  # counted from copies of 1 and 2 layers
             source = few_layers(preset, 1, os.path.join(temp, "1")) if t5 else preset
             components = build_components(source, vocab_size=30522, model_max_length=args.text_length)
             scaled = t5_scaled(preset, args.text_length, temp) if t5 else None

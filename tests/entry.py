@@ -311,6 +311,20 @@ def launched_rank_pid(launcher_pid: int, rank: int) -> int:
     raise LookupError(f"rank {rank} of launcher {launcher_pid} not found")
 
 
+def rank_pid(status: str, rank: int) -> int | None:
+    """The pid of the training process of `rank` that reports to the report folder `status` (a try of
+    `python -m ldm.launch`)."""
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"LDM_LAUNCH_STATUS={status}".encode() in environ and f"PADDLE_TRAINER_ID={rank}".encode() in environ:
+            return int(name)
+    return None
+
+
 def guard_stop_errors(result, tmp_path, launch: bool) -> list[str]:
     """The `error:` lines of a run the non-finite guard stopped after updates 2, 3 and 4 were skipped (every
     rank's log when launched), once checked that it ended non-zero, without a traceback, skipping on every rank."""

@@ -72,16 +72,17 @@ def tiny_sd_pipeline(folder: str) -> str:
                            os.path.join(folder, "ppdiffusers"))
 
 
-def tiny_pixart_pipeline(folder: str, to_diffusers: bool = True) -> str:
+def tiny_pixart_pipeline(folder: str, to_diffusers: bool = True, preset: str = "pixart-tiny") -> str:
     """The pixart-tiny PixArtAlphaPipeline (a DiT, a T5 text encoder, its own tokenizer) with seeded weights and the
-    DPM-Solver++ sampler PixArt-alpha's pipelines ship, in diffusers' layout (or ppdiffusers')."""
+    DPM-Solver++ sampler PixArt-alpha's pipelines ship, in diffusers' layout (or ppdiffusers'); `preset`
+    pixart-ms-tiny: the multi-scale DiT."""
     sys.path.insert(0, ROOT)
     from ldm.inference.export import export_pipeline
     from ldm.inference.load import load_tokenizer_of
     from ldm.models.build import build_components
     from ldm.models.noise import scheduler_config
 
-    c = build_components("pixart-tiny")
+    c = build_components(preset)
     for seed, part in enumerate((c.unet, c.text_encoder, c.vae)):
         fill_seeded(part, 60 + seed)
     # a buffer, not a parameter, saved with the weights: diffusers' unconditional caption, drawn at building

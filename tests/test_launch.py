@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import ROOT
 from corpus import write_corpus
+from entry import rank_pid
 
 from ldm.checkpoint.run_folder import latest_checkpoint
 from ldm.launch import diagnosis
@@ -174,19 +175,6 @@ def test_a_user_error_is_not_restarted(tmp_path):
     assert "rank 0 stopped the run on purpose (UserError: --file_list names no shard): not restarted" in result.stderr
     assert len((tmp_path / "out" / "argv.txt").read_text().splitlines()) == 2  # one try
     assert not (tmp_path / "logs" / "ldm-launch" / "try-1").exists()
-
-
-def rank_pid(status: str, rank: int) -> int | None:
-    """The pid of the training process of `rank` that reports to the report folder `status`."""
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"LDM_LAUNCH_STATUS={status}".encode() in environ and f"PADDLE_TRAINER_ID={rank}".encode() in environ:
-            return int(name)
-    return None
 
 
 @pytest.mark.slow

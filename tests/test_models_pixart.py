@@ -289,3 +289,61 @@ def test_a_multi_scale_transformer_predicts_from_the_geometry_what_diffusers_pre
     sampled = size_conditions(PIXART.sampling_added(48, 32, 2, transformer)[GEOMETRY])
     np.testing.assert_array_equal(sampled["resolution"].numpy(), expected["sampled_resolution"])
     np.testing.assert_array_equal(sampled["aspect_ratio"].numpy(), expected["sampled_aspect_ratio"])
+
+
+def test_multi_scale_pixart_trains_on_cached_states_on_the_trainer_path_with_ema_exports_samples_and_evaluates(
+        tmp_path, monkeypatch):
+    """A seeded pixart-ms-tiny pipeline: its corpus encoded in buckets with the T5 states (`encode --text_embeddings`),
+    trained on the Trainer entry point with EMA (each batch one bucket, conditioned on its records' stored geometry),
+    exported in both layouts (the conditions kept in the config: diffusers' pipeline gives them only at sample_size
+    128, so this one is sampled here), sampled by `ldm.generate --negative_prompt` at 48x24, and evaluated by
+    `ldm.evaluate loss`: the export holds the checkpoint's EMA weights, not its trained ones."""
+    from corpus import write_aspect_corpus
+    from entry import run_python
+    from interop_models import tiny_pixart_pipeline
+
+    from ldm.data.dataset import CONSUMED_LOG
+
+    source = tiny_pixart_pipeline(str(tmp_path / "source"), to_diffusers=False, preset="pixart-ms-tiny")
+    corpus = write_aspect_corpus(str(tmp_path / "corpus"), num_records=8, records_per_shard=4)
+    buckets = ["--resolution", str(RESOLUTION), "--aspect_buckets", "48x24,32x32"]
+    encoded = run_python(["-m", "ldm.prepare", "encode", "--file_list", corpus, "--vae_name_or_path", source,
+                          "--model_name_or_path", source, "--output_dir", str(tmp_path / "cached"), *buckets,
+                          "--dtype", "float32", "--num_workers", "0", "--model_max_length", "16", "--text_embeddings",
+                          "--text_dtype", "float32"])
+    assert encoded.returncode == 0, encoded.stderr[-3000:]
+    log = tmp_path / "consumed"
+    monkeypatch.setenv(CONSUMED_LOG, str(log))
+    run = tmp_path / "run"
+    trained = run_entry("train_txt2img_laion400m_trainer.py", [
+        "--do_train", "--model_name_or_path", source, "--file_list", str(tmp_path / "cached" / "latents.filelist.list"),
+        *buckets, "--per_device_train_batch_size", "2", "--max_steps", "2", "--save_steps", "2",
+        "--dataloader_num_workers", "0", "--report_to", "none", "--model_max_length", "16", "--use_ema",
+        "--output_dir", str(run)])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    shapes = {}
+    for *_, shape, _, batch in (row.split() for row in log.read_text().splitlines()):
+        shapes.setdefault(batch, set()).add(shape)
+    assert len(shapes) == 2 and all(len(s) == 1 for s in shapes.values())
+    assert json.loads((run / "run.json").read_text())["model"]["text_encoder_trained"] is False
+
+    checkpoint = run / "checkpoint-2"
+    for layout in ("ppdiffusers", "diffusers"):
+        exported = run_python(["-m", "ldm.export", "--checkpoint", str(checkpoint), "--output",
+                               str(tmp_path / layout), "--format", layout])
+        assert exported.returncode == 0 and "(EMA weights)" in exported.stdout + exported.stderr, exported.stderr
+        assert json.loads((tmp_path / layout / "transformer" / "config.json").read_text())["use_additional_conditions"]
+        assert json.loads((tmp_path / layout / "model_index.json").read_text())["_class_name"] == "PixArtAlphaPipeline"
+    sampled = run_python(["-m", "ldm.generate", "--model", str(tmp_path / "ppdiffusers"), "--prompt", "photo 1",
+                          "--negative_prompt", "photo 2", "--height", "48", "--width", "24", "--num_inference_steps",
+                          "2", "--output_dir", str(tmp_path / "samples")])
+    assert sampled.returncode == 0 and (tmp_path / "samples" / "grid.png").is_file(), sampled.stderr[-3000:]
+
+    losses = {}
+    for name, model, extra in (("exported", tmp_path / "ppdiffusers", []), ("ema", checkpoint, []),
+                               ("raw", checkpoint, ["--weights", "raw"])):
+        evaluated = run_python(["-m", "ldm.evaluate", "loss", "--model", str(model), "--file_list", corpus, *buckets,
+                                "--validation_samples", "4", "--json", *extra])
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        losses[name] = json.loads(evaluated.stdout.strip().splitlines()[-1])["loss"]
+    assert losses["exported"] == losses["ema"] != losses["raw"] and np.isfinite(losses["raw"]), losses

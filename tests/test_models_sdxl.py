@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+import pytest
 from corpus import write_corpus
 from entry import run_entry, run_python
 from transformer_fixtures import relative
@@ -231,3 +232,88 @@ def test_a_batch_without_the_images_geometry_is_refused_in_one_line():
         assert "reads the added conditions geometry, which the batch does not carry" in str(e)
     else:
         raise AssertionError("a batch without geometry was taken")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sdxl_shards_resumes_on_one_rank_after_a_kill_under_ldm_launch_reading_each_record_once(tmp_path,
+                                                                                               monkeypatch):
+    """sdxl-tiny on the loop: 2 ranks with --sharding stage1, EMA and --phase_timing; then under `python -m
+    ldm.launch` on 1 rank, resumed from the sharded checkpoint (the global batch halved: max_steps 6 -> 10), its rank
+    killed after update 4 and restarted from the newest complete checkpoint. Every record of the first pass reaches a
+    trainer once over the three tries; `ldm.evaluate loss` reads the sharded checkpoint with its images' geometry."""
+    import os
+    import signal
+    import time
+    from collections import Counter
+
+    from conftest import ROOT, metrics_lines
+    from entry import launch_report, rank_pid, start_python
+
+    from ldm.data.dataset import CONSUMED_LOG
+    from ldm.runtime.heartbeat import read_try
+
+    listing = write_corpus(str(tmp_path / "corpus"), num_records=16, records_per_shard=4)
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    common = ["--pretrained_model_name_or_path", "sdxl-tiny", "--allow_untrained_vae", "--allow_untrained_text_encoder",
+              "--file_list", listing, "--resolution", "32", "--model_max_length", str(LENGTH), "--train_batch_size",
+              "2", "--num_workers", "0", "--use_ema", "--report_to", "none", "--logging_steps", "1", "--output_dir",
+              str(run)]
+    monkeypatch.setenv(CONSUMED_LOG, str(tmp_path / "sharded.log"))
+    first = run_entry("train_txt2img_laion400m_no_trainer.py", [
+        *common, "--sharding", "stage1", "--phase_timing", "--max_train_steps", "2", "--save_steps", "2"],
+        launch=True, cwd=tmp_path)
+    assert first.returncode == 0, launch_report(first, tmp_path)
+    sharded = run / "checkpoint-2"
+    for part in ("optimizer", "ema"):  # each rank's share, with an index
+        files = set(json.loads((sharded / f"{part}.index.json").read_text())["weight_map"].values())
+        assert files == {f"{part}-00001-of-00002.safetensors", f"{part}-00002-of-00002.safetensors"}
+    timed = [line for line in metrics_lines(run) if "train/loss" in line]
+    assert len(timed) == 2 and all(abs(sum(v for k, v in line.items() if k.startswith("train/phase_")) - 1) < 1e-6
+                                   for line in timed)  # the phases of each window: all of its time
+
+    evaluated = run_python(["-m", "ldm.evaluate", "loss", "--model", str(sharded), "--file_list", listing,
+                            "--validation_samples", "4", "--json"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert np.isfinite(json.loads(evaluated.stdout.strip().splitlines()[-1])["loss"])
+
+    monkeypatch.setenv(CONSUMED_LOG, str(tmp_path / "try-{restarts}.log"))
+    out = str(tmp_path / "launch.out")
+    job = start_python(["-m", "ldm.launch", "--max_restarts", "1", "--restart_pause", "0", "--nproc_per_node", "1",
+                        "--log_dir", logs, ROOT / "train_txt2img_laion400m_no_trainer.py", *common,
+                        "--max_train_steps", "6", "--save_steps", "2", "--resume_from_checkpoint", "latest"],
+                       tmp_path, out, out, new_session=True)
+    killed = None
+    try:
+        status, deadline = str(logs / "ldm-launch" / "try-0"), time.monotonic() + 300
+        while killed is None and job.exitcode is None and time.monotonic() < deadline:
+            step = read_try(status).get(0, {}).get("step")
+            pid = rank_pid(status, 0) if step is not None and step >= 4 else None
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)  # no further update: the one it fails in is known
+                killed = read_try(status)[0]["step"]
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        job.join(300)
+    finally:
+        if job.exitcode is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.join()
+    said = (tmp_path / "launch.out").read_text()
+    assert job.exitcode == 0 and killed is not None, said[-4000:]
+    assert "global batch 4 -> 2" in said and "max_steps 6 -> 10" in said
+    restarts = json.loads((run / "run.json").read_text())["restarts"]
+    assert [(r["rank"], r["cause"], r["update"]) for r in restarts] == [(0, "killed by SIGKILL", killed + 1)]
+    assert (run / "checkpoint-10").is_dir()
+
+    # the updates each record was trained in: the first try's past where the restart resumed were done again
+    taken = [(2 + int(batch) + 1, pass_index, shard, line) for pass_index, _, shard, line, _, _, batch in
+             (row.split() for row in (tmp_path / "try-0.log").read_text().splitlines())]
+    taken = [entry for entry in taken if entry[0] <= restarts[0]["resumed_from"]]
+    taken += [(0, pass_index, shard, line) for pass_index, _, shard, line, *_ in
+              (row.split() for row in (tmp_path / "try-1.log").read_text().splitlines())]
+    taken += [(0, pass_index, shard, line) for pass_index, _, shard, line, *_ in
+              (row.split() for row in (tmp_path / "sharded.log").read_text().splitlines())]
+    assert len(taken) == 2 * 2 * 2 + 8 * 2  # 2 updates of 2 x 2 ranks, 8 of 2 on one
+    first_pass = Counter((shard, line) for _, pass_index, shard, line in taken if pass_index == "0")
+    assert len(first_pass) == 16 and set(first_pass.values()) == {1}
