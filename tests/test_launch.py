@@ -179,8 +179,10 @@ def test_a_user_error_is_not_restarted(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(600)  # three tries of real interpreters
-def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_once(tmp_path, vocab_dir):
+@pytest.mark.timeout(600)  # two tries of real interpreters
+def test_a_run_whose_rank_is_killed_heals_itself_and_reads_every_record_once(tmp_path, vocab_dir):
+    """A killed rank's run restarts from its last checkpoint and reads each record once over both tries (restarts
+    after restarts, and the crash loop: test_a_killed_rank_is_recorded_as_killed_whatever_its_peer_saw_first)."""
     listing = write_corpus(str(tmp_path / "corpus"), num_records=48, records_per_shard=8)
     out, logs = tmp_path / "run", tmp_path / "logs"
     args = [str(ROOT / "train_txt2img_laion400m_no_trainer.py"), "--pretrained_model_name_or_path", "ldm-tiny",
@@ -194,7 +196,7 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
     job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = []
     try:
-        for attempt, at in ((0, 3), (1, 6)):  # SIGKILL rank 1 once it finished update `at`, in two tries
+        for attempt, at in ((0, 3),):  # SIGKILL rank 1 once it finished update `at`
             status = str(logs / "ldm-launch" / f"try-{attempt}")
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and job.poll() is None:
@@ -210,11 +212,11 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
         output, _ = job.communicate(timeout=300)
     finally:
         job.kill()
-    assert job.returncode == 0 and len(killed) == 2, output[-4000:]
+    assert job.returncode == 0 and len(killed) == 1, output[-4000:]
 
     run = json.loads((out / "run.json").read_text())
     restarts = run["restarts"]
-    assert [r["restart"] for r in restarts] == [1, 2] and {r["rank"] for r in restarts} == {1}, restarts
+    assert [r["restart"] for r in restarts] == [1] and {r["rank"] for r in restarts} == {1}, restarts
     # as Paddle's launcher saw it die, or, when rank 0 (whose collective with it failed) is named first, as rank 0
     # saw it then: ended, by SIGKILL (stopped, then killed: gloo may call it a timeout or a closed connection)
     assert all((r["cause"], r["exit_code"]) == ("killed by SIGKILL", -9) for r in restarts), restarts
@@ -224,10 +226,10 @@ def test_a_run_whose_rank_is_killed_twice_heals_itself_and_reads_every_record_on
         # Paddle's launcher names the killed rank and stops the other at once (the run is back within two minutes,
         # on a loaded machine too)
         assert 0 < r["seconds_to_next_update"] < min(r["seconds_lost"], 120)
-    assert len(run["resumes"]) == 2
+    assert len(run["resumes"]) == 1
     assert latest_checkpoint(str(out)).endswith("checkpoint-9")
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(line.get("train/restarts", 0) for line in logged) == 2
+    assert max(line.get("train/restarts", 0) for line in logged) == 1
 
     # every record once: each try's ledger cut where the next try resumed
     kept = []
