@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import paddle
@@ -34,10 +35,27 @@ def test_a_posthoc_ema_sweep_of_the_transformer_demo_is_refused_before_anything_
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_the_demo_trains_in_one_process_per_core_up_to_two_under_paddles_launcher():
+    """The demo's default: on a CPU one training process per core up to two, each stage's under
+    `paddle.distributed.launch` with its own log folder; one process on a GPU (the demo's test below runs one
+    process: two-process training under the launcher is the launch and cluster tests')."""
+    from apps.demo import QUICK, Demo, default_processes
+
+    on_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    assert default_processes() == (1 if on_gpu else min(2, os.cpu_count()))
+    demo = Demo("/tmp/demo-test-unused", replace(QUICK, processes=2))
+    assert demo.trainer("train_autoencoder.py", "autoencoder", 2)[1:] == [
+        "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+        os.path.join("/tmp/demo-test-unused", "launch_logs", "autoencoder"), "train_autoencoder.py"]
+    assert demo.trainer("train_autoencoder.py", "autoencoder", 1)[1:] == ["train_autoencoder.py"]
+
+
 @pytest.mark.timeout(900)  # seven stages of real processes: 60 s alone, over 300 s on a loaded 2-core runner
 def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
-    command = ["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--output_dir", str(out), "--seed", "5"]
+    # one training process: a launched stage costs the launcher's and each rank's interpreter (10 CPU-seconds each)
+    command = ["bash", str(ROOT / "scripts" / "demo.sh"), "--quick", "--processes", "1", "--output_dir", str(out),
+               "--seed", "5"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for stage in ("corpus", "autoencoder", "latents", "ldm", "export", "samples", "evaluate"):
@@ -56,13 +74,10 @@ def test_quick_demo_runs_every_stage_and_writes_every_output(tmp_path):
     from ldm.checkpoint.format import read_training_state
     from ldm.checkpoint.run_folder import latest_checkpoint
 
-    processes = report["settings"]["processes"]
-    # both training stages run in one process per core up to two on a CPU, in one process on a GPU
-    on_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    assert processes == (1 if on_gpu else min(2, os.cpu_count()))
+    assert report["settings"]["processes"] == 1
     for stage in ("autoencoder", "ldm"):
         state = read_training_state(latest_checkpoint(str(out / stage)))
-        assert state["world_size"] == processes and len(set(state["weights_checksum"])) == 1  # ranks in step
+        assert state["world_size"] == 1
 
     # rows = prompts (written at the left), columns = seeds, the 32 px images enlarged 4x
     samples = np.asarray(Image.open(out / "samples.png").convert("RGB"))
