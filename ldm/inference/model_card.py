@@ -13,18 +13,10 @@ from ldm.inference.sampling import sampling_scheduler
 from ldm.models.families import family_of
 from ldm.models.noise import is_flow, prediction_type_of
 from ldm.models.text import describe_text_encoder
+from ldm.runtime.files import read_json_object
 from ldm.runtime.tracking import METRICS_FILE, metrics_records
 
 UNKNOWN = "not recorded where this was exported from"
-
-
-def _json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
@@ -43,9 +35,9 @@ def last_scores(run_folder: str) -> dict[str, tuple[int, float]]:
 def training_record(source: str) -> dict:
     """What a checkpoint or a run's exported pipeline records of its training."""
     run_folder = os.path.dirname(os.path.abspath(source))
-    run = _json(os.path.join(run_folder, "run.json"))
-    config = _json(os.path.join(source, RUN_CONFIG)) or run
-    samples = _json(os.path.join(source, "training_state.json")).get("samples") or {}
+    run = read_json_object(os.path.join(run_folder, "run.json"))
+    config = read_json_object(os.path.join(source, RUN_CONFIG)) or run
+    samples = read_json_object(os.path.join(source, "training_state.json")).get("samples") or {}
     return {"config": config, "samples": samples, "scores": last_scores(run_folder) if run else {},
             "run_folder": run_folder if run else None}
 

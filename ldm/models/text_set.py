@@ -25,6 +25,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from ldm.runtime.files import read_json_object
+
 
 def part_folders(folder: str, parts: tuple[str, ...]) -> list[str]:
     """The folders of a set's parts: inside `folder` (a run's own copy), or beside it (a pipeline's `text_encoder/`
@@ -37,15 +39,6 @@ def part_folders(folder: str, parts: tuple[str, ...]) -> list[str]:
 
 def _width(encoder) -> int:
     return int(getattr(encoder.config, "hidden_size", None) or encoder.config.d_model)
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class TextEncoderSet(nn.Layer):
@@ -92,9 +85,9 @@ class TextEncoderSet(nn.Layer):
     def read_settings(cls, folder: str) -> dict:
         """Its settings as a run's own copy (`folder`'s config.json) or a pipeline (the model_index.json beside the
         parts) says them; the pipeline's defaults where neither does."""
-        own = os.path.join(folder, "config.json")
-        saved = _read_json(own) if _read_json(own).get("model_type") == cls.model_type else _read_json(
-            os.path.join(os.path.dirname(os.path.normpath(folder)), "model_index.json"))
+        saved = read_json_object(os.path.join(folder, "config.json"))
+        if saved.get("model_type") != cls.model_type:
+            saved = read_json_object(os.path.join(os.path.dirname(os.path.normpath(folder)), "model_index.json"))
         return {k: saved.get(k, v) for k, v in cls.settings.items()}
 
     def describe(self, parameters: str, tokens: int | None) -> str:

@@ -5,6 +5,7 @@ later command reads as damaged."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 
@@ -85,3 +86,14 @@ def save_figure(figure, path: str, **options) -> None:
     """A matplotlib figure to `path` (its format from the extension), atomically."""
     with atomic_write(path) as f:
         figure.savefig(f, format=os.path.splitext(path)[1].lstrip(".") or "png", **options)
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path`; {} for a file that is missing, unreadable, not JSON or not an object (a config a
+    caller then treats as saying nothing)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from make_interop_fixtures import sha256, versions  # noqa: E402
+from make_interop_fixtures import clean_configs, sha256, versions  # noqa: E402
 from make_transformer_fixtures import FAMILIES, pipeline_outputs, pixart_conditions  # noqa: E402
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "pixart-diffusers")
@@ -75,14 +75,7 @@ def write(folder: str, pipeline) -> None:
     saved = os.path.join(folder, "pipeline")
     shutil.rmtree(saved, ignore_errors=True)
     pipeline.save_pretrained(saved)
-    for name in os.listdir(saved):  # the folder it was saved from names nothing a reader needs
-        path = os.path.join(saved, name, "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                config = json.load(f)
-            config.pop("_name_or_path", None)
-            with open(path, "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
+    clean_configs(saved)
     read = diffusers.PixArtAlphaPipeline.from_pretrained(saved, torch_dtype=torch.float32)
     outputs = pipeline_outputs(read, pixart_conditions, FAMILIES["pixart"][4], np.random.default_rng(3))
     np.savez_compressed(os.path.join(folder, "diffusers.npz"), **outputs)

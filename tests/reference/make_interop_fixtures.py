@@ -50,6 +50,18 @@ from interop_models import MAX_LENGTH, PROMPT  # noqa: E402 - the shared constan
 PROMPTS = [PROMPT, ""]
 
 
+def clean_configs(folder: str) -> None:
+    """The folder it was saved from names nothing a reader needs."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                config = json.load(f)
+            config.pop("_name_or_path", None)
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+
+
 def fill_seeded(module: torch.nn.Module, seed: int, float16_values: bool = False) -> None:
     """interop_models.fill_seeded for torch modules: no zero-initialised layer, numpy's generator; with
     `float16_values`, each rounded to float16 (stored so, the outputs are those of the stored weights)."""

@@ -30,7 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from make_interop_fixtures import sha256, versions  # noqa: E402
+from make_interop_fixtures import clean_configs, sha256, versions  # noqa: E402
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "sdxl")
 PRESET = os.path.join(ROOT, "ldm", "models", "presets", "sdxl-tiny")
@@ -67,18 +67,6 @@ def tiny_pipeline():
     return diffusers.StableDiffusionXLPipeline(vae=vae, text_encoder=encoders[0], text_encoder_2=encoders[1],
                                                tokenizer=tokenizers[0], tokenizer_2=tokenizers[1], unet=unet,
                                                scheduler=scheduler, force_zeros_for_empty_prompt=True)
-
-
-def clean_configs(folder: str) -> None:
-    """The folder it was saved from names nothing a reader needs."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name, "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                config = json.load(f)
-            config.pop("_name_or_path", None)
-            with open(path, "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
 
 
 def outputs(pipeline, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -15,7 +15,6 @@ a backbone config (`config_family`) or from the built parts (`family_of`). Where
 
 from __future__ import annotations
 
-import json
 import os
 
 import paddle
@@ -28,6 +27,7 @@ from ldm.models.families.sdxl import SDXL
 from ldm.models.families.unet import LDM, SD
 from ldm.models.text import TextFamily
 from ldm.models.text import family_of as text_kind_of
+from ldm.runtime.files import read_json_object
 
 # SDXL's UNet (a narrower config) before SD's
 FAMILIES: tuple[ModelFamily, ...] = (LDM, SDXL, SD, PIXART, SD3)
@@ -46,12 +46,7 @@ def config_family(config: dict, text: TextFamily | None = None, folder: str | No
 
 
 def read_backbone_config(folder: str) -> dict:
-    try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    return read_json_object(os.path.join(folder, "config.json"))
 
 
 def folder_family(source: str, text: TextFamily | None = None) -> ModelFamily | None:
