@@ -134,10 +134,11 @@ class ModelFamily:
             raise ValueError(f"the {self.name} family's backbone reads the added conditions {', '.join(missing)}, "
                              "which the batch does not carry")
 
-    def sampling_added(self, height: int, width: int, rows: int, backbone=None) -> dict[str, paddle.Tensor]:
+    def sampling_added(self, height: int, width: int, rows: int, backbone) -> dict[str, paddle.Tensor]:
         """The added conditions of `rows` images sampled at `height` x `width` pixels (`generate`, validation images,
-        the evaluation) by `backbone` (when given): the requested size as original and target, crop (0, 0)."""
-        if GEOMETRY not in (self.added_conditions if backbone is None else self.reads_added(backbone)):
+        the evaluation, the FLOPs count) by `backbone`, as it reads them (`reads_added`: one family's configs may
+        differ): the requested size as original and target, crop (0, 0)."""
+        if GEOMETRY not in self.reads_added(backbone):
             return {}
         return {GEOMETRY: paddle.to_tensor(sampling_geometry(height, width, rows))}
 
