@@ -120,7 +120,8 @@ def make_corpus(folder: str, records: int, per_shard: int) -> tuple[str, str, se
 
 
 # --model: the preset whose pipeline, with seeded weights, the runs train (its text encoders frozen)
-PIPELINES = {"sd": "sd-tiny", "pixart": "pixart-tiny", "sd3": "sd3-tiny", "sdxl": "sdxl-tiny"}
+PIPELINES = {"sd": "sd-tiny", "pixart": "pixart-tiny", "pixart-ms": "pixart-ms-tiny", "sd3": "sd3-tiny",
+             "sdxl": "sdxl-tiny"}
 
 
 def model_flags(kind: str, tokenizer: str, folder: str) -> list[str]:
@@ -716,8 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment_seconds", type=float, default=240, help="a segment running longer hangs")
     parser.add_argument("--model", choices=("ldm-tiny", *PIPELINES), default="ldm-tiny",
                         help="ldm-tiny (LDMBert trained), or a pipeline whose text encoders are frozen: sd (Stable "
-                             "Diffusion, CLIP), pixart (PixArt-alpha: a DiT, T5), sd3 (SD3: an MMDiT, three encoders), "
-                             "sdxl (SDXL: a UNet, two CLIP encoders)")
+                             "Diffusion, CLIP), pixart (PixArt-alpha: a DiT, T5), pixart-ms (PixArt-alpha's "
+                             "multi-scale DiT: resolution and aspect-ratio conditions), sd3 (SD3: an MMDiT, "
+                             "three encoders), sdxl (SDXL: a UNet, two CLIP encoders)")
     parser.add_argument("--no_graceful", dest="graceful", action="store_false",
                         help="leave out the first run (stopped by SIGTERM only, on one layout, whose final weights "
                              "must be bit-identical to the same run uninterrupted)")

@@ -301,6 +301,7 @@ def test_multi_scale_pixart_trains_on_cached_states_on_the_trainer_path_with_ema
     from corpus import write_aspect_corpus
     from entry import run_python
     from interop_models import tiny_pixart_pipeline
+    from scored import fid_and_clip_score
 
     from ldm.data.dataset import CONSUMED_LOG
 
@@ -347,3 +348,4 @@ def test_multi_scale_pixart_trains_on_cached_states_on_the_trainer_path_with_ema
         assert evaluated.returncode == 0, evaluated.stderr[-3000:]
         losses[name] = json.loads(evaluated.stdout.strip().splitlines()[-1])["loss"]
     assert losses["exported"] == losses["ema"] != losses["raw"] and np.isfinite(losses["raw"]), losses
+    fid_and_clip_score(tmp_path / "ppdiffusers", corpus, tmp_path / "scored")

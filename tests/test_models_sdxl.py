@@ -20,6 +20,7 @@ import paddle
 import pytest
 from corpus import write_corpus
 from entry import run_entry, run_python
+from scored import fid_and_clip_score
 from transformer_fixtures import relative
 
 from ldm.models.build import PRESETS_DIR
@@ -153,7 +154,8 @@ def test_a_dropped_caption_is_zeros_where_the_pipeline_says_so_and_keeps_its_geo
 def test_an_sdxl_folder_trains_in_buckets_with_ema_resumes_and_exports_what_ppdiffusers_samples(tmp_path):
     """The fp16 variant folder as diffusers saved it, trained on the loop entry point in two aspect-ratio buckets with
     EMA and --phase_timing, resumed, exported for diffusers (the frozen encoders as they came) and sampled by
-    ppdiffusers' `StableDiffusionXLPipeline` as by `ldm.generate`; `ldm.generate --negative_prompt` runs."""
+    ppdiffusers' `StableDiffusionXLPipeline` as by `ldm.generate`; `ldm.generate --negative_prompt` runs, and
+    `ldm.evaluate run` scores it."""
     from ppdiffusers import StableDiffusionXLPipeline
     from transformer_fixtures import sampled_as_by_the_pipeline
 
@@ -179,6 +181,7 @@ def test_an_sdxl_folder_trains_in_buckets_with_ema_resumes_and_exports_what_ppdi
     assert generate(["--model", str(run / "checkpoint-3"), "--prompt", "a red circle", "--negative_prompt", "blue",
                      "--height", "48", "--width", "24", "--num_inference_steps", "2", "--output_dir",
                      str(tmp_path / "samples")]) in (0, None)
+    fid_and_clip_score(run / "checkpoint-3", listing, tmp_path / "evaluate")
 
 
 def test_sdxl_trains_from_its_preset_on_the_trainer_path(tmp_path):
