@@ -133,6 +133,7 @@ def test_the_model_cards_loading_section_is_written_for_the_pipeline_class_expor
     if preset == "pixart-tiny":
         assert "max_sequence_length=120, use_resolution_binning=False, clean_caption=False" in loading
         assert 'PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)' in loading
+        assert "PIXART.prepare_library()" in loading  # plain ppdiffusers 0.29 cannot build the transformer
 
 
 MODEL_CARDS = os.path.join(ROOT, "tests", "fixtures", "model_cards.json")

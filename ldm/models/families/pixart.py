@@ -139,8 +139,11 @@ class PixArtFamily(ModelFamily):
                 "`use_resolution_binning=False` samples at sizes other than its bins, `clean_caption=False` needs no "
                 "`bs4` or `ftfy`:", "", *diffusers_lines(self.pipeline_class, call),
                 "ppdiffusers (PaddlePaddle) reads this layout (its pipeline pads prompts to 120 tokens, whatever the "
-                "model; call it without `max_sequence_length`):", "", "```python",
+                "model; call it without `max_sequence_length`). ppdiffusers 0.29 cannot build PixArt's transformer as "
+                "it ships; ldm-laion's family prepares it:", "", "```python",
                 "from ppdiffusers import PixArtAlphaPipeline", "",
+                "from ldm.models.families.pixart import PIXART", "",
+                "PIXART.prepare_library()",
                 'pipeline = PixArtAlphaPipeline.from_pretrained("THIS_FOLDER", from_diffusers=True)', "```", "",
                 "ldm-laion samples and converts it too:", "", *LDM_GENERATE]
 
