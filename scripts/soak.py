@@ -454,9 +454,12 @@ def find_streams(state) -> list[dict]:
 def pipeline_loads(out: str, report: Report) -> None:
     """The exported pipeline loads in ppdiffusers, in a new process, after its family's `prepare_library` (PixArt's
     transformer cannot be built by ppdiffusers 0.29 as it ships: docs/interop.md)."""
-    check = ("import sys\nfrom ppdiffusers import DiffusionPipeline\n"
+    check = ("import sys\n"
+             "from ppdiffusers import DiffusionPipeline\n"
              "from ldm.models.families import folder_family\n"
-             "family = folder_family(sys.argv[1])\nfamily is None or family.prepare_library()\n"
+             "family = folder_family(sys.argv[1])\n"
+             "if family is not None:\n"
+             "    family.prepare_library()\n"
              "DiffusionPipeline.from_pretrained(sys.argv[1])\n")
     result = subprocess.run([sys.executable, "-c", check, os.path.join(out, "pipeline")], capture_output=True,
                             text=True)

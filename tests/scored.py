@@ -14,16 +14,16 @@ from safetensors.numpy import save_file
 CLIP = Path(__file__).resolve().parent / "fixtures" / "eval" / "tiny-clip"
 
 
-def fid_and_clip_score(model, listing: str, out: Path, resolution: int = 32) -> dict:
-    """The scores of 2 samples of `model` (a checkpoint or an exported pipeline) at guidance 3, 2 steps; each is
-    checked to be a number."""
+def fid_and_clip_score(model, listing: str, out: Path) -> dict:
+    """The scores of 2 samples of `model` (a checkpoint or an exported pipeline) at guidance 3, 2 steps, against
+    the 32 px statistics of the corpus `listing`; each is checked to be a number."""
     from ldm.evaluate import main as evaluate
 
     out.mkdir()
     weights, reference, prompts = out / "inception.safetensors", out / "reference.npz", out / "prompts.txt"
     save_file(ew.random_inception(), str(weights))
     prompts.write_text("a red circle\n")
-    assert evaluate(["stats", "--file_list", listing, "--resolution", str(resolution), "--inception", str(weights),
+    assert evaluate(["stats", "--file_list", listing, "--resolution", "32", "--inception", str(weights),
                      "--output", str(reference)]) == 0
     assert evaluate(["run", "--model", str(model), "--prompts", str(prompts), "--num_samples", "2", "--batch_size",
                      "2", "--guidance_scale", "3", "--num_inference_steps", "2", "--inception", str(weights),
