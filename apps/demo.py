@@ -33,8 +33,8 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 # trained by flow matching (its scheduler folder says so)
 OBJECTIVES = {PRESET: "epsilon", "dit-demo": "flow_matching"}  # each preset's own (its scheduler folder's)
 # the LDM stage's updates per preset (the full demo's; --quick's are its own): the transformer draws shapes with
-# twice the UNet's updates (seed 0 at 2400: 65.6%, at 4800: 90.6%), at about 1.7x the demo's time (docs/demo.md,
-# "Issue 67: what limits the transformer demo")
+# twice the UNet's updates (shape 84-91% over three seeds, 66-69% at 2400), at about 1.7-1.9x the demo's time
+# (docs/demo.md, "Issue 67: what limits the transformer demo")
 LDM_STEPS = {PRESET: 2400, "dit-demo": 4800}
 HELDOUT_SEED = 12345  # apps.eval's held-out corpus images: records the corpus (seed 0) never holds
 
