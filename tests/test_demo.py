@@ -1,8 +1,10 @@
 """The demo, end to end in --quick mode, as a user runs it: `bash scripts/demo.sh --quick`."""
 
+import io
 import json
 import os
 import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -31,6 +33,25 @@ def test_a_posthoc_ema_sweep_of_the_transformer_demo_is_refused_before_anything_
     assert exit_.value.code == 2
     assert "--posthoc_ema: the sweep writes pipeline folders, and dit-demo" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+def test_the_full_transformer_demo_trains_twice_the_unets_updates_and_quick_keeps_its_own(tmp_path, monkeypatch):
+    """The transformer draws shapes with 4800 updates, the UNet with 2400 (docs/demo.md, issue 67): the settings
+    each demo runs with, read where its first stage would start."""
+    from apps import demo
+
+    def stop(self):
+        raise demo.StageFailed(f"{self.settings.ldm_steps} updates of {self.settings.ldm_batch}")
+
+    monkeypatch.setattr(demo.Demo, "corpus", stop)
+    runs = {}
+    for model in ("ldm-demo", "dit-demo"):
+        for quick in ((), ("--quick",)):
+            monkeypatch.setattr("sys.stderr", io.StringIO())
+            assert demo.main(["--model", model, "--output_dir", str(tmp_path / model), *quick]) == 1
+            runs[model, bool(quick)] = sys.stderr.getvalue().strip()
+    assert runs == {("ldm-demo", False): "error: 2400 updates of 32", ("dit-demo", False): "error: 4800 updates of 32",
+                    ("ldm-demo", True): "error: 4 updates of 8", ("dit-demo", True): "error: 4 updates of 8"}
 
 
 @pytest.mark.slow
