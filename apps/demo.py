@@ -32,10 +32,10 @@ PRESET = "ldm-demo"  # 32 px images, x4 autoencoder (8x8x4 latents), small UNet 
 # the same autoencoder and LDMBert with a small PixArt-style diffusion transformer (a token per latent pixel),
 # trained by flow matching (its scheduler folder says so)
 OBJECTIVES = {PRESET: "epsilon", "dit-demo": "flow_matching"}  # each preset's own (its scheduler folder's)
-# the LDM stage's updates per preset (the full demo's; --quick's are its own): the transformer draws shapes with
-# twice the UNet's updates (shape 84-91% over three seeds, 66-69% at 2400), at about 1.7-1.9x the demo's time
-# (docs/demo.md, "Issue 67: what limits the transformer demo")
-LDM_STEPS = {PRESET: 2400, "dit-demo": 4800}
+# the full demo's LDM updates where a preset needs other than Settings.ldm_steps (--quick keeps its own): the
+# transformer draws shapes with twice the UNet's updates (shape 84-91% over three seeds, 66-69% at 2400), at about
+# 1.7-1.9x the demo's time (docs/demo.md, "Issue 67: what limits the transformer demo")
+LDM_STEPS = {"dit-demo": 4800}
 HELDOUT_SEED = 12345  # apps.eval's held-out corpus images: records the corpus (seed 0) never holds
 
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also track post-hoc EMA profiles in the LDM stage and sweep their width after the "
                              "evaluation: held-out loss and shapes for each (docs/demo.md)")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else replace(FULL, ldm_steps=LDM_STEPS[args.model])
+    settings = QUICK if args.quick else replace(FULL, ldm_steps=LDM_STEPS.get(args.model, FULL.ldm_steps))
     if args.processes < 0 or args.processes and (settings.ldm_batch % args.processes
                                                   or settings.autoencoder_batch % args.processes):
         parser.error(f"--processes {args.processes}: must divide the batch sizes {settings.autoencoder_batch} "

@@ -1,10 +1,8 @@
 """The demo, end to end in --quick mode, as a user runs it: `bash scripts/demo.sh --quick`."""
 
-import io
 import json
 import os
 import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -35,7 +33,8 @@ def test_a_posthoc_ema_sweep_of_the_transformer_demo_is_refused_before_anything_
     assert not (tmp_path / "demo").exists()
 
 
-def test_the_full_transformer_demo_trains_twice_the_unets_updates_and_quick_keeps_its_own(tmp_path, monkeypatch):
+def test_the_full_transformer_demo_trains_twice_the_unets_updates_and_quick_keeps_its_own(tmp_path, monkeypatch,
+                                                                                           capsys):
     """The transformer draws shapes with 4800 updates, the UNet with 2400 (docs/demo.md, issue 67): the settings
     each demo runs with, read where its first stage would start."""
     from apps import demo
@@ -47,9 +46,8 @@ def test_the_full_transformer_demo_trains_twice_the_unets_updates_and_quick_keep
     runs = {}
     for model in ("ldm-demo", "dit-demo"):
         for quick in ((), ("--quick",)):
-            monkeypatch.setattr("sys.stderr", io.StringIO())
             assert demo.main(["--model", model, "--output_dir", str(tmp_path / model), *quick]) == 1
-            runs[model, bool(quick)] = sys.stderr.getvalue().strip()
+            runs[model, bool(quick)] = capsys.readouterr().err.strip()
     assert runs == {("ldm-demo", False): "error: 2400 updates of 32", ("dit-demo", False): "error: 4800 updates of 32",
                     ("ldm-demo", True): "error: 4 updates of 8", ("dit-demo", True): "error: 4 updates of 8"}
 
